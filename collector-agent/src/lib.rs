@@ -1,4 +1,12 @@
 //! The per-pod collector agent: samples its sources, keeps the latest pod snapshot and streams it
 //! (and its peers' snapshots) to the filters over gRPC.
 
+pub mod config;
+pub mod engines;
+pub mod grpc;
+pub mod http;
+pub mod pool;
+pub mod prometheus;
+pub mod sampler;
 pub mod sources;
+pub mod window;

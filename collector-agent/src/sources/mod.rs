@@ -71,3 +71,7 @@ pub trait Source: Send {
     fn name(&self) -> &'static str;
     async fn sample(&mut self, now: Instant) -> Result<Reading, SourceError>;
 }
+
+pub mod model_server;
+pub mod nvml;
+pub mod sim;

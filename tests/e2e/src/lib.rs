@@ -1,1 +1,5 @@
-//! e2e harness
+//! End-to-end harness: starts real processes (Envoy from PyPI, the agent, fake pods) on loopback
+//! ports chosen at run time, and tears them down when dropped.
+
+pub mod envoy;
+pub mod process;
