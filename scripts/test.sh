@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Runs every test of ai-lb: formatting, clippy (native and wasm32), unit, property, integration
+# and end-to-end tests (a real Envoy 1.40 with the wasm filter, agents and fake GPU pods on
+# loopback), the deployment checks, and compiles the benchmarks without running them.
+# Installs what it needs first (scripts/setup.sh). Usage: scripts/test.sh
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+step() { printf '\n==> %s\n' "$*"; }
+
+step "setup"
+ENVOY_BIN="$(scripts/setup.sh | tail -n 1)"
+export ENVOY_BIN
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
+step "clippy (native, all targets)"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+step "clippy (wasm32-wasip1: filter core and glue)"
+cargo clippy -p ai-lb-filter-core -p ai-lb-filter-wasm --target wasm32-wasip1 --locked -- -D warnings
+
+step "build binaries and the wasm filter"
+cargo build --workspace --bins --locked
+cargo build -p ai-lb-filter-wasm --target wasm32-wasip1 --release --locked
+
+step "tests (unit, property, integration, end-to-end with a real Envoy)"
+cargo test --workspace --locked
+
+step "benchmarks compile (run them by hand, see BENCHMARKS.md)"
+cargo bench --workspace --no-run --locked
+
+echo
+echo "all checks passed"
