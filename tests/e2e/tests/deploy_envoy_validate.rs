@@ -1,0 +1,340 @@
+//! Decides whether the Envoy configuration that istio/ patches into the sidecars is accepted by
+//! the real Envoy 1.40 (`envoy --mode validate`): the EnvoyFilter's cluster LB policy merged into
+//! an Istio-shaped outbound cluster, the wasm filter definition (EXTENSION_CONFIG) inserted before
+//! the router, the ECDS filter reference (HTTP_FILTER), and the guard WasmPlugin as Istio
+//! renders it. Envoy absent: each test says SKIPPED and passes (CI installs Envoy).
+
+mod deploy_support;
+
+use deploy_support::*;
+use serde_yaml::{Mapping, Value};
+
+/// Istio's MERGE for CLUSTER patches, as far as these patches need it: maps merge recursively,
+/// anything else is replaced (the patched fields are not set by istiod, so list append vs
+/// replace makes no difference here).
+fn merge(base: &mut Value, patch: &Value) {
+    match (base, patch) {
+        (Value::Mapping(b), Value::Mapping(p)) => {
+            for (k, v) in p {
+                match b.get_mut(k) {
+                    Some(slot) => merge(slot, v),
+                    None => {
+                        b.insert(k.clone(), v.clone());
+                    }
+                }
+            }
+        }
+        (b, p) => *b = p.clone(),
+    }
+}
+
+/// An outbound cluster shaped like the one istiod generates for the inference Service with
+/// destinationrule.yaml applied (EDS swapped for STATIC so that no xDS server is needed).
+fn istio_shaped_cluster(name: &str) -> Value {
+    yaml(&format!(
+        r#"
+name: "{name}"
+type: STATIC
+connect_timeout: 2s
+lb_policy: LEAST_REQUEST
+least_request_lb_config: {{choice_count: 2}}
+common_lb_config:
+  healthy_panic_threshold: {{value: 0}}
+circuit_breakers:
+  thresholds:
+  - {{max_connections: 10000, max_pending_requests: 10000, max_requests: 100000, max_retries: 1000}}
+outlier_detection:
+  consecutive_5xx: 5
+  consecutive_gateway_failure: 3
+  interval: 10s
+  base_ejection_time: 30s
+  max_ejection_percent: 50
+typed_extension_protocol_options:
+  envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+    "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+    common_http_protocol_options: {{idle_timeout: 3600s}}
+    explicit_http_config: {{http_protocol_options: {{}}}}
+load_assignment:
+  cluster_name: "{name}"
+  endpoints:
+  - lb_endpoints:
+    - endpoint: {{address: {{socket_address: {{address: 10.0.0.1, port_value: 8000}}}}}}
+    - endpoint: {{address: {{socket_address: {{address: 10.0.0.2, port_value: 8000}}}}}}
+"#
+    ))
+}
+
+const INFERENCE_CLUSTER: &str = "outbound|8000||vllm-llama-8b.ai-inference.svc.cluster.local";
+
+/// A bootstrap with one HTTP listener (filters + router) routing to `clusters[0]`.
+fn bootstrap(http_filters: Vec<Value>, clusters: Vec<Value>) -> Value {
+    let target = clusters
+        .first()
+        .and_then(|c| c["name"].as_str())
+        .unwrap_or("none")
+        .to_string();
+    let mut filters = http_filters;
+    filters.push(yaml(
+        r#"
+name: envoy.filters.http.router
+typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}
+"#,
+    ));
+    let mut b = yaml(&format!(
+        r#"
+static_resources:
+  listeners:
+  - name: outbound_0.0.0.0_8000
+    address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: outbound_0.0.0.0_8000
+          route_config:
+            virtual_hosts:
+            - name: inference
+              domains: ["*"]
+              routes: [{{match: {{prefix: /}}, route: {{cluster: "{target}"}}}}]
+          http_filters: []
+"#
+    ));
+    let hcm = &mut b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        ["typed_config"];
+    hcm["http_filters"] = Value::Sequence(filters);
+    b["static_resources"]["clusters"] = Value::Sequence(clusters);
+    b
+}
+
+fn cluster_patch() -> Value {
+    let ef = istio_named("EnvoyFilter", "ai-lb-route");
+    let patches = ef["spec"]["configPatches"].as_sequence().cloned().unwrap_or_default();
+    let p = patches
+        .into_iter()
+        .find(|p| p["applyTo"].as_str() == Some("CLUSTER"))
+        .unwrap_or_else(|| panic!("envoyfilter.yaml: no CLUSTER patch"));
+    assert_eq!(p["patch"]["operation"].as_str(), Some("MERGE"));
+    p["patch"]["value"].clone()
+}
+
+/// The EXTENSION_CONFIG's wasm filter as a static HTTP filter, its remote code replaced by a
+/// local module file.
+fn wasm_filter_with_local_code(ext: &Value, module: &std::path::Path) -> Value {
+    let mut f = Mapping::new();
+    f.insert("name".into(), ext["name"].clone());
+    let mut typed = ext["typed_config"].clone();
+    typed["config"]["vm_config"]["code"] = yaml(&format!(
+        "local: {{filename: \"{}\"}}",
+        module.display()
+    ));
+    f.insert("typed_config".into(), typed);
+    Value::Mapping(f)
+}
+
+fn stub_module_file(dir: &tempfile::TempDir) -> std::path::PathBuf {
+    let p = dir.path().join("stub.wasm");
+    std::fs::write(&p, stub_wasm_module()).unwrap_or_else(|e| panic!("write stub: {e}"));
+    p
+}
+
+#[test]
+fn cluster_patch_merged_into_istio_cluster_is_valid() {
+    let Some(envoy) = envoy_or_skip("cluster_patch_merged_into_istio_cluster_is_valid") else {
+        return;
+    };
+    let mut cluster = istio_shaped_cluster(INFERENCE_CLUSTER);
+    merge(&mut cluster, &cluster_patch());
+    // The merged cluster must really carry the policy (not, e.g., a misspelt key).
+    let policy = at(&cluster, "load_balancing_policy.policies.0.typed_extension_config");
+    assert_eq!(
+        policy["name"].as_str(),
+        Some("envoy.load_balancing_policies.override_host")
+    );
+    let v = envoy_validate(&envoy, &bootstrap(vec![], vec![cluster]));
+    assert!(v.ok, "Envoy rejected the patched cluster:\n{}", v.output);
+}
+
+/// Pins the reason destinationrule.yaml must not use localityLbSetting.distribute: Envoy 1.40
+/// refuses load_balancing_policy next to common_lb_config.locality_weighted_lb_config.
+#[test]
+fn cluster_patch_conflicts_with_locality_weighted_lb() {
+    let Some(envoy) = envoy_or_skip("cluster_patch_conflicts_with_locality_weighted_lb") else {
+        return;
+    };
+    let mut cluster = istio_shaped_cluster(INFERENCE_CLUSTER);
+    cluster["common_lb_config"]["locality_weighted_lb_config"] = yaml("{}");
+    merge(&mut cluster, &cluster_patch());
+    let v = envoy_validate(&envoy, &bootstrap(vec![], vec![cluster]));
+    assert!(!v.ok, "expected Envoy to refuse; it accepted:\n{}", v.output);
+    assert!(
+        v.output.contains("cannot be combined"),
+        "refused for another reason:\n{}",
+        v.output
+    );
+    let dr = std::fs::read_to_string(repo_root().join("istio/destinationrule.yaml"))
+        .unwrap_or_else(|e| panic!("destinationrule.yaml: {e}"));
+    let active: String = dr
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(
+        !active.contains("distribute"),
+        "destinationrule.yaml sets localityLbSetting.distribute, which breaks the override_host patch"
+    );
+}
+
+#[test]
+fn route_wasm_filter_before_router_is_valid() {
+    let Some(envoy) = envoy_or_skip("route_wasm_filter_before_router_is_valid") else {
+        return;
+    };
+    let ext = route_extension_config();
+    let cfg = &ext["typed_config"]["config"];
+    assert_eq!(
+        cfg["allow_on_headers_stop_iteration"].as_bool(),
+        Some(true),
+        "body-based routing needs allow_on_headers_stop_iteration: true (requests hang without)"
+    );
+    assert_eq!(cfg["failure_policy"].as_str(), Some("FAIL_OPEN"));
+    let remote = at(cfg, "vm_config.code.remote");
+    assert!(remote["http_uri"]["uri"].as_str().is_some(), "remote code needs http_uri.uri");
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+    let stub = stub_module_file(&dir);
+    let mut cluster = istio_shaped_cluster(INFERENCE_CLUSTER);
+    merge(&mut cluster, &cluster_patch());
+    let b = bootstrap(vec![wasm_filter_with_local_code(&ext, &stub)], vec![cluster]);
+    let v = envoy_validate(&envoy, &b);
+    assert!(v.ok, "Envoy rejected the wasm filter config:\n{}", v.output);
+}
+
+/// The HTTP_FILTER patch references the EXTENSION_CONFIG by name over ECDS; Envoy must accept
+/// its config_discovery block (default config, type URLs) in a listener.
+#[test]
+fn route_http_filter_insert_is_valid_ecds_reference() {
+    let Some(envoy) = envoy_or_skip("route_http_filter_insert_is_valid_ecds_reference") else {
+        return;
+    };
+    let ef = istio_named("EnvoyFilter", "ai-lb-route");
+    let patches = ef["spec"]["configPatches"].as_sequence().cloned().unwrap_or_default();
+    let insert = patches
+        .iter()
+        .find(|p| p["applyTo"].as_str() == Some("HTTP_FILTER"))
+        .unwrap_or_else(|| panic!("envoyfilter.yaml: no HTTP_FILTER patch"));
+    assert_eq!(insert["patch"]["operation"].as_str(), Some("INSERT_BEFORE"));
+    assert_eq!(
+        at(insert, "match.listener.filterChain.filter.subFilter.name").as_str(),
+        Some("envoy.filters.http.router"),
+        "the filter must be inserted relative to the router"
+    );
+    let value = insert["patch"]["value"].clone();
+    assert_eq!(
+        value["name"],
+        route_extension_config()["name"],
+        "HTTP_FILTER must reference the EXTENSION_CONFIG by its name"
+    );
+    let mut b = bootstrap(vec![value], vec![istio_shaped_cluster(INFERENCE_CLUSTER)]);
+    b["node"] = yaml("{id: sidecar~10.0.0.9~client-0.ai-inference~ai-inference.svc.cluster.local, cluster: client.ai-inference}");
+    b["dynamic_resources"] = yaml(
+        r#"
+ads_config:
+  api_type: GRPC
+  transport_api_version: V3
+  grpc_services: [{envoy_grpc: {cluster_name: xds-grpc}}]
+"#,
+    );
+    if let Some(clusters) = b["static_resources"]["clusters"].as_sequence_mut() {
+        clusters.push(yaml(
+            r#"
+name: xds-grpc
+type: STATIC
+typed_extension_protocol_options:
+  envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+    "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+    explicit_http_config: {http2_protocol_options: {}}
+load_assignment:
+  cluster_name: xds-grpc
+  endpoints: [{lb_endpoints: [{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: 15010}}}}]}]
+"#,
+        ));
+    }
+    let v = envoy_validate(&envoy, &b);
+    assert!(v.ok, "Envoy rejected the ECDS filter reference:\n{}", v.output);
+}
+
+/// The guard WasmPlugin as Istio renders it into the inbound chain: pluginConfig as a JSON
+/// StringValue, FAIL_OPEN, no allow_on_headers_stop_iteration.
+#[test]
+fn guard_wasmplugin_renders_to_a_valid_filter() {
+    let Some(envoy) = envoy_or_skip("guard_wasmplugin_renders_to_a_valid_filter") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+    let stub = stub_module_file(&dir);
+    let guard = istio_named("WasmPlugin", "ai-lb-guard");
+    let filter = guard_filter(&guard, &stub);
+    let v = envoy_validate(
+        &envoy,
+        &bootstrap(vec![filter], vec![istio_shaped_cluster("inbound|8000||")]),
+    );
+    assert!(v.ok, "Envoy rejected the guard filter:\n{}", v.output);
+}
+
+fn guard_filter(guard: &Value, module: &std::path::Path) -> Value {
+    let failure = match guard["spec"]["failStrategy"].as_str() {
+        Some("FAIL_CLOSE") => "FAIL_CLOSED",
+        _ => "FAIL_OPEN",
+    };
+    let mut f = yaml(&format!(
+        r#"
+name: ai-inference.ai-lb-guard
+typed_config:
+  "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+  config:
+    name: ai-inference.ai-lb-guard
+    root_id: ai_lb
+    failure_policy: {failure}
+    configuration:
+      "@type": type.googleapis.com/google.protobuf.StringValue
+      value: ""
+    vm_config:
+      runtime: envoy.wasm.runtime.v8
+      code: {{local: {{filename: "{}"}}}}
+"#,
+        module.display()
+    ));
+    f["typed_config"]["config"]["configuration"]["value"] = Value::String(plugin_config_json(guard));
+    f
+}
+
+/// With the real filter built, Envoy also runs its `on_configure` on every shipped config:
+/// a config the filter refuses makes validation fail. Skipped when the module is not built.
+#[test]
+fn real_module_accepts_istio_configs() {
+    let Some(envoy) = envoy_or_skip("real_module_accepts_istio_configs") else {
+        return;
+    };
+    let Some(module) = real_wasm_module() else {
+        eprintln!(
+            "SKIPPED real_module_accepts_istio_configs: filter not built (cargo build -p \
+             ai-lb-filter-wasm --target wasm32-wasip1 --release, or set AI_LB_WASM)"
+        );
+        return;
+    };
+    let ext = route_extension_config();
+    let mut cluster = istio_shaped_cluster(INFERENCE_CLUSTER);
+    merge(&mut cluster, &cluster_patch());
+    let agents = istio_shaped_cluster("outbound|9090||ai-lb-agents.ai-inference.svc.cluster.local");
+    let b = bootstrap(
+        vec![wasm_filter_with_local_code(&ext, &module)],
+        vec![cluster.clone(), agents.clone()],
+    );
+    let v = envoy_validate(&envoy, &b);
+    assert!(v.ok, "the filter refused envoyfilter.yaml's config:\n{}", v.output);
+
+    let guard = istio_named("WasmPlugin", "ai-lb-guard");
+    let b = bootstrap(vec![guard_filter(&guard, &module)], vec![cluster, agents]);
+    let v = envoy_validate(&envoy, &b);
+    assert!(v.ok, "the filter refused guard-wasmplugin.yaml's config:\n{}", v.output);
+}
