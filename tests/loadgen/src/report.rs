@@ -22,6 +22,9 @@ fn dist_row(s: &mut String, name: &str, d: &Dist) {
 }
 
 fn shares(map: &std::collections::BTreeMap<String, PodShare>) -> String {
+    if map.is_empty() {
+        return "-".into();
+    }
     map.iter()
         .map(|(k, v)| format!("{k} {:.1}% ({})", v.share * 100.0, v.requests))
         .collect::<Vec<_>>()
@@ -93,5 +96,8 @@ pub fn render(s: &Summary) -> String {
         s.peak_in_flight,
         s.in_flight_cap_hits
     );
+    for (msg, n) in &s.top_errors {
+        let _ = writeln!(out, "error x{n}: {msg}");
+    }
     out
 }

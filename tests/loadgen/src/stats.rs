@@ -172,6 +172,8 @@ pub struct Summary {
     pub in_flight_cap_hits: u64,
     /// Highest number of requests in flight at once.
     pub peak_in_flight: u64,
+    /// The most frequent error messages (up to five) and their counts.
+    pub top_errors: Vec<(String, u64)>,
 }
 
 pub fn group<'a>(records: impl IntoIterator<Item = &'a Record> + Clone, wall_s: f64) -> Group {
@@ -240,7 +242,22 @@ pub fn summarize(
         dispatch_lag_ms: Dist::of(lag),
         in_flight_cap_hits,
         peak_in_flight,
+        top_errors: top_errors(records, 5),
     }
+}
+
+/// The `n` most frequent error messages, most frequent first (ties by message).
+pub fn top_errors(records: &[Record], n: usize) -> Vec<(String, u64)> {
+    let mut m: BTreeMap<&str, u64> = BTreeMap::new();
+    for r in records {
+        if let Some(e) = &r.error {
+            *m.entry(e.as_str()).or_default() += 1;
+        }
+    }
+    let mut v: Vec<(String, u64)> = m.into_iter().map(|(k, c)| (k.to_string(), c)).collect();
+    v.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    v.truncate(n);
+    v
 }
 
 /// Per-pod request counts in consecutive windows of `window_us` (by send time), for
@@ -369,11 +386,25 @@ mod tests {
         );
         assert_eq!(s.by_tag["long"].counts.timeouts, 1);
         assert_eq!(s.dispatch_lag_ms.max, Some(0.5));
+        assert!(s.top_errors.is_empty());
         let j = serde_json::to_value(&s).unwrap();
         assert!(
             j.get("ttft_ms").is_some() && j.get("by_tag").is_some(),
             "overall fields flattened"
         );
+    }
+
+    #[test]
+    fn top_errors_most_frequent_first() {
+        let mut rs = vec![rec(0, Tag::Short, Outcome::Timeout, None, None, 1.0); 3];
+        rs[0].error = Some("b".into());
+        rs[1].error = Some("a".into());
+        rs[2].error = Some("b".into());
+        assert_eq!(
+            top_errors(&rs, 5),
+            vec![("b".to_string(), 2), ("a".to_string(), 1)]
+        );
+        assert_eq!(top_errors(&rs, 1).len(), 1);
     }
 
     #[test]

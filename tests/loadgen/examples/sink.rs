@@ -1,0 +1,57 @@
+//! A minimal OpenAI-style SSE server for measuring the load generator itself (not a pod
+//! model): answers at once with `chunks` content chunks and a usage chunk, rotating
+//! `x-fake-pod` over `pods` names. Usage: `cargo run --release --example sink -- 18080 3 16`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::Response;
+use axum::routing::post;
+use axum::Router;
+
+struct Cfg {
+    next: AtomicU64,
+    pods: u64,
+    body: Bytes,
+}
+
+async fn chat(State(c): State<Arc<Cfg>>, _body: Bytes) -> Response<Body> {
+    let i = c.next.fetch_add(1, Ordering::Relaxed) % c.pods;
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .header("x-fake-pod", format!("pod-{i}"))
+        .body(Body::from(c.body.clone()))
+        .unwrap_or_default()
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let port: u16 = args.get(1).map_or(Ok(18080), |s| s.parse())?;
+    let pods: u64 = args.get(2).map_or(Ok(3), |s| s.parse())?;
+    let chunks: u32 = args.get(3).map_or(Ok(16), |s| s.parse())?;
+    let mut body = String::new();
+    for i in 0..chunks {
+        body.push_str(&format!(
+            "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"t{i} \"}}}}],\"usage\":null}}\n\n"
+        ));
+    }
+    body.push_str(&format!(
+        "data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":1,\"completion_tokens\":{chunks},\"total_tokens\":{}}}}}\n\ndata: [DONE]\n\n",
+        chunks + 1
+    ));
+    let cfg = Arc::new(Cfg {
+        next: AtomicU64::new(0),
+        pods: pods.max(1),
+        body: Bytes::from(body),
+    });
+    let app = Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .with_state(cfg);
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+    eprintln!("sink on {}", listener.local_addr()?);
+    axum::serve(listener, app).await?;
+    Ok(())
+}

@@ -1,0 +1,252 @@
+//! Integration: the load generator against a tiny in-test SSE server on 127.0.0.1:0 that
+//! alternates `x-fake-pod` between two pods, reports usage, and can hang or fail on request.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ai_lb_loadgen::client::{Client, Target};
+use ai_lb_loadgen::config::parse_url;
+use ai_lb_loadgen::run::{run, RunOptions};
+use ai_lb_loadgen::stats::{summarize, Outcome, NO_POD};
+use ai_lb_loadgen::workload::{Tag, TraceEntry};
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{Response, StatusCode};
+use axum::routing::post;
+use axum::{Json, Router};
+use futures::StreamExt;
+
+/// max_tokens values that select server behaviour.
+const NO_USAGE: u32 = 3;
+const HANG: u32 = 999;
+const FAIL: u32 = 500;
+/// Content chunks sent when usage is reported (usage then says max_tokens).
+const CHUNKS_WITH_USAGE: u32 = 5;
+
+async fn chat(
+    State(n): State<Arc<AtomicU64>>,
+    Json(req): Json<serde_json::Value>,
+) -> Response<Body> {
+    let max = req["max_tokens"].as_u64().unwrap_or(0) as u32;
+    assert_eq!(req["stream"], true);
+    assert_eq!(req["stream_options"]["include_usage"], true);
+    if max == FAIL {
+        return Response::builder()
+            .status(StatusCode::SERVICE_UNAVAILABLE)
+            .body(Body::from("no healthy upstream"))
+            .unwrap();
+    }
+    let pod = if n.fetch_add(1, Ordering::SeqCst) % 2 == 0 {
+        "pod-a"
+    } else {
+        "pod-b"
+    };
+    let chunk = |i: u32| {
+        Bytes::from(format!("data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"t{i}\"}}}}],\"usage\":null}}\n\n"))
+    };
+    let mut parts: Vec<Bytes> = Vec::new();
+    let body = match max {
+        HANG => {
+            let first = futures::stream::iter(vec![Ok::<_, Infallible>(chunk(0))]);
+            Body::from_stream(first.chain(futures::stream::pending()))
+        }
+        NO_USAGE => {
+            parts.extend((0..NO_USAGE).map(chunk));
+            parts.push(Bytes::from_static(b"data: [DONE]\n\n"));
+            Body::from_stream(futures::stream::iter(
+                parts.into_iter().map(Ok::<_, Infallible>),
+            ))
+        }
+        _ => {
+            parts.extend((0..CHUNKS_WITH_USAGE).map(chunk));
+            parts.push(Bytes::from(format!(
+                "data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":1,\"completion_tokens\":{max},\"total_tokens\":{}}}}}\n\n",
+                max + 1
+            )));
+            parts.push(Bytes::from_static(b"data: [DONE]\n\n"));
+            Body::from_stream(futures::stream::iter(
+                parts.into_iter().map(Ok::<_, Infallible>),
+            ))
+        }
+    };
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .header("x-fake-pod", pod)
+        .body(body)
+        .unwrap()
+}
+
+async fn serve() -> String {
+    let app = Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .with_state(Arc::new(AtomicU64::new(0)));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    format!("http://{addr}")
+}
+
+fn client(url: &str) -> Client {
+    Client::new(
+        Target {
+            uri: parse_url(url).unwrap(),
+            model: "m".into(),
+            headers: vec![],
+            ignore_eos: true,
+        },
+        100,
+    )
+}
+
+fn entry(id: u64, at_ms: u64, tag: Tag, max_tokens: u32) -> TraceEntry {
+    TraceEntry {
+        id,
+        at_us: at_ms * 1000,
+        tag,
+        prompt_tokens: 20,
+        max_tokens,
+    }
+}
+
+#[tokio::test]
+async fn counts_shares_tokens_and_timeouts() {
+    let url = serve().await;
+    let mut trace = Vec::new();
+    for i in 0..40 {
+        trace.push(entry(
+            i,
+            i * 3,
+            if i % 4 == 0 { Tag::Long } else { Tag::Short },
+            10,
+        ));
+    }
+    for (i, max) in [
+        NO_USAGE, NO_USAGE, NO_USAGE, NO_USAGE, HANG, HANG, FAIL, FAIL,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        trace.push(entry(40 + i as u64, 120 + i as u64, Tag::Short, max));
+    }
+    let opts = RunOptions {
+        timeout: Duration::from_millis(1500),
+        max_in_flight: 10_000,
+        live: false,
+    };
+    let res = run(client(&url), Arc::new(trace), opts).await;
+    assert_eq!(res.records.len(), 48);
+    assert!(
+        res.records
+            .iter()
+            .enumerate()
+            .all(|(i, r)| r.id == i as u64),
+        "sorted by id"
+    );
+
+    let s = summarize(
+        &res.records,
+        res.wall_s,
+        res.in_flight_cap_hits,
+        res.peak_in_flight,
+    );
+    let c = &s.overall.counts;
+    assert_eq!(
+        (
+            c.scheduled,
+            c.sent,
+            c.ok,
+            c.timeouts,
+            c.http_errors,
+            c.transport_errors
+        ),
+        (48, 48, 44, 2, 2, 0)
+    );
+    assert_eq!(s.overall.status_codes["200"], 46);
+    assert_eq!(s.overall.status_codes["503"], 2);
+    assert!((s.overall.timeout_rate - 2.0 / 48.0).abs() < 1e-12);
+
+    // Usage wins over the chunk count; without usage the chunks are counted.
+    assert_eq!(s.overall.output_tokens, 40 * 10 + 4 * u64::from(NO_USAGE));
+    let usage = res
+        .records
+        .iter()
+        .filter(|r| r.outcome == Outcome::Ok && r.tokens_from_usage)
+        .count();
+    assert_eq!(usage, 40);
+
+    // The server alternates pods over the 46 requests it answered with a pod.
+    assert_eq!(s.overall.pod_share["pod-a"].requests, 23);
+    assert_eq!(s.overall.pod_share["pod-b"].requests, 23);
+    assert_eq!(s.overall.pod_share[NO_POD].requests, 2);
+    assert!((s.overall.pod_share["pod-a"].share - 23.0 / 48.0).abs() < 1e-12);
+
+    // Per tag split.
+    assert_eq!(s.by_tag["long"].counts.ok, 10);
+    assert_eq!(s.by_tag["short"].counts.timeouts, 2);
+    assert_eq!(s.by_tag["long"].ttft_ms.count, 10);
+
+    // Hung requests saw their first chunk (TTFT) but timed out.
+    for r in res.records.iter().filter(|r| r.max_tokens == HANG) {
+        assert_eq!(r.outcome, Outcome::Timeout);
+        assert!(r.ttft_ms.is_some() && r.pod.is_some());
+        assert!(r.e2e_ms.unwrap() >= 1500.0);
+    }
+    for r in res.records.iter().filter(|r| r.outcome == Outcome::Ok) {
+        assert!(r.ttft_ms.unwrap() <= r.e2e_ms.unwrap());
+    }
+}
+
+#[tokio::test]
+async fn in_flight_cap_skips_and_counts() {
+    let url = serve().await;
+    let trace = vec![
+        entry(0, 0, Tag::Long, HANG),
+        entry(1, 30, Tag::Short, 10),
+        entry(2, 60, Tag::Short, 10),
+    ];
+    let opts = RunOptions {
+        timeout: Duration::from_millis(800),
+        max_in_flight: 1,
+        live: false,
+    };
+    let res = run(client(&url), Arc::new(trace), opts).await;
+    assert_eq!(res.in_flight_cap_hits, 2);
+    assert_eq!(res.peak_in_flight, 1);
+    let s = summarize(
+        &res.records,
+        res.wall_s,
+        res.in_flight_cap_hits,
+        res.peak_in_flight,
+    );
+    assert_eq!(
+        (
+            s.overall.counts.sent,
+            s.overall.counts.skipped_in_flight_cap,
+            s.overall.counts.timeouts
+        ),
+        (1, 2, 1)
+    );
+}
+
+#[tokio::test]
+async fn unreachable_endpoint_is_a_transport_error() {
+    // Bind then drop a listener to get a port with nothing behind it.
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    drop(l);
+    let opts = RunOptions {
+        timeout: Duration::from_secs(5),
+        max_in_flight: 10,
+        live: false,
+    };
+    let res = run(
+        client(&url),
+        Arc::new(vec![entry(0, 0, Tag::Short, 10)]),
+        opts,
+    )
+    .await;
+    assert_eq!(res.records[0].outcome, Outcome::TransportError);
+    assert!(res.records[0].error.is_some());
+}
