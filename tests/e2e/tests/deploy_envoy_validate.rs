@@ -109,7 +109,10 @@ static_resources:
 
 fn cluster_patch() -> Value {
     let ef = istio_named("EnvoyFilter", "ai-lb-route");
-    let patches = ef["spec"]["configPatches"].as_sequence().cloned().unwrap_or_default();
+    let patches = ef["spec"]["configPatches"]
+        .as_sequence()
+        .cloned()
+        .unwrap_or_default();
     let p = patches
         .into_iter()
         .find(|p| p["applyTo"].as_str() == Some("CLUSTER"))
@@ -124,10 +127,8 @@ fn wasm_filter_with_local_code(ext: &Value, module: &std::path::Path) -> Value {
     let mut f = Mapping::new();
     f.insert("name".into(), ext["name"].clone());
     let mut typed = ext["typed_config"].clone();
-    typed["config"]["vm_config"]["code"] = yaml(&format!(
-        "local: {{filename: \"{}\"}}",
-        module.display()
-    ));
+    typed["config"]["vm_config"]["code"] =
+        yaml(&format!("local: {{filename: \"{}\"}}", module.display()));
     f.insert("typed_config".into(), typed);
     Value::Mapping(f)
 }
@@ -146,7 +147,10 @@ fn cluster_patch_merged_into_istio_cluster_is_valid() {
     let mut cluster = istio_shaped_cluster(INFERENCE_CLUSTER);
     merge(&mut cluster, &cluster_patch());
     // The merged cluster must really carry the policy (not, e.g., a misspelt key).
-    let policy = at(&cluster, "load_balancing_policy.policies.0.typed_extension_config");
+    let policy = at(
+        &cluster,
+        "load_balancing_policy.policies.0.typed_extension_config",
+    );
     assert_eq!(
         policy["name"].as_str(),
         Some("envoy.load_balancing_policies.override_host")
@@ -166,7 +170,11 @@ fn cluster_patch_conflicts_with_locality_weighted_lb() {
     cluster["common_lb_config"]["locality_weighted_lb_config"] = yaml("{}");
     merge(&mut cluster, &cluster_patch());
     let v = envoy_validate(&envoy, &bootstrap(vec![], vec![cluster]));
-    assert!(!v.ok, "expected Envoy to refuse; it accepted:\n{}", v.output);
+    assert!(
+        !v.ok,
+        "expected Envoy to refuse; it accepted:\n{}",
+        v.output
+    );
     assert!(
         v.output.contains("cannot be combined"),
         "refused for another reason:\n{}",
@@ -199,12 +207,18 @@ fn route_wasm_filter_before_router_is_valid() {
     );
     assert_eq!(cfg["failure_policy"].as_str(), Some("FAIL_OPEN"));
     let remote = at(cfg, "vm_config.code.remote");
-    assert!(remote["http_uri"]["uri"].as_str().is_some(), "remote code needs http_uri.uri");
+    assert!(
+        remote["http_uri"]["uri"].as_str().is_some(),
+        "remote code needs http_uri.uri"
+    );
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
     let stub = stub_module_file(&dir);
     let mut cluster = istio_shaped_cluster(INFERENCE_CLUSTER);
     merge(&mut cluster, &cluster_patch());
-    let b = bootstrap(vec![wasm_filter_with_local_code(&ext, &stub)], vec![cluster]);
+    let b = bootstrap(
+        vec![wasm_filter_with_local_code(&ext, &stub)],
+        vec![cluster],
+    );
     let v = envoy_validate(&envoy, &b);
     assert!(v.ok, "Envoy rejected the wasm filter config:\n{}", v.output);
 }
@@ -217,7 +231,10 @@ fn route_http_filter_insert_is_valid_ecds_reference() {
         return;
     };
     let ef = istio_named("EnvoyFilter", "ai-lb-route");
-    let patches = ef["spec"]["configPatches"].as_sequence().cloned().unwrap_or_default();
+    let patches = ef["spec"]["configPatches"]
+        .as_sequence()
+        .cloned()
+        .unwrap_or_default();
     let insert = patches
         .iter()
         .find(|p| p["applyTo"].as_str() == Some("HTTP_FILTER"))
@@ -260,7 +277,11 @@ load_assignment:
         ));
     }
     let v = envoy_validate(&envoy, &b);
-    assert!(v.ok, "Envoy rejected the ECDS filter reference:\n{}", v.output);
+    assert!(
+        v.ok,
+        "Envoy rejected the ECDS filter reference:\n{}",
+        v.output
+    );
 }
 
 /// The guard WasmPlugin as Istio renders it into the inbound chain: pluginConfig as a JSON
@@ -304,7 +325,8 @@ typed_config:
 "#,
         module.display()
     ));
-    f["typed_config"]["config"]["configuration"]["value"] = Value::String(plugin_config_json(guard));
+    f["typed_config"]["config"]["configuration"]["value"] =
+        Value::String(plugin_config_json(guard));
     f
 }
 
@@ -331,10 +353,59 @@ fn real_module_accepts_istio_configs() {
         vec![cluster.clone(), agents.clone()],
     );
     let v = envoy_validate(&envoy, &b);
-    assert!(v.ok, "the filter refused envoyfilter.yaml's config:\n{}", v.output);
+    assert!(
+        v.ok,
+        "the filter refused envoyfilter.yaml's config:\n{}",
+        v.output
+    );
 
     let guard = istio_named("WasmPlugin", "ai-lb-guard");
     let b = bootstrap(vec![guard_filter(&guard, &module)], vec![cluster, agents]);
     let v = envoy_validate(&envoy, &b);
-    assert!(v.ok, "the filter refused guard-wasmplugin.yaml's config:\n{}", v.output);
+    assert!(
+        v.ok,
+        "the filter refused guard-wasmplugin.yaml's config:\n{}",
+        v.output
+    );
+}
+
+/// The client sidecars' bootstrap override (istio/stats-bootstrap.yaml) carries the same
+/// stats_tags as envoy-config/envoy.yaml, and Envoy accepts them (regexes compile).
+#[test]
+fn stats_bootstrap_override_matches_envoy_yaml_and_is_valid() {
+    let cm = istio_named("ConfigMap", "ai-lb-stats-bootstrap");
+    let json = cm["data"]["custom_bootstrap.json"]
+        .as_str()
+        .unwrap_or_else(|| panic!("stats-bootstrap.yaml: no custom_bootstrap.json"));
+    let over: Value =
+        serde_json::from_str(json).unwrap_or_else(|e| panic!("custom_bootstrap.json: {e}"));
+    let tags = over["stats_config"]["stats_tags"].clone();
+    assert!(
+        tags.as_sequence().is_some_and(|t| !t.is_empty()),
+        "no stats_tags"
+    );
+
+    // envoy.yaml is a template; its stats_config block has no placeholders.
+    let text = std::fs::read_to_string(repo_root().join("envoy-config/envoy.yaml"))
+        .unwrap_or_else(|e| panic!("envoy.yaml: {e}"));
+    let block: String = text
+        .lines()
+        .skip_while(|l| !l.starts_with("stats_config:"))
+        .take_while(|l| l.starts_with("stats_config:") || l.starts_with(' ') || l.is_empty())
+        .collect::<Vec<_>>()
+        .join("\n");
+    let local = yaml(&block);
+    assert_eq!(
+        tags, local["stats_config"]["stats_tags"],
+        "stats-bootstrap.yaml and envoy-config/envoy.yaml must tag the filter's metrics alike (the dashboard relies on it)"
+    );
+
+    let Some(envoy) = envoy_or_skip("stats_bootstrap_override_matches_envoy_yaml_and_is_valid")
+    else {
+        return;
+    };
+    let mut b = bootstrap(vec![], vec![istio_shaped_cluster(INFERENCE_CLUSTER)]);
+    b["stats_config"] = over["stats_config"].clone();
+    let v = envoy_validate(&envoy, &b);
+    assert!(v.ok, "Envoy rejects the stats tags:\n{}", v.output);
 }

@@ -110,7 +110,10 @@ pub fn at<'a>(v: &'a Value, path: &str) -> &'a Value {
 /// The route-mode EnvoyFilter's wasm filter config (the EXTENSION_CONFIG patch's typed_config).
 pub fn route_extension_config() -> Value {
     let ef = istio_named("EnvoyFilter", "ai-lb-route");
-    let patches = ef["spec"]["configPatches"].as_sequence().cloned().unwrap_or_default();
+    let patches = ef["spec"]["configPatches"]
+        .as_sequence()
+        .cloned()
+        .unwrap_or_default();
     patches
         .into_iter()
         .find(|p| p["applyTo"].as_str() == Some("EXTENSION_CONFIG"))
@@ -190,7 +193,10 @@ pub fn envoy_validate_file(envoy: &Path, path: &Path) -> Validation {
         .unwrap_or_else(|e| panic!("run {}: {e}", envoy.display()));
     let mut output = String::from_utf8_lossy(&out.stdout).into_owned();
     output.push_str(&String::from_utf8_lossy(&out.stderr));
-    Validation { ok: out.status.success(), output }
+    Validation {
+        ok: out.status.success(),
+        output,
+    }
 }
 
 /// A minimal proxy-wasm module (ABI 0.2.1) whose `proxy_on_vm_start` and
@@ -238,10 +244,10 @@ pub fn stub_wasm_module() -> Vec<u8> {
         v
     };
     let types = vec![
-        func_type(&[], &[]),              // 0: () -> ()
-        func_type(&[I32, I32], &[]),      // 1: (i32, i32) -> ()
-        func_type(&[I32, I32], &[I32]),   // 2: (i32, i32) -> i32
-        func_type(&[I32], &[I32]),        // 3: (i32) -> i32
+        func_type(&[], &[]),            // 0: () -> ()
+        func_type(&[I32, I32], &[]),    // 1: (i32, i32) -> ()
+        func_type(&[I32, I32], &[I32]), // 2: (i32, i32) -> i32
+        func_type(&[I32], &[I32]),      // 3: (i32) -> i32
     ];
     // (export name, type index, body)
     let funcs: [(&str, usize, Vec<u8>); 6] = [
@@ -249,7 +255,11 @@ pub fn stub_wasm_module() -> Vec<u8> {
         ("proxy_on_context_create", 1, vec![0x00, 0x0b]),
         ("proxy_on_vm_start", 2, vec![0x00, 0x41, 0x01, 0x0b]), // i32.const 1
         ("proxy_on_configure", 2, vec![0x00, 0x41, 0x01, 0x0b]),
-        ("proxy_on_memory_allocate", 3, vec![0x00, 0x41, 0x80, 0x08, 0x0b]), // i32.const 1024
+        (
+            "proxy_on_memory_allocate",
+            3,
+            vec![0x00, 0x41, 0x80, 0x08, 0x0b],
+        ), // i32.const 1024
         ("malloc", 3, vec![0x00, 0x41, 0x80, 0x08, 0x0b]),
     ];
     let mut m = b"\0asm\x01\0\0\0".to_vec();

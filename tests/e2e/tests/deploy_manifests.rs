@@ -1,0 +1,651 @@
+//! Decides whether the Istio manifests in istio/ are structurally sound before they meet a
+//! cluster: every YAML document parses, each object has the apiVersion/kind and required
+//! fields of its kind, and the names that must agree across files (Service ↔ cluster names in
+//! the filter config, routing header ↔ override_host source, retries ↔ fallback endpoints,
+//! probes ↔ ports) do agree. No cluster, no network.
+
+mod deploy_support;
+
+use std::collections::BTreeSet;
+
+use deploy_support::*;
+use serde_yaml::Value;
+
+fn s<'a>(v: &'a Value, path: &str) -> &'a str {
+    at(v, path)
+        .as_str()
+        .unwrap_or_else(|| panic!("missing string {path} in {}", describe(v)))
+}
+
+fn describe(v: &Value) -> String {
+    format!(
+        "{} {}",
+        v["kind"].as_str().unwrap_or("?"),
+        v["metadata"]["name"].as_str().unwrap_or("?")
+    )
+}
+
+fn seq<'a>(v: &'a Value, path: &str) -> &'a Vec<Value> {
+    at(v, path)
+        .as_sequence()
+        .unwrap_or_else(|| panic!("missing list {path} in {}", describe(v)))
+}
+
+#[test]
+fn every_yaml_document_in_istio_and_envoy_config_parses() {
+    let root = repo_root();
+    let mut files = files_with_ext(&root.join("istio"), &[".yaml", ".yml"]);
+    files.extend(files_with_ext(
+        &root.join("envoy-config"),
+        &[".yaml", ".yml"],
+    ));
+    assert!(
+        files.len() >= 10,
+        "expected the istio/ and envoy-config/ YAML files, found {files:?}"
+    );
+    for f in &files {
+        let text = std::fs::read_to_string(f).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+        // envoy-config/envoy.yaml is a template: its ${NAME}s (in flow mappings) are not YAML
+        // until rendered. Parse it with each placeholder as a plain scalar here; the rendered
+        // file is validated by Envoy in deploy_compose.rs.
+        let text = if text.contains("${") {
+            placeholders_as_scalars(&text)
+        } else {
+            text
+        };
+        let docs = parse_all(&text).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+        assert!(!docs.is_empty(), "{}: no YAML document", f.display());
+    }
+}
+
+fn placeholders_as_scalars(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find("${") {
+        out.push_str(&rest[..i]);
+        let after = &rest[i + 2..];
+        let end = after.find('}').unwrap_or(after.len());
+        out.push_str("TEMPLATE_");
+        out.push_str(&after[..end]);
+        rest = after.get(end + 1..).unwrap_or("");
+    }
+    out.push_str(rest);
+    out
+}
+
+fn parse_all(text: &str) -> Result<Vec<Value>, String> {
+    use serde::Deserialize;
+    let mut docs = Vec::new();
+    for de in serde_yaml::Deserializer::from_str(text) {
+        let v = Value::deserialize(de).map_err(|e| e.to_string())?;
+        if !v.is_null() {
+            docs.push(v);
+        }
+    }
+    Ok(docs)
+}
+
+/// Expected apiVersion per kind; an object of any other kind fails (add its check here).
+fn expected_api_version(kind: &str) -> Option<&'static str> {
+    Some(match kind {
+        "Namespace" | "Service" | "ConfigMap" => "v1",
+        "Deployment" => "apps/v1",
+        "DestinationRule" | "VirtualService" => "networking.istio.io/v1",
+        "EnvoyFilter" => "networking.istio.io/v1alpha3",
+        "WasmPlugin" => "extensions.istio.io/v1alpha1",
+        "Kustomization" => "kustomize.config.k8s.io/v1beta1",
+        _ => return None,
+    })
+}
+
+#[test]
+fn each_object_has_its_kinds_api_version_and_required_fields() {
+    let objects = istio_objects();
+    let mut kinds = BTreeSet::new();
+    for (file, obj) in &objects {
+        let kind = obj["kind"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{}: object without kind", file.display()));
+        kinds.insert(kind.to_string());
+        let want = expected_api_version(kind)
+            .unwrap_or_else(|| panic!("{}: unexpected kind {kind}", file.display()));
+        assert_eq!(
+            obj["apiVersion"].as_str(),
+            Some(want),
+            "{}: {kind}",
+            file.display()
+        );
+        if kind != "Kustomization" {
+            assert!(
+                obj["metadata"]["name"].as_str().is_some(),
+                "{}: {kind} without name",
+                file.display()
+            );
+        }
+        if !matches!(kind, "Namespace" | "Kustomization") {
+            assert_eq!(
+                obj["metadata"]["namespace"].as_str(),
+                Some("ai-inference"),
+                "{}: {} must be in ai-inference (the filter configs name it)",
+                file.display(),
+                describe(obj)
+            );
+        }
+        match kind {
+            "Deployment" => check_deployment(obj),
+            "Service" => check_service(obj),
+            "DestinationRule" => check_destination_rule(obj),
+            "VirtualService" => check_virtual_service(obj),
+            "EnvoyFilter" => check_envoy_filter(obj),
+            "WasmPlugin" => check_wasm_plugin(obj),
+            "ConfigMap" => check_config_map(obj),
+            _ => {}
+        }
+    }
+    for k in [
+        "Namespace",
+        "Deployment",
+        "Service",
+        "DestinationRule",
+        "VirtualService",
+        "EnvoyFilter",
+        "WasmPlugin",
+        "Kustomization",
+    ] {
+        assert!(kinds.contains(k), "istio/ has no {k}");
+    }
+}
+
+fn check_deployment(d: &Value) {
+    let selector = at(d, "spec.selector.matchLabels")
+        .as_mapping()
+        .unwrap_or_else(|| panic!("{}: no selector", describe(d)));
+    let labels = &d["spec"]["template"]["metadata"]["labels"];
+    for (k, v) in selector {
+        assert_eq!(
+            labels.get(k),
+            Some(v),
+            "{}: selector {k:?} not in pod labels",
+            describe(d)
+        );
+    }
+    let containers = seq(d, "spec.template.spec.containers");
+    assert!(!containers.is_empty());
+    for c in containers {
+        let name = s(c, "name");
+        assert!(
+            c["image"].as_str().is_some(),
+            "container {name} has no image"
+        );
+        assert!(
+            c["resources"]["requests"].is_mapping(),
+            "container {name} has no resource requests"
+        );
+        assert_eq!(
+            c["securityContext"]["runAsNonRoot"].as_bool(),
+            Some(true),
+            "container {name} must run as non-root"
+        );
+        assert_eq!(
+            c["securityContext"]["allowPrivilegeEscalation"].as_bool(),
+            Some(false)
+        );
+        assert!(
+            c["livenessProbe"].is_mapping(),
+            "container {name} has no liveness probe"
+        );
+        assert!(
+            c["readinessProbe"].is_mapping(),
+            "container {name} has no readiness probe"
+        );
+        // Every $(VAR) in args must be defined in env (Kubernetes leaves unknown ones as text).
+        let env: BTreeSet<&str> = c["env"]
+            .as_sequence()
+            .map(|e| e.iter().filter_map(|x| x["name"].as_str()).collect())
+            .unwrap_or_default();
+        for arg in c["args"]
+            .as_sequence()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+        {
+            let mut rest = arg;
+            while let Some(i) = rest.find("$(") {
+                let after = &rest[i + 2..];
+                let end = after.find(')').unwrap_or(after.len());
+                let var = &after[..end];
+                assert!(
+                    env.contains(var),
+                    "container {name}: arg {arg:?} uses $({var}) not in env"
+                );
+                rest = &after[end..];
+            }
+        }
+        // Probes name ports the container declares.
+        let ports: BTreeSet<&str> = c["ports"]
+            .as_sequence()
+            .map(|p| p.iter().filter_map(|x| x["name"].as_str()).collect())
+            .unwrap_or_default();
+        for probe in ["livenessProbe", "readinessProbe", "startupProbe"] {
+            if let Some(port) = c[probe]["httpGet"]["port"].as_str() {
+                assert!(
+                    ports.contains(port),
+                    "container {name}: {probe} uses undeclared port {port}"
+                );
+            }
+        }
+    }
+}
+
+fn check_config_map(cm: &Value) {
+    let data = cm["data"]
+        .as_mapping()
+        .unwrap_or_else(|| panic!("{}: no data", describe(cm)));
+    for (k, v) in data {
+        let (Some(k), Some(v)) = (k.as_str(), v.as_str()) else {
+            panic!("{}: data entries must be strings", describe(cm));
+        };
+        if k.ends_with(".json") {
+            serde_json::from_str::<serde_json::Value>(v)
+                .unwrap_or_else(|e| panic!("{} {k}: invalid JSON: {e}", describe(cm)));
+        }
+    }
+}
+
+fn check_service(svc: &Value) {
+    let ports = seq(svc, "spec.ports");
+    assert!(!ports.is_empty(), "{}: no ports", describe(svc));
+    for p in ports {
+        assert!(
+            p["port"].as_u64().is_some(),
+            "{}: port without number",
+            describe(svc)
+        );
+        assert!(
+            p["name"].as_str().is_some(),
+            "{}: unnamed port",
+            describe(svc)
+        );
+    }
+    assert!(
+        svc["spec"]["selector"].is_mapping(),
+        "{}: no selector",
+        describe(svc)
+    );
+}
+
+fn check_destination_rule(dr: &Value) {
+    assert!(
+        dr["spec"]["host"].as_str().is_some(),
+        "{}: no host",
+        describe(dr)
+    );
+    assert!(
+        dr["spec"]["trafficPolicy"]["connectionPool"].is_mapping(),
+        "{}: no connectionPool",
+        describe(dr)
+    );
+    assert!(
+        dr["spec"]["trafficPolicy"]["outlierDetection"].is_mapping(),
+        "{}: no outlierDetection",
+        describe(dr)
+    );
+}
+
+fn check_virtual_service(vs: &Value) {
+    assert!(!seq(vs, "spec.hosts").is_empty());
+    for route in seq(vs, "spec.http") {
+        assert!(!seq(route, "route").is_empty());
+        let r = &route["retries"];
+        assert!(
+            r["attempts"].as_u64().is_some(),
+            "{}: retries.attempts",
+            describe(vs)
+        );
+        assert!(
+            r["perTryTimeout"].as_str().is_some(),
+            "{}: retries.perTryTimeout",
+            describe(vs)
+        );
+        let on: BTreeSet<&str> = s(r, "retryOn").split(',').map(str::trim).collect();
+        for want in ["5xx", "reset", "connect-failure", "retriable-status-codes"] {
+            assert!(on.contains(want), "{}: retryOn lacks {want}", describe(vs));
+        }
+    }
+}
+
+fn check_envoy_filter(ef: &Value) {
+    for p in seq(ef, "spec.configPatches") {
+        let apply = s(p, "applyTo");
+        assert!(
+            [
+                "CLUSTER",
+                "EXTENSION_CONFIG",
+                "HTTP_FILTER",
+                "LISTENER",
+                "NETWORK_FILTER",
+                "ROUTE_CONFIGURATION",
+                "VIRTUAL_HOST",
+                "HTTP_ROUTE",
+                "BOOTSTRAP"
+            ]
+            .contains(&apply),
+            "{}: applyTo {apply}",
+            describe(ef)
+        );
+        let op = s(p, "patch.operation");
+        assert!(
+            [
+                "MERGE",
+                "ADD",
+                "REMOVE",
+                "INSERT_BEFORE",
+                "INSERT_AFTER",
+                "INSERT_FIRST",
+                "REPLACE"
+            ]
+            .contains(&op),
+            "{}: operation {op}",
+            describe(ef)
+        );
+        if let Some(ctx) = p["match"]["context"].as_str() {
+            assert!(["ANY", "SIDECAR_INBOUND", "SIDECAR_OUTBOUND", "GATEWAY"].contains(&ctx));
+        }
+        assert!(
+            p["patch"]["value"].is_mapping(),
+            "{}: patch without value",
+            describe(ef)
+        );
+    }
+}
+
+fn check_wasm_plugin(wp: &Value) {
+    let name = describe(wp);
+    let url = s(wp, "spec.url");
+    assert!(
+        url.starts_with("oci://") || url.starts_with("https://"),
+        "{name}: url {url}"
+    );
+    let sha = s(wp, "spec.sha256");
+    assert!(
+        sha.len() == 64 && sha.bytes().all(|b| b.is_ascii_hexdigit()),
+        "{name}: sha256 {sha:?}"
+    );
+    assert!(
+        ["FAIL_OPEN", "FAIL_CLOSE"].contains(&s(wp, "spec.failStrategy")),
+        "{name}: failStrategy"
+    );
+    assert!(
+        ["AUTHN", "AUTHZ", "STATS", "UNSPECIFIED_PHASE"].contains(&s(wp, "spec.phase")),
+        "{name}: phase"
+    );
+    assert_eq!(s(wp, "spec.type"), "HTTP", "{name}: type");
+    assert!(
+        wp["spec"]["selector"]["matchLabels"].is_mapping()
+            || wp["spec"]["targetRefs"].is_sequence(),
+        "{name}: needs selector or targetRefs"
+    );
+    assert!(
+        wp["spec"]["pluginConfig"].is_mapping(),
+        "{name}: pluginConfig"
+    );
+}
+
+#[test]
+fn kustomization_lists_existing_files_and_not_both_router_installs() {
+    let k = load_yaml("istio/kustomization.yaml");
+    let resources: Vec<&str> = seq(&k, "resources")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    for r in &resources {
+        assert!(
+            repo_root().join("istio").join(r).is_file(),
+            "kustomization: {r} does not exist"
+        );
+    }
+    assert!(resources.contains(&"envoyfilter.yaml"));
+    assert!(resources.contains(&"guard-wasmplugin.yaml"));
+    assert!(
+        !resources.contains(&"wasmplugin.yaml"),
+        "wasmplugin.yaml and envoyfilter.yaml both install the router: the filter would run twice"
+    );
+    // Every other manifest is installed.
+    for f in files_with_ext(&repo_root().join("istio"), &[".yaml"]) {
+        let n = f.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        if n != "kustomization.yaml" && n != "wasmplugin.yaml" {
+            assert!(
+                resources.contains(&n),
+                "kustomization.yaml does not list {n}"
+            );
+        }
+    }
+}
+
+fn route_config() -> serde_json::Value {
+    let json = wasm_configuration_json(&route_extension_config()["typed_config"]);
+    serde_json::from_str(&json).unwrap_or_else(|e| panic!("route config JSON: {e}"))
+}
+
+/// Istio's outbound cluster name of a Service port.
+fn outbound(svc: &Value, port: u64) -> String {
+    format!(
+        "outbound|{port}||{}.{}.svc.cluster.local",
+        s(svc, "metadata.name"),
+        s(svc, "metadata.namespace")
+    )
+}
+
+#[test]
+fn filter_config_names_the_clusters_istio_builds_for_the_services() {
+    let inference = istio_named("Service", "vllm-llama-8b");
+    let agents = istio_named("Service", "ai-lb-agents");
+    let agent_port = &seq(&agents, "spec.ports")[0];
+    assert_eq!(
+        agent_port["appProtocol"].as_str(),
+        Some("grpc"),
+        "agents Service needs appProtocol grpc (HTTP/2)"
+    );
+    assert!(
+        agents["spec"]["clusterIP"].as_str() != Some("None"),
+        "headless Services get ORIGINAL_DST clusters"
+    );
+    let inference_port = seq(&inference, "spec.ports")[0]["port"]
+        .as_u64()
+        .unwrap_or(0);
+    let agent_port_n = agent_port["port"].as_u64().unwrap_or(0);
+
+    let route = route_config();
+    let pool = &route["pools"][0];
+    assert_eq!(
+        pool["cluster"].as_str(),
+        Some(outbound(&inference, inference_port).as_str())
+    );
+    assert_eq!(
+        pool["agentCluster"].as_str(),
+        Some(outbound(&agents, agent_port_n).as_str())
+    );
+    for wp in istio_kind("WasmPlugin") {
+        let p = &wp["spec"]["pluginConfig"]["pools"][0];
+        assert_eq!(
+            p["agentCluster"],
+            serde_yaml::to_value(outbound(&agents, agent_port_n)).unwrap_or_default(),
+            "{}",
+            describe(&wp)
+        );
+    }
+
+    // The CLUSTER patch matches the same Service and port.
+    let ef = istio_named("EnvoyFilter", "ai-lb-route");
+    let cp = seq(&ef, "spec.configPatches")
+        .iter()
+        .find(|p| p["applyTo"].as_str() == Some("CLUSTER"))
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(
+        s(&cp, "match.cluster.service"),
+        format!(
+            "{}.ai-inference.svc.cluster.local",
+            s(&inference, "metadata.name")
+        )
+    );
+    assert_eq!(
+        at(&cp, "match.cluster.portNumber").as_u64(),
+        Some(inference_port)
+    );
+    // ... and the HTTP_FILTER goes on that port's outbound listener.
+    let hf = seq(&ef, "spec.configPatches")
+        .iter()
+        .find(|p| p["applyTo"].as_str() == Some("HTTP_FILTER"))
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(
+        at(&hf, "match.listener.portNumber").as_u64(),
+        Some(inference_port)
+    );
+    assert_eq!(s(&hf, "match.context"), "SIDECAR_OUTBOUND");
+
+    // override_host reads the header the filter writes.
+    let source = at(
+        &cp,
+        "patch.value.load_balancing_policy.policies.0.typed_extension_config.typed_config.override_host_sources.0.header",
+    );
+    assert_eq!(source.as_str(), route["routingHeader"].as_str());
+    let fallback = at(
+        &cp,
+        "patch.value.load_balancing_policy.policies.0.typed_extension_config.typed_config.fallback_policy.policies.0.typed_extension_config.name",
+    );
+    assert_eq!(
+        fallback.as_str(),
+        Some("envoy.load_balancing_policies.least_request")
+    );
+}
+
+#[test]
+fn retries_match_the_fallback_endpoint_list() {
+    let route = route_config();
+    let fallback = route["fallbackEndpoints"].as_u64().unwrap_or(0);
+    assert!(
+        fallback >= 1,
+        "the router should name fallback endpoints for retries"
+    );
+    let vs = istio_named("VirtualService", "vllm-llama-8b");
+    let inference = istio_named("Service", "vllm-llama-8b");
+    let host = format!(
+        "{}.ai-inference.svc.cluster.local",
+        s(&inference, "metadata.name")
+    );
+    assert_eq!(seq(&vs, "spec.hosts")[0].as_str(), Some(host.as_str()));
+    let http = &seq(&vs, "spec.http")[0];
+    assert_eq!(
+        http["retries"]["attempts"].as_u64(),
+        Some(fallback),
+        "each retry should go to the next ranked endpoint: attempts == fallbackEndpoints"
+    );
+    let dr = istio_named("DestinationRule", "vllm-llama-8b");
+    assert_eq!(s(&dr, "spec.host"), host);
+}
+
+#[test]
+fn inference_pod_runs_the_agent_sidecar_wired_to_its_services() {
+    let d = istio_named("Deployment", "vllm-llama-8b");
+    let containers = seq(&d, "spec.template.spec.containers");
+    let vllm = containers
+        .iter()
+        .find(|c| c["name"].as_str() == Some("vllm"))
+        .cloned()
+        .unwrap_or_default();
+    let agent = containers
+        .iter()
+        .find(|c| c["name"].as_str() == Some("ai-lb-agent"))
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        vllm["resources"]["limits"]["nvidia.com/gpu"]
+            .as_str()
+            .is_some(),
+        "the model server needs nvidia.com/gpu"
+    );
+    assert!(
+        agent["resources"]["limits"]["nvidia.com/gpu"].is_null(),
+        "the agent must not take a second GPU"
+    );
+    assert_eq!(s(&agent, "livenessProbe.httpGet.path"), "/healthz");
+    assert_eq!(s(&agent, "readinessProbe.httpGet.path"), "/readyz");
+
+    let args: Vec<&str> = seq(&agent, "args")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    let flag = |f: &str| {
+        args.iter()
+            .find_map(|a| a.strip_prefix(&format!("--{f}=")))
+            .unwrap_or_else(|| panic!("agent has no --{f}"))
+    };
+    let vllm_port = seq(&vllm, "ports")[0]["containerPort"]
+        .as_u64()
+        .unwrap_or(0);
+    assert_eq!(flag("serving-address"), format!("$(POD_IP):{vllm_port}"));
+    let grpc_port = flag("grpc-listen")
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse::<u64>().ok());
+    let http_port = flag("http-listen")
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse::<u64>().ok());
+    let agent_ports = seq(&agent, "ports");
+    let port_of = |name: &str| {
+        agent_ports
+            .iter()
+            .find(|p| p["name"].as_str() == Some(name))
+            .and_then(|p| p["containerPort"].as_u64())
+    };
+    assert_eq!(grpc_port, port_of("grpc-agent"));
+    assert_eq!(http_port, port_of(s(&agent, "readinessProbe.httpGet.port")));
+    let peers = istio_named("Service", "ai-lb-agents-peers");
+    assert_eq!(
+        peers["spec"]["clusterIP"].as_str(),
+        Some("None"),
+        "peer discovery needs a headless Service"
+    );
+    assert_eq!(
+        flag("peers-dns"),
+        format!(
+            "ai-lb-agents-peers.ai-inference.svc.cluster.local:{}",
+            grpc_port.unwrap_or(0)
+        )
+    );
+    // The Services select the pods.
+    let labels = &d["spec"]["template"]["metadata"]["labels"];
+    for svc in istio_kind("Service") {
+        for (k, v) in svc["spec"]["selector"].as_mapping().into_iter().flatten() {
+            assert_eq!(
+                labels.get(k),
+                Some(v),
+                "{} selects {k:?}={v:?}, not on the pods",
+                describe(&svc)
+            );
+        }
+    }
+    // The guard selects the inference pods, and only them.
+    let guard = istio_named("WasmPlugin", "ai-lb-guard");
+    for (k, v) in guard["spec"]["selector"]["matchLabels"]
+        .as_mapping()
+        .into_iter()
+        .flatten()
+    {
+        assert_eq!(
+            labels.get(k),
+            Some(v),
+            "guard selector {k:?} not on the inference pods"
+        );
+    }
+    let m = &seq(&guard, "spec.match")[0];
+    assert_eq!(m["mode"].as_str(), Some("SERVER"));
+    assert_eq!(
+        m["ports"][0]["number"].as_u64(),
+        Some(vllm_port),
+        "guard only on the model server's port"
+    );
+}
