@@ -15,7 +15,11 @@ pub struct ConfigError {
 }
 
 impl ConfigError {
-    pub fn new(path: impl Into<String>, value: impl fmt::Display, reason: impl Into<String>) -> Self {
+    pub fn new(
+        path: impl Into<String>,
+        value: impl fmt::Display,
+        reason: impl Into<String>,
+    ) -> Self {
         Self {
             path: path.into(),
             value: value.to_string(),
@@ -29,7 +33,11 @@ impl fmt::Display for ConfigError {
         if self.path.is_empty() {
             write!(f, "ai-lb plugin config: {}", self.reason)
         } else if self.value.is_empty() {
-            write!(f, "ai-lb plugin config: field `{}`: {}", self.path, self.reason)
+            write!(
+                f,
+                "ai-lb plugin config: field `{}`: {}",
+                self.path, self.reason
+            )
         } else {
             write!(
                 f,

@@ -1,0 +1,526 @@
+//! Decides whether a pod (or pod+model) may receive traffic: a three-state circuit breaker
+//! (Closed → Open → HalfOpen → Closed), after linkerd's `http/breaker` consecutive-failures
+//! accrual, with an exponential cooldown (`base · 2^(opens-1)`, capped) while a pod keeps
+//! failing. Time is passed in; every transition is returned so the caller can count it.
+//!
+//! Failures: 5xx, resets, connect failures, timeouts, and TTFT above `ttftSloMs`; a 4xx is the
+//! client's fault and counts as a success. Agent-reported hardware faults trip it at once.
+
+use crate::config::BreakerConfig;
+
+/// Breaker state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BreakerState {
+    Closed,
+    Open,
+    HalfOpen,
+}
+
+impl BreakerState {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            BreakerState::Closed => "closed",
+            BreakerState::Open => "open",
+            BreakerState::HalfOpen => "half_open",
+        }
+    }
+}
+
+/// Why a breaker opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TripReason {
+    /// Agent-reported Xid/ECC increase (hard signal: opens at once).
+    HardwareFault,
+    /// Consecutive 5xx responses.
+    ServerErrors,
+    /// Consecutive stream resets.
+    Resets,
+    /// Consecutive connect failures.
+    ConnectFailures,
+    /// Consecutive timeouts.
+    Timeouts,
+    /// Consecutive responses with TTFT over `ttftSloMs`.
+    SlowTtft,
+}
+
+impl TripReason {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            TripReason::HardwareFault => "hardware_fault",
+            TripReason::ServerErrors => "server_errors",
+            TripReason::Resets => "resets",
+            TripReason::ConnectFailures => "connect_failures",
+            TripReason::Timeouts => "timeouts",
+            TripReason::SlowTtft => "slow_ttft",
+        }
+    }
+
+    /// Name used as a cut reason (`breaker_<reason>`).
+    pub fn cut_name(&self) -> &'static str {
+        match self {
+            TripReason::HardwareFault => "breaker_hardware_fault",
+            TripReason::ServerErrors => "breaker_server_errors",
+            TripReason::Resets => "breaker_resets",
+            TripReason::ConnectFailures => "breaker_connect_failures",
+            TripReason::Timeouts => "breaker_timeouts",
+            TripReason::SlowTtft => "breaker_slow_ttft",
+        }
+    }
+
+    fn to_u8(self) -> u8 {
+        match self {
+            TripReason::HardwareFault => 1,
+            TripReason::ServerErrors => 2,
+            TripReason::Resets => 3,
+            TripReason::ConnectFailures => 4,
+            TripReason::Timeouts => 5,
+            TripReason::SlowTtft => 6,
+        }
+    }
+
+    fn from_u8(b: u8) -> Option<Option<TripReason>> {
+        Some(match b {
+            0 => None,
+            1 => Some(TripReason::HardwareFault),
+            2 => Some(TripReason::ServerErrors),
+            3 => Some(TripReason::Resets),
+            4 => Some(TripReason::ConnectFailures),
+            5 => Some(TripReason::Timeouts),
+            6 => Some(TripReason::SlowTtft),
+            _ => return None,
+        })
+    }
+}
+
+/// What happened to one upstream request, as the glue observed it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Outcome {
+    /// HTTP status, if a response arrived.
+    pub status: Option<u16>,
+    /// The stream was reset (upstream reset, not a client cancel).
+    pub reset: bool,
+    pub connect_failure: bool,
+    pub timeout: bool,
+    /// Time to the first response byte (≈ first token when streaming).
+    pub ttft_ms: Option<u64>,
+    pub total_ms: Option<u64>,
+}
+
+impl Outcome {
+    /// The failure this outcome counts as, or None for a success (including every 4xx).
+    /// Precedence: connect failure, reset, timeout, 5xx, slow TTFT.
+    pub fn failure(&self, cfg: &BreakerConfig) -> Option<TripReason> {
+        if self.connect_failure {
+            Some(TripReason::ConnectFailures)
+        } else if self.reset {
+            Some(TripReason::Resets)
+        } else if self.timeout {
+            Some(TripReason::Timeouts)
+        } else if self.status.is_some_and(|s| (500..600).contains(&s)) {
+            Some(TripReason::ServerErrors)
+        } else if matches!((self.ttft_ms, cfg.ttft_slo_ms), (Some(t), Some(slo)) if t > slo) {
+            Some(TripReason::SlowTtft)
+        } else {
+            None
+        }
+    }
+}
+
+/// One state change of a breaker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Transition {
+    pub from: BreakerState,
+    pub to: BreakerState,
+    /// The trip reason for transitions to Open (and the reason still in force otherwise).
+    pub reason: Option<TripReason>,
+}
+
+/// A transition tagged with the pod (and model, for a per-model breaker), for stats and logs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BreakerEvent {
+    /// Serving address `IP:PORT`.
+    pub pod: String,
+    pub model: Option<String>,
+    pub from: BreakerState,
+    pub to: BreakerState,
+    pub reason: Option<TripReason>,
+}
+
+/// Length of [`Breaker::encode`]'s output.
+pub const BREAKER_ENCODED_LEN: usize = 32;
+const ENCODING_VERSION: u8 = 1;
+
+/// One circuit breaker. `Default` is Closed with no history.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Breaker {
+    state: BreakerState,
+    reason: Option<TripReason>,
+    consecutive_failures: u32,
+    /// Opens since the last close (drives the cooldown doubling).
+    opens: u32,
+    open_until_ms: u64,
+    probes_issued: u32,
+    probe_successes: u32,
+    last_probe_ms: u64,
+}
+
+impl Default for Breaker {
+    fn default() -> Self {
+        Self {
+            state: BreakerState::Closed,
+            reason: None,
+            consecutive_failures: 0,
+            opens: 0,
+            open_until_ms: 0,
+            probes_issued: 0,
+            probe_successes: 0,
+            last_probe_ms: 0,
+        }
+    }
+}
+
+impl Breaker {
+    pub fn state(&self) -> BreakerState {
+        self.state
+    }
+
+    /// The reason of the last trip while not Closed.
+    pub fn reason(&self) -> Option<TripReason> {
+        self.reason
+    }
+
+    /// When an Open breaker turns HalfOpen (monotonic ms).
+    pub fn open_until_ms(&self) -> u64 {
+        self.open_until_ms
+    }
+
+    pub fn consecutive_failures(&self) -> u32 {
+        self.consecutive_failures
+    }
+
+    /// Cooldown of the `opens`-th consecutive open: `base · 2^(opens-1)`, capped.
+    pub fn cooldown_ms(opens: u32, cfg: &BreakerConfig) -> u64 {
+        let shift = opens.saturating_sub(1).min(40);
+        cfg.base_cooldown_ms
+            .saturating_mul(1u64 << shift)
+            .min(cfg.max_cooldown_ms)
+    }
+
+    /// Advances time: Open → HalfOpen once the cooldown has passed. In HalfOpen, probes that
+    /// never reported back are forgotten after `baseCooldownMs`, so a lost probe cannot wedge
+    /// the breaker.
+    pub fn poll(&mut self, now_ms: u64, cfg: &BreakerConfig) -> Option<Transition> {
+        match self.state {
+            BreakerState::Open if now_ms >= self.open_until_ms => {
+                self.state = BreakerState::HalfOpen;
+                self.probes_issued = 0;
+                self.probe_successes = 0;
+                self.last_probe_ms = now_ms;
+                Some(Transition {
+                    from: BreakerState::Open,
+                    to: BreakerState::HalfOpen,
+                    reason: self.reason,
+                })
+            }
+            BreakerState::HalfOpen
+                if self.probes_issued >= cfg.half_open_probes
+                    && now_ms.saturating_sub(self.last_probe_ms) >= cfg.base_cooldown_ms =>
+            {
+                self.probes_issued = self.probe_successes;
+                None
+            }
+            _ => None,
+        }
+    }
+
+    /// Whether a request may go to this pod now (call [`Breaker::poll`] first). Closed: yes;
+    /// HalfOpen: while probes remain; Open: no.
+    pub fn admits(&self, cfg: &BreakerConfig) -> bool {
+        match self.state {
+            BreakerState::Closed => true,
+            BreakerState::HalfOpen => self.probes_issued < cfg.half_open_probes,
+            BreakerState::Open => false,
+        }
+    }
+
+    /// Records that a request was sent (a probe when HalfOpen).
+    pub fn on_request(&mut self, now_ms: u64) {
+        if self.state == BreakerState::HalfOpen {
+            self.probes_issued = self.probes_issued.saturating_add(1);
+            self.last_probe_ms = now_ms;
+        }
+    }
+
+    /// Records an outcome (`failure` from [`Outcome::failure`]).
+    pub fn record(
+        &mut self,
+        failure: Option<TripReason>,
+        now_ms: u64,
+        cfg: &BreakerConfig,
+    ) -> Option<Transition> {
+        match (self.state, failure) {
+            (BreakerState::Closed, None) => {
+                self.consecutive_failures = 0;
+                None
+            }
+            (BreakerState::Closed, Some(r)) => {
+                self.consecutive_failures = self.consecutive_failures.saturating_add(1);
+                if self.consecutive_failures >= cfg.consecutive_failures {
+                    Some(self.open(r, now_ms, cfg))
+                } else {
+                    None
+                }
+            }
+            (BreakerState::HalfOpen, None) => {
+                self.probe_successes = self.probe_successes.saturating_add(1);
+                if self.probe_successes >= cfg.half_open_probes {
+                    let reason = self.reason;
+                    *self = Breaker::default();
+                    Some(Transition {
+                        from: BreakerState::HalfOpen,
+                        to: BreakerState::Closed,
+                        reason,
+                    })
+                } else {
+                    None
+                }
+            }
+            (BreakerState::HalfOpen, Some(r)) => Some(self.open(r, now_ms, cfg)),
+            // Late answers of requests sent before the trip change nothing.
+            (BreakerState::Open, _) => None,
+        }
+    }
+
+    /// Opens the breaker at once (hard signal). Already Open: the cooldown restarts from now
+    /// (without doubling) and no transition is reported.
+    pub fn trip(
+        &mut self,
+        reason: TripReason,
+        now_ms: u64,
+        cfg: &BreakerConfig,
+    ) -> Option<Transition> {
+        if self.state == BreakerState::Open {
+            self.reason = Some(reason);
+            let cd = Self::cooldown_ms(self.opens.max(1), cfg);
+            self.open_until_ms = self.open_until_ms.max(now_ms.saturating_add(cd));
+            return None;
+        }
+        Some(self.open(reason, now_ms, cfg))
+    }
+
+    fn open(&mut self, reason: TripReason, now_ms: u64, cfg: &BreakerConfig) -> Transition {
+        let from = self.state;
+        self.opens = self.opens.saturating_add(1);
+        self.state = BreakerState::Open;
+        self.reason = Some(reason);
+        self.consecutive_failures = 0;
+        self.probes_issued = 0;
+        self.probe_successes = 0;
+        self.open_until_ms = now_ms.saturating_add(Self::cooldown_ms(self.opens, cfg));
+        self.last_probe_ms = self.open_until_ms;
+        Transition {
+            from,
+            to: BreakerState::Open,
+            reason: Some(reason),
+        }
+    }
+
+    /// Fixed-size little-endian encoding for proxy-wasm shared data.
+    pub fn encode(&self) -> [u8; BREAKER_ENCODED_LEN] {
+        let mut b = [0u8; BREAKER_ENCODED_LEN];
+        let state = match self.state {
+            BreakerState::Closed => 0u8,
+            BreakerState::Open => 1,
+            BreakerState::HalfOpen => 2,
+        };
+        let mut w = Writer {
+            buf: &mut b,
+            pos: 0,
+        };
+        w.put(&[
+            ENCODING_VERSION,
+            state,
+            self.reason.map_or(0, TripReason::to_u8),
+            0,
+        ]);
+        w.put(&self.consecutive_failures.to_le_bytes());
+        w.put(&self.opens.to_le_bytes());
+        w.put(&self.open_until_ms.to_le_bytes());
+        w.put(&self.probes_issued.to_le_bytes());
+        w.put(&self.probe_successes.to_le_bytes());
+        // The last 4 bytes: low half of last_probe_ms relative to open_until (saturated);
+        // precise enough for the lost-probe timeout.
+        let rel = u32::try_from(self.last_probe_ms.saturating_sub(self.open_until_ms))
+            .unwrap_or(u32::MAX);
+        w.put(&rel.to_le_bytes());
+        b
+    }
+
+    /// Inverse of [`Breaker::encode`]; None for a wrong length, version or tag.
+    pub fn decode(bytes: &[u8]) -> Option<Breaker> {
+        if bytes.len() != BREAKER_ENCODED_LEN || bytes.first() != Some(&ENCODING_VERSION) {
+            return None;
+        }
+        let state = match bytes.get(1)? {
+            0 => BreakerState::Closed,
+            1 => BreakerState::Open,
+            2 => BreakerState::HalfOpen,
+            _ => return None,
+        };
+        let reason = TripReason::from_u8(*bytes.get(2)?)?;
+        let u32_at = |i: usize| -> Option<u32> {
+            Some(u32::from_le_bytes(bytes.get(i..i + 4)?.try_into().ok()?))
+        };
+        let open_until_ms = u64::from_le_bytes(bytes.get(12..20)?.try_into().ok()?);
+        Some(Breaker {
+            state,
+            reason,
+            consecutive_failures: u32_at(4)?,
+            opens: u32_at(8)?,
+            open_until_ms,
+            probes_issued: u32_at(20)?,
+            probe_successes: u32_at(24)?,
+            last_probe_ms: open_until_ms.saturating_add(u64::from(u32_at(28)?)),
+        })
+    }
+}
+
+struct Writer<'a> {
+    buf: &'a mut [u8],
+    pos: usize,
+}
+
+impl Writer<'_> {
+    fn put(&mut self, bytes: &[u8]) {
+        if let Some(dst) = self.buf.get_mut(self.pos..self.pos + bytes.len()) {
+            dst.copy_from_slice(bytes);
+        }
+        self.pos += bytes.len();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> BreakerConfig {
+        BreakerConfig {
+            consecutive_failures: 3,
+            base_cooldown_ms: 1000,
+            max_cooldown_ms: 3000,
+            half_open_probes: 2,
+            ttft_slo_ms: Some(500),
+        }
+    }
+
+    fn fail(b: &mut Breaker, now: u64) -> Option<Transition> {
+        b.record(Some(TripReason::ServerErrors), now, &cfg())
+    }
+
+    #[test]
+    fn opens_after_consecutive_failures_and_success_resets_count() {
+        let c = cfg();
+        let mut b = Breaker::default();
+        assert!(fail(&mut b, 0).is_none());
+        assert!(fail(&mut b, 0).is_none());
+        assert!(b.record(None, 0, &c).is_none());
+        assert!(fail(&mut b, 0).is_none());
+        assert!(fail(&mut b, 0).is_none());
+        let t = fail(&mut b, 10).unwrap();
+        assert_eq!(
+            (t.from, t.to, t.reason),
+            (
+                BreakerState::Closed,
+                BreakerState::Open,
+                Some(TripReason::ServerErrors)
+            )
+        );
+        assert_eq!(b.open_until_ms(), 1010);
+        assert!(!b.admits(&c));
+    }
+
+    #[test]
+    fn four_xx_never_counts() {
+        let c = cfg();
+        let o = Outcome {
+            status: Some(429),
+            ..Default::default()
+        };
+        assert_eq!(o.failure(&c), None);
+        let o = Outcome {
+            status: Some(503),
+            ..Default::default()
+        };
+        assert_eq!(o.failure(&c), Some(TripReason::ServerErrors));
+        let o = Outcome {
+            status: Some(200),
+            ttft_ms: Some(501),
+            ..Default::default()
+        };
+        assert_eq!(o.failure(&c), Some(TripReason::SlowTtft));
+    }
+
+    #[test]
+    fn cooldown_doubles_while_failing_and_caps() {
+        let c = cfg();
+        let mut b = Breaker::default();
+        b.trip(TripReason::HardwareFault, 0, &c);
+        assert_eq!(b.open_until_ms(), 1000);
+        assert!(b.poll(999, &c).is_none());
+        assert_eq!(b.poll(1000, &c).map(|t| t.to), Some(BreakerState::HalfOpen));
+        b.on_request(1000);
+        assert_eq!(fail(&mut b, 1100).map(|t| t.to), Some(BreakerState::Open));
+        assert_eq!(b.open_until_ms(), 3100);
+        b.poll(3100, &c);
+        b.on_request(3100);
+        fail(&mut b, 3200);
+        assert_eq!(b.open_until_ms(), 6200, "4000 capped at 3000");
+    }
+
+    #[test]
+    fn half_open_admits_probe_budget_then_closes() {
+        let c = cfg();
+        let mut b = Breaker::default();
+        b.trip(TripReason::Resets, 0, &c);
+        b.poll(1000, &c);
+        assert!(b.admits(&c));
+        b.on_request(1000);
+        assert!(b.admits(&c));
+        b.on_request(1000);
+        assert!(!b.admits(&c), "budget of 2 spent");
+        assert!(b.record(None, 1001, &c).is_none());
+        let t = b.record(None, 1002, &c).unwrap();
+        assert_eq!(
+            (t.from, t.to),
+            (BreakerState::HalfOpen, BreakerState::Closed)
+        );
+        assert!(b.admits(&c));
+    }
+
+    #[test]
+    fn lost_probes_are_forgotten_after_base_cooldown() {
+        let c = cfg();
+        let mut b = Breaker::default();
+        b.trip(TripReason::Resets, 0, &c);
+        b.poll(1000, &c);
+        b.on_request(1000);
+        b.on_request(1000);
+        assert!(!b.admits(&c));
+        b.poll(1999, &c);
+        assert!(!b.admits(&c));
+        b.poll(2000, &c);
+        assert!(b.admits(&c));
+    }
+
+    #[test]
+    fn encode_round_trips() {
+        let c = cfg();
+        let mut b = Breaker::default();
+        b.trip(TripReason::Timeouts, 77, &c);
+        b.poll(5000, &c);
+        b.on_request(5000);
+        let d = Breaker::decode(&b.encode()).unwrap();
+        assert_eq!(d, b);
+        assert!(Breaker::decode(&[0u8; 3]).is_none());
+    }
+}

@@ -1,0 +1,797 @@
+//! Decides whether a plugin configuration is acceptable and resolves it into validated types:
+//! raw serde structs (unknown fields rejected with their path), then `TryFrom<Raw>` checks every
+//! range and resolves scoring weights (pod override > pool override > model-type template >
+//! defaults). Every error names the JSON path, the value and the accepted range.
+
+use std::collections::{BTreeMap, HashSet};
+use std::net::SocketAddr;
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::error::ConfigError;
+
+/// Upper bound for `fallbackEndpoints` (the ranked list has at most this many + 1 entries).
+pub const MAX_FALLBACK_ENDPOINTS: usize = 15;
+
+/// What the filter instance does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Mode {
+    /// Client sidecar: scores pods and steers requests (`x-gateway-destination-endpoint`).
+    #[default]
+    Route,
+    /// Inbound guard in front of one model server (admission control).
+    Guard,
+}
+
+/// Scoring weights of the four terms, normalised so they sum to 1.
+///
+/// In JSON each weights object is complete on its own: a missing key means 0 (it does NOT
+/// inherit from a less specific level). Values must be ≥ 0 and finite with a positive sum;
+/// they are divided by their sum, so `{"gpu":2,"queue":2}` equals `{"gpu":0.5,"queue":0.5}`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Weights {
+    pub gpu: f64,
+    pub queue: f64,
+    pub p99: f64,
+    pub memory: f64,
+}
+
+impl Default for Weights {
+    /// gpu 0.35, queue 0.25, p99 0.25, memory 0.15.
+    fn default() -> Self {
+        Self {
+            gpu: 0.35,
+            queue: 0.25,
+            p99: 0.25,
+            memory: 0.15,
+        }
+    }
+}
+
+/// Hard limits that zero a pod's score.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Cutoffs {
+    /// GPU utilisation above this (0..=1] cuts the pod.
+    pub gpu_hard_limit: f64,
+    /// Waiting requests at or above this cut the pod; also the queue term's scale.
+    pub max_queue: u32,
+    /// The p99 term's scale: p99 at or above it scores 0 on that term (not a cut).
+    pub p99_timeout_ms: u64,
+    /// Metrics older than this (ms) cut the pod as stale.
+    pub staleness_ms: u64,
+}
+
+impl Default for Cutoffs {
+    fn default() -> Self {
+        Self {
+            gpu_hard_limit: 0.95,
+            max_queue: 64,
+            p99_timeout_ms: 5000,
+            staleness_ms: 2000,
+        }
+    }
+}
+
+/// Circuit breaker settings (see [`crate::breaker`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BreakerConfig {
+    /// Consecutive passive failures that open the breaker.
+    pub consecutive_failures: u32,
+    /// First cooldown; doubles on every re-open without an intervening close.
+    pub base_cooldown_ms: u64,
+    /// Cap of the doubling cooldown (≥ base).
+    pub max_cooldown_ms: u64,
+    /// Probes admitted while half-open; that many successes close the breaker.
+    pub half_open_probes: u32,
+    /// A response whose time to first token exceeds this counts as a failure. None = off.
+    pub ttft_slo_ms: Option<u64>,
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        Self {
+            consecutive_failures: 5,
+            base_cooldown_ms: 5000,
+            max_cooldown_ms: 60_000,
+            half_open_probes: 3,
+            ttft_slo_ms: None,
+        }
+    }
+}
+
+/// Settings of the pool subscription (used by the glue).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WatchConfig {
+    /// `WatchPoolRequest.min_interval_ms`; 0 = the agent's default.
+    pub min_interval_ms: u32,
+    /// `WatchPoolRequest.heartbeat_ms`; 0 = the agent's default.
+    pub heartbeat_ms: u32,
+    /// First reconnect delay after the stream closes (> 0).
+    pub reconnect_base_ms: u64,
+    /// Cap of the doubling reconnect delay (≥ base).
+    pub reconnect_max_ms: u64,
+    /// How often worker VMs re-read the shared pool state (> 0).
+    pub refresh_ms: u64,
+}
+
+impl Default for WatchConfig {
+    fn default() -> Self {
+        Self {
+            min_interval_ms: 0,
+            heartbeat_ms: 0,
+            reconnect_base_ms: 250,
+            reconnect_max_ms: 10_000,
+            refresh_ms: 20,
+        }
+    }
+}
+
+/// One pool of pods (one Envoy cluster) this filter steers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolConfig {
+    pub name: String,
+    /// The Envoy cluster serving inference (the one with `override_host`).
+    pub cluster: String,
+    /// The Envoy cluster reaching the agents' gRPC `WatchPool`. Defaults to `cluster`.
+    pub agent_cluster: String,
+    /// `:authority` for agent calls. Defaults to `ai-lb-agent`.
+    pub agent_authority: String,
+    /// Key into `weightTemplates` (e.g. `llm`, `vision`, `speech`).
+    pub model_type: Option<String>,
+    /// Pool-level weights after resolution (pool override > template > defaults).
+    pub weights: Weights,
+    /// Per-pod overrides keyed by the serving address `IP:PORT`.
+    pub pod_weights: BTreeMap<String, Weights>,
+}
+
+impl PoolConfig {
+    /// The weights for one pod: its override if any, else the pool's.
+    pub fn weights_for(&self, address: &str) -> &Weights {
+        self.pod_weights.get(address).unwrap_or(&self.weights)
+    }
+}
+
+/// The validated plugin configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FilterConfig {
+    pub mode: Mode,
+    pub pools: Vec<PoolConfig>,
+    pub weight_templates: BTreeMap<String, Weights>,
+    pub cutoffs: Cutoffs,
+    pub breaker: BreakerConfig,
+    /// EMA smoothing factor in (0, 1]; 1 = no smoothing.
+    pub ema_alpha: f64,
+    /// Fewer candidate pods with fresh metrics than this ⇒ steer nothing (≥ 1).
+    pub min_pods: usize,
+    /// Least pick weight of a pod that is not cut, in [0, 1).
+    pub floor_weight: f64,
+    /// Header carrying `IP:PORT[,IP:PORT...]` to Envoy's `override_host` policy.
+    pub routing_header: String,
+    /// Extra ranked endpoints after the chosen one (0..=15), for retries.
+    pub fallback_endpoints: usize,
+    /// Request header naming the model; None = every pod in the pool serves every request.
+    pub model_header: Option<String>,
+    /// Request header that asks for the scoreboard in a response header.
+    pub debug_header: Option<String>,
+    /// Path answered locally with the scoreboard JSON.
+    pub status_path: Option<String>,
+    pub watch: WatchConfig,
+    /// Admission control settings, validated by [`crate::admission`] (opaque here).
+    pub admission: Option<Value>,
+}
+
+impl FilterConfig {
+    /// Parses and validates the plugin configuration JSON.
+    pub fn from_json(bytes: &[u8]) -> Result<FilterConfig, ConfigError> {
+        let mut de = serde_json::Deserializer::from_slice(bytes);
+        let raw: RawConfig = serde_path_to_error::deserialize(&mut de).map_err(serde_error)?;
+        de.end()
+            .map_err(|e| ConfigError::new("", "", format!("trailing data: {e}")))?;
+        FilterConfig::try_from(raw)
+    }
+
+    /// Index of the pool with this name.
+    pub fn pool_by_name(&self, name: &str) -> Option<usize> {
+        self.pools.iter().position(|p| p.name == name)
+    }
+
+    /// Index of the pool whose inference cluster is `cluster`.
+    pub fn pool_by_cluster(&self, cluster: &str) -> Option<usize> {
+        self.pools.iter().position(|p| p.cluster == cluster)
+    }
+}
+
+fn serde_error(e: serde_path_to_error::Error<serde_json::Error>) -> ConfigError {
+    let mut path = e.path().to_string();
+    if path == "." {
+        path.clear();
+    }
+    let msg = e.inner().to_string();
+    // `unknown field `foo`, expected one of ...`: put the field itself in the path.
+    if let Some(rest) = msg.strip_prefix("unknown field `") {
+        if let Some(end) = rest.find('`') {
+            let field = rest.get(..end).unwrap_or(rest);
+            // serde_path_to_error already ends the path with the field; older versions do not.
+            let full = if path.is_empty() {
+                field.to_string()
+            } else if path == field || path.ends_with(&format!(".{field}")) {
+                path.clone()
+            } else {
+                format!("{path}.{field}")
+            };
+            return ConfigError::new(full, "", "unknown field");
+        }
+    }
+    // Strip serde_json's " at line X column Y" into the reason: keep it, it helps.
+    let reason = if path.is_empty() {
+        format!("invalid JSON: {msg}")
+    } else {
+        msg
+    };
+    ConfigError::new(path, "", reason)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Raw serde layer
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawConfig {
+    #[serde(default)]
+    mode: Option<String>,
+    pools: Vec<RawPool>,
+    #[serde(default)]
+    weight_templates: BTreeMap<String, RawWeights>,
+    #[serde(default)]
+    cutoffs: RawCutoffs,
+    #[serde(default)]
+    breaker: RawBreaker,
+    #[serde(default)]
+    ema_alpha: Option<f64>,
+    #[serde(default)]
+    min_pods: Option<u64>,
+    #[serde(default)]
+    floor_weight: Option<f64>,
+    #[serde(default)]
+    routing_header: Option<String>,
+    #[serde(default)]
+    fallback_endpoints: Option<u64>,
+    #[serde(default)]
+    model_header: Option<String>,
+    #[serde(default)]
+    debug_header: Option<String>,
+    #[serde(default)]
+    status_path: Option<String>,
+    #[serde(default)]
+    watch: RawWatch,
+    #[serde(default)]
+    admission: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawPool {
+    name: String,
+    cluster: String,
+    #[serde(default)]
+    agent_cluster: Option<String>,
+    #[serde(default)]
+    agent_authority: Option<String>,
+    #[serde(default)]
+    model_type: Option<String>,
+    #[serde(default)]
+    weights: Option<RawWeights>,
+    #[serde(default)]
+    pod_weights: BTreeMap<String, RawWeights>,
+}
+
+#[derive(Debug, Deserialize, Clone, Copy)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawWeights {
+    #[serde(default)]
+    gpu: f64,
+    #[serde(default)]
+    queue: f64,
+    #[serde(default)]
+    p99: f64,
+    #[serde(default)]
+    memory: f64,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawCutoffs {
+    #[serde(default)]
+    gpu_hard_limit: Option<f64>,
+    #[serde(default)]
+    max_queue: Option<u64>,
+    #[serde(default)]
+    p99_timeout_ms: Option<u64>,
+    #[serde(default)]
+    staleness_ms: Option<u64>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawBreaker {
+    #[serde(default)]
+    consecutive_failures: Option<u64>,
+    #[serde(default)]
+    base_cooldown_ms: Option<u64>,
+    #[serde(default)]
+    max_cooldown_ms: Option<u64>,
+    #[serde(default)]
+    half_open_probes: Option<u64>,
+    #[serde(default)]
+    ttft_slo_ms: Option<u64>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawWatch {
+    #[serde(default)]
+    min_interval_ms: Option<u64>,
+    #[serde(default)]
+    heartbeat_ms: Option<u64>,
+    #[serde(default)]
+    reconnect_base_ms: Option<u64>,
+    #[serde(default)]
+    reconnect_max_ms: Option<u64>,
+    #[serde(default)]
+    refresh_ms: Option<u64>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation
+// ---------------------------------------------------------------------------------------------
+
+fn json_str(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_else(|_| s.to_string())
+}
+
+fn weights(path: &str, raw: &RawWeights) -> Result<Weights, ConfigError> {
+    let fields = [
+        ("gpu", raw.gpu),
+        ("queue", raw.queue),
+        ("p99", raw.p99),
+        ("memory", raw.memory),
+    ];
+    for (name, v) in fields {
+        if !v.is_finite() || v < 0.0 {
+            return Err(ConfigError::new(
+                format!("{path}.{name}"),
+                v,
+                "must be a finite number ≥ 0",
+            ));
+        }
+    }
+    let sum = raw.gpu + raw.queue + raw.p99 + raw.memory;
+    if sum <= 0.0 || !sum.is_finite() {
+        return Err(ConfigError::new(
+            path,
+            format!(
+                "{{\"gpu\":{},\"queue\":{},\"p99\":{},\"memory\":{}}}",
+                raw.gpu, raw.queue, raw.p99, raw.memory
+            ),
+            "weights must have a positive, finite sum (they are normalised to sum 1)",
+        ));
+    }
+    Ok(Weights {
+        gpu: raw.gpu / sum,
+        queue: raw.queue / sum,
+        p99: raw.p99 / sum,
+        memory: raw.memory / sum,
+    })
+}
+
+/// A lowercase HTTP header name: RFC 9110 token characters, no uppercase, not empty,
+/// not a pseudo-header.
+fn header_name(path: &str, v: &str) -> Result<String, ConfigError> {
+    let ok = !v.is_empty()
+        && v.bytes().all(|b| {
+            b.is_ascii_lowercase()
+                || b.is_ascii_digit()
+                || matches!(
+                    b,
+                    b'!' | b'#'
+                        | b'$'
+                        | b'%'
+                        | b'&'
+                        | b'\''
+                        | b'*'
+                        | b'+'
+                        | b'-'
+                        | b'.'
+                        | b'^'
+                        | b'_'
+                        | b'`'
+                        | b'|'
+                        | b'~'
+                )
+        });
+    if ok {
+        Ok(v.to_string())
+    } else {
+        Err(ConfigError::new(
+            path,
+            json_str(v),
+            "must be a non-empty lowercase HTTP header name (token characters, no uppercase)",
+        ))
+    }
+}
+
+fn non_empty(path: &str, v: &str) -> Result<String, ConfigError> {
+    if v.trim().is_empty() {
+        Err(ConfigError::new(path, json_str(v), "must not be empty"))
+    } else {
+        Ok(v.to_string())
+    }
+}
+
+fn positive_ms(path: &str, v: Option<u64>, default: u64) -> Result<u64, ConfigError> {
+    match v {
+        None => Ok(default),
+        Some(0) => Err(ConfigError::new(path, 0, "must be > 0 (milliseconds)")),
+        Some(x) => Ok(x),
+    }
+}
+
+fn ratio_limit(path: &str, v: Option<f64>, default: f64) -> Result<f64, ConfigError> {
+    match v {
+        None => Ok(default),
+        Some(x) if x.is_finite() && x > 0.0 && x <= 1.0 => Ok(x),
+        Some(x) => Err(ConfigError::new(path, x, "must be within (0, 1]")),
+    }
+}
+
+fn u32_in(
+    path: &str,
+    v: Option<u64>,
+    default: u32,
+    min: u64,
+    max: u64,
+) -> Result<u32, ConfigError> {
+    match v {
+        None => Ok(default),
+        Some(x) if x >= min && x <= max => u32::try_from(x)
+            .map_err(|_| ConfigError::new(path, x, format!("must be within {min}..={max}"))),
+        Some(x) => Err(ConfigError::new(
+            path,
+            x,
+            format!("must be within {min}..={max}"),
+        )),
+    }
+}
+
+impl TryFrom<RawConfig> for FilterConfig {
+    type Error = ConfigError;
+
+    fn try_from(raw: RawConfig) -> Result<Self, ConfigError> {
+        let mode = match raw.mode.as_deref() {
+            None | Some("route") => Mode::Route,
+            Some("guard") => Mode::Guard,
+            Some(other) => {
+                return Err(ConfigError::new(
+                    "mode",
+                    json_str(other),
+                    "must be \"route\" or \"guard\"",
+                ))
+            }
+        };
+
+        let mut weight_templates = BTreeMap::new();
+        for (k, w) in &raw.weight_templates {
+            let path = format!("weightTemplates.{k}");
+            if k.is_empty() {
+                return Err(ConfigError::new(
+                    path,
+                    "\"\"",
+                    "template name must not be empty",
+                ));
+            }
+            weight_templates.insert(k.clone(), weights(&path, w)?);
+        }
+
+        if raw.pools.is_empty() && mode == Mode::Route {
+            return Err(ConfigError::new(
+                "pools",
+                "[]",
+                "at least one pool is required in route mode",
+            ));
+        }
+        let mut names = HashSet::new();
+        let mut clusters = HashSet::new();
+        let mut pools = Vec::with_capacity(raw.pools.len());
+        for (i, p) in raw.pools.iter().enumerate() {
+            let base = format!("pools[{i}]");
+            let name = non_empty(&format!("{base}.name"), &p.name)?;
+            if !names.insert(name.clone()) {
+                return Err(ConfigError::new(
+                    format!("{base}.name"),
+                    json_str(&name),
+                    "duplicate pool name",
+                ));
+            }
+            let cluster = non_empty(&format!("{base}.cluster"), &p.cluster)?;
+            if !clusters.insert(cluster.clone()) {
+                return Err(ConfigError::new(
+                    format!("{base}.cluster"),
+                    json_str(&cluster),
+                    "duplicate cluster: each pool needs its own cluster",
+                ));
+            }
+            let agent_cluster = match &p.agent_cluster {
+                Some(c) => non_empty(&format!("{base}.agentCluster"), c)?,
+                None => cluster.clone(),
+            };
+            let agent_authority = match &p.agent_authority {
+                Some(a) => non_empty(&format!("{base}.agentAuthority"), a)?,
+                None => "ai-lb-agent".to_string(),
+            };
+            let model_type = match &p.model_type {
+                Some(t) => Some(non_empty(&format!("{base}.modelType"), t)?),
+                None => None,
+            };
+            let pool_weights = match (&p.weights, &model_type) {
+                (Some(w), _) => weights(&format!("{base}.weights"), w)?,
+                (None, Some(t)) => weight_templates.get(t).copied().unwrap_or_default(),
+                (None, None) => Weights::default(),
+            };
+            let mut pod_weights = BTreeMap::new();
+            for (addr, w) in &p.pod_weights {
+                let path = format!("{base}.podWeights.{addr}");
+                if addr.parse::<SocketAddr>().is_err() {
+                    return Err(ConfigError::new(
+                        format!("{base}.podWeights"),
+                        json_str(addr),
+                        "keys must be pod serving addresses IP:PORT (e.g. 10.0.0.1:8000)",
+                    ));
+                }
+                pod_weights.insert(addr.clone(), weights(&path, w)?);
+            }
+            pools.push(PoolConfig {
+                name,
+                cluster,
+                agent_cluster,
+                agent_authority,
+                model_type,
+                weights: pool_weights,
+                pod_weights,
+            });
+        }
+
+        let d = Cutoffs::default();
+        let cutoffs = Cutoffs {
+            gpu_hard_limit: ratio_limit(
+                "cutoffs.gpuHardLimit",
+                raw.cutoffs.gpu_hard_limit,
+                d.gpu_hard_limit,
+            )?,
+            max_queue: u32_in(
+                "cutoffs.maxQueue",
+                raw.cutoffs.max_queue,
+                d.max_queue,
+                1,
+                1_000_000,
+            )?,
+            p99_timeout_ms: positive_ms(
+                "cutoffs.p99TimeoutMs",
+                raw.cutoffs.p99_timeout_ms,
+                d.p99_timeout_ms,
+            )?,
+            staleness_ms: positive_ms(
+                "cutoffs.stalenessMs",
+                raw.cutoffs.staleness_ms,
+                d.staleness_ms,
+            )?,
+        };
+
+        let d = BreakerConfig::default();
+        let base_cooldown_ms = positive_ms(
+            "breaker.baseCooldownMs",
+            raw.breaker.base_cooldown_ms,
+            d.base_cooldown_ms,
+        )?;
+        let max_cooldown_ms = positive_ms(
+            "breaker.maxCooldownMs",
+            raw.breaker.max_cooldown_ms,
+            d.max_cooldown_ms.max(base_cooldown_ms),
+        )?;
+        if max_cooldown_ms < base_cooldown_ms {
+            return Err(ConfigError::new(
+                "breaker.maxCooldownMs",
+                max_cooldown_ms,
+                format!("must be ≥ breaker.baseCooldownMs ({base_cooldown_ms})"),
+            ));
+        }
+        let ttft_slo_ms = match raw.breaker.ttft_slo_ms {
+            None => None,
+            Some(0) => {
+                return Err(ConfigError::new(
+                    "breaker.ttftSloMs",
+                    0,
+                    "must be > 0 (milliseconds) or null",
+                ))
+            }
+            Some(x) => Some(x),
+        };
+        let breaker = BreakerConfig {
+            consecutive_failures: u32_in(
+                "breaker.consecutiveFailures",
+                raw.breaker.consecutive_failures,
+                d.consecutive_failures,
+                1,
+                10_000,
+            )?,
+            base_cooldown_ms,
+            max_cooldown_ms,
+            half_open_probes: u32_in(
+                "breaker.halfOpenProbes",
+                raw.breaker.half_open_probes,
+                d.half_open_probes,
+                1,
+                250,
+            )?,
+            ttft_slo_ms,
+        };
+
+        let ema_alpha = match raw.ema_alpha {
+            None => 0.3,
+            Some(a) if a.is_finite() && a > 0.0 && a <= 1.0 => a,
+            Some(a) => return Err(ConfigError::new("emaAlpha", a, "must be within (0, 1]")),
+        };
+        let min_pods = match raw.min_pods {
+            None => 3,
+            Some(n) if (1..=100_000).contains(&n) => usize::try_from(n).unwrap_or(3),
+            Some(n) => return Err(ConfigError::new("minPods", n, "must be within 1..=100000")),
+        };
+        let floor_weight = match raw.floor_weight {
+            None => 0.05,
+            Some(f) if f.is_finite() && (0.0..1.0).contains(&f) => f,
+            Some(f) => return Err(ConfigError::new("floorWeight", f, "must be within [0, 1)")),
+        };
+        let routing_header = header_name(
+            "routingHeader",
+            raw.routing_header
+                .as_deref()
+                .unwrap_or("x-gateway-destination-endpoint"),
+        )?;
+        let fallback_endpoints = match raw.fallback_endpoints {
+            None => 2,
+            Some(n) if n <= MAX_FALLBACK_ENDPOINTS as u64 => usize::try_from(n).unwrap_or(2),
+            Some(n) => {
+                return Err(ConfigError::new(
+                    "fallbackEndpoints",
+                    n,
+                    format!("must be within 0..={MAX_FALLBACK_ENDPOINTS}"),
+                ))
+            }
+        };
+        let model_header = raw
+            .model_header
+            .as_deref()
+            .map(|h| header_name("modelHeader", h))
+            .transpose()?;
+        let debug_header = raw
+            .debug_header
+            .as_deref()
+            .map(|h| header_name("debugHeader", h))
+            .transpose()?;
+        let status_path = match raw.status_path {
+            None => None,
+            Some(p) if p.starts_with('/') && !p.contains(char::is_whitespace) => Some(p),
+            Some(p) => {
+                return Err(ConfigError::new(
+                    "statusPath",
+                    json_str(&p),
+                    "must be a path starting with '/' without whitespace",
+                ))
+            }
+        };
+
+        let d = WatchConfig::default();
+        let reconnect_base_ms = positive_ms(
+            "watch.reconnectBaseMs",
+            raw.watch.reconnect_base_ms,
+            d.reconnect_base_ms,
+        )?;
+        let reconnect_max_ms = positive_ms(
+            "watch.reconnectMaxMs",
+            raw.watch.reconnect_max_ms,
+            d.reconnect_max_ms.max(reconnect_base_ms),
+        )?;
+        if reconnect_max_ms < reconnect_base_ms {
+            return Err(ConfigError::new(
+                "watch.reconnectMaxMs",
+                reconnect_max_ms,
+                format!("must be ≥ watch.reconnectBaseMs ({reconnect_base_ms})"),
+            ));
+        }
+        let watch = WatchConfig {
+            min_interval_ms: u32_in(
+                "watch.minIntervalMs",
+                raw.watch.min_interval_ms,
+                0,
+                0,
+                3_600_000,
+            )?,
+            heartbeat_ms: u32_in("watch.heartbeatMs", raw.watch.heartbeat_ms, 0, 0, 3_600_000)?,
+            reconnect_base_ms,
+            reconnect_max_ms,
+            refresh_ms: positive_ms("watch.refreshMs", raw.watch.refresh_ms, d.refresh_ms)?,
+        };
+
+        Ok(FilterConfig {
+            mode,
+            pools,
+            weight_templates,
+            cutoffs,
+            breaker,
+            ema_alpha,
+            min_pods,
+            floor_weight,
+            routing_header,
+            fallback_endpoints,
+            model_header,
+            debug_header,
+            status_path,
+            watch,
+            admission: raw.admission,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let c = FilterConfig::from_json(br#"{"pools":[{"name":"llm","cluster":"inference"}]}"#)
+            .unwrap();
+        assert_eq!(c.mode, Mode::Route);
+        assert_eq!(c.pools[0].agent_cluster, "inference");
+        assert_eq!(c.pools[0].weights, Weights::default());
+        assert_eq!(c.cutoffs, Cutoffs::default());
+        assert_eq!(c.min_pods, 3);
+        assert_eq!(c.routing_header, "x-gateway-destination-endpoint");
+    }
+
+    #[test]
+    fn weights_resolve_pod_over_pool_over_template_over_default() {
+        let c = FilterConfig::from_json(
+            br#"{"pools":[
+                {"name":"a","cluster":"ca","modelType":"vision",
+                 "podWeights":{"10.0.0.1:8000":{"gpu":1}}},
+                {"name":"b","cluster":"cb","modelType":"vision","weights":{"queue":3,"p99":1}},
+                {"name":"c","cluster":"cc","modelType":"speech"}],
+              "weightTemplates":{"vision":{"gpu":0.5,"memory":0.5}}}"#,
+        )
+        .unwrap();
+        let a = &c.pools[0];
+        assert_eq!(a.weights_for("10.0.0.1:8000").gpu, 1.0);
+        assert_eq!(a.weights_for("10.0.0.2:8000").memory, 0.5);
+        assert_eq!(c.pools[1].weights.queue, 0.75);
+        assert_eq!(c.pools[2].weights, Weights::default());
+    }
+
+    #[test]
+    fn negative_weight_names_path_and_value() {
+        let e = FilterConfig::from_json(
+            br#"{"pools":[{"name":"llm","cluster":"x","weights":{"gpu":-0.1}}]}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.path, "pools[0].weights.gpu");
+        assert_eq!(e.value, "-0.1");
+        assert!(e.to_string().contains("must be a finite number ≥ 0"));
+    }
+
+    #[test]
+    fn unknown_field_is_named() {
+        let e = FilterConfig::from_json(br#"{"pools":[{"name":"a","cluster":"b","bogus":1}]}"#)
+            .unwrap_err();
+        assert_eq!(e.path, "pools[0].bogus");
+    }
+}

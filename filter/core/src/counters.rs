@@ -1,0 +1,66 @@
+//! Decides nothing: the counters the glue exports as Envoy stats (fallbacks by reason,
+//! fail-opens, signal issues, breaker transitions, pool events).
+
+use crate::breaker::BreakerState;
+
+/// Monotonic counters; the glue reads them and adds the deltas to its Envoy metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Requests steered to a chosen pod.
+    pub steered: u64,
+    /// Fallback: no agent data for the pool yet (or no pod with an address).
+    pub fallback_no_agent_data: u64,
+    /// Fallback: no pod serves the requested model.
+    pub fallback_no_model: u64,
+    /// Fallback: every candidate's metrics are stale.
+    pub fallback_all_stale: u64,
+    /// Fallback: fewer than `minPods` candidates with fresh metrics.
+    pub fallback_too_few_pods: u64,
+    /// Every candidate scored 0: picked evenly among them.
+    pub fail_open: u64,
+    /// Readings dropped or clamped on entry (see [`crate::signals::SignalIssue`]).
+    pub signal_issues: u64,
+    /// Snapshots ignored entirely (no valid serving address).
+    pub snapshots_rejected: u64,
+    /// Pool events applied.
+    pub pool_events: u64,
+    /// Shared pool state that failed to decode.
+    pub pool_decode_errors: u64,
+    /// Hardware faults detected (Xid/ECC increase).
+    pub hardware_faults: u64,
+    /// Breaker transitions by target state.
+    pub breaker_opened: u64,
+    pub breaker_half_opened: u64,
+    pub breaker_closed: u64,
+}
+
+impl Counters {
+    /// Counts one breaker transition into `to`.
+    pub fn count_transition(&mut self, to: BreakerState) {
+        match to {
+            BreakerState::Open => self.breaker_opened += 1,
+            BreakerState::HalfOpen => self.breaker_half_opened += 1,
+            BreakerState::Closed => self.breaker_closed += 1,
+        }
+    }
+
+    /// `(stat name, value)` pairs, stable names for Envoy counters.
+    pub fn iter(&self) -> [(&'static str, u64); 14] {
+        [
+            ("steered", self.steered),
+            ("fallback.no_agent_data", self.fallback_no_agent_data),
+            ("fallback.no_model", self.fallback_no_model),
+            ("fallback.all_stale", self.fallback_all_stale),
+            ("fallback.too_few_pods", self.fallback_too_few_pods),
+            ("fail_open", self.fail_open),
+            ("signal_issues", self.signal_issues),
+            ("snapshots_rejected", self.snapshots_rejected),
+            ("pool_events", self.pool_events),
+            ("pool_decode_errors", self.pool_decode_errors),
+            ("hardware_faults", self.hardware_faults),
+            ("breaker.opened", self.breaker_opened),
+            ("breaker.half_opened", self.breaker_half_opened),
+            ("breaker.closed", self.breaker_closed),
+        ]
+    }
+}

@@ -1,0 +1,984 @@
+//! Decides which pod serves a request: weighted random choice in proportion to each pod's
+//! smoothed score (the "power of scores" form of weighted random load balancing, as in GIE's
+//! endpoint picker), corrected for the requests this sidecar already sent since the pod's last
+//! snapshot, never choosing a pod that is cut off or whose breaker refuses it.
+//!
+//! Per pod, the pick weight is:
+//! - 0 when cut (GPU hard limit, queue full, stale, hardware fault) or the breaker refuses
+//!   (Open, or HalfOpen with its probe budget spent);
+//! - else `max(ema, floorWeight)` where `ema = α·raw + (1-α)·ema` is updated once per new
+//!   snapshot (first value = raw);
+//! - a pod with a snapshot but no usable reading (cold start) gets the pool MEAN of the pods
+//!   with metrics that are not cut (neither 0 nor the best), floored likewise;
+//! - then divided by `1 + inflight / capacity`, where `inflight` counts requests this sidecar
+//!   started to the pod since its last snapshot (reset when a new one arrives) that have not
+//!   finished, and `capacity` is the pod's reported `queue_capacity` (max running sequences),
+//!   else `cutoffs.maxQueue`.
+//!
+//! The chosen pod comes first in the ranked list, then the next best pods by smoothed weight
+//! (not HalfOpen ones: their probes are budgeted), up to `fallbackEndpoints`.
+//!
+//! Picking keeps a Fenwick tree of weights per (pool, requested model), so a pick costs
+//! O(log n) with no heap allocation in the steady state; trees are rebuilt when the pool state
+//! changes, a breaker changes, or a time deadline (staleness, cooldown) passes.
+
+use std::collections::HashMap;
+
+use rand::RngCore;
+
+use crate::breaker::{Breaker, BreakerEvent, BreakerState, Outcome, Transition, TripReason};
+use crate::config::{FilterConfig, MAX_FALLBACK_ENDPOINTS};
+use crate::counters::Counters;
+use crate::pool::{DecodeError, PoolState};
+use crate::score::{score, CutReason, Score};
+
+/// Most entries in a ranked list (chosen + `MAX_FALLBACK_ENDPOINTS`).
+pub const MAX_RANKED: usize = MAX_FALLBACK_ENDPOINTS + 1;
+
+const NONE: u32 = u32::MAX;
+
+/// A pod of one pool, valid for the pool layout it came from (see [`Router::address`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PodId(u32);
+
+/// Chosen pod first, then fallbacks; fixed capacity, no heap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ranked {
+    ids: [u32; MAX_RANKED],
+    len: u8,
+    generation: u64,
+}
+
+impl Ranked {
+    fn new(generation: u64) -> Self {
+        Self {
+            ids: [NONE; MAX_RANKED],
+            len: 0,
+            generation,
+        }
+    }
+
+    fn push(&mut self, id: u32) {
+        if let Some(slot) = self.ids.get_mut(usize::from(self.len)) {
+            *slot = id;
+            self.len += 1;
+        }
+    }
+
+    fn contains(&self, id: u32) -> bool {
+        self.as_slice().contains(&id)
+    }
+
+    fn as_slice(&self) -> &[u32] {
+        self.ids.get(..usize::from(self.len)).unwrap_or(&[])
+    }
+
+    pub fn len(&self) -> usize {
+        usize::from(self.len)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The chosen pod.
+    pub fn first(&self) -> Option<PodId> {
+        self.as_slice().first().map(|i| PodId(*i))
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = PodId> + '_ {
+        self.as_slice().iter().map(|i| PodId(*i))
+    }
+}
+
+/// Why the filter steers nothing and lets Envoy's fallback policy balance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FallbackReason {
+    /// No event from the pool agent yet, or no pod with a serving address.
+    NoAgentData,
+    /// No pod serves the requested model.
+    NoModel,
+    /// Every candidate's metrics are stale.
+    AllStale,
+    /// Fewer than `minPods` candidates with fresh metrics.
+    TooFewPods,
+}
+
+impl FallbackReason {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            FallbackReason::NoAgentData => "no_agent_data",
+            FallbackReason::NoModel => "no_model",
+            FallbackReason::AllStale => "all_stale",
+            FallbackReason::TooFewPods => "too_few_pods",
+        }
+    }
+}
+
+/// The routing decision for one request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Decision {
+    /// Steer to `ranked` (write it with [`Router::write_ranked`] into the routing header).
+    Steer { ranked: Ranked, chosen_score: f64 },
+    /// Steer nothing.
+    Fallback(FallbackReason),
+    /// Every candidate scored 0: one chosen uniformly among the candidates (cut pods
+    /// included: failing open beats refusing everything), fallbacks following it.
+    FailOpen { ranked: Ranked },
+}
+
+/// A pod's row on the scoreboard.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PodStatus<'a> {
+    pub address: &'a str,
+    pub peer: &'a str,
+    /// Smoothed score (0 when cut); for a cold pod the pool mean it was given.
+    pub score: f64,
+    /// The latest unsmoothed formula value.
+    pub raw: f64,
+    pub cut: Option<CutReason>,
+    pub cold: bool,
+    pub breaker: BreakerState,
+    pub picks: u64,
+    pub inflight: u32,
+    /// Metrics age at the status time (None when no snapshot).
+    pub metrics_age_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone)]
+struct PodRt {
+    address: String,
+    peer_idx: usize,
+    /// The snapshot the EMA last consumed: (received_at_ms, sequence).
+    seen: Option<(u64, u64)>,
+    ema: Option<f64>,
+    score: Score,
+    cut: Option<CutReason>,
+    cold: bool,
+    /// Smoothed score with floor, 0 when cut or refused by the pod breaker.
+    base: f64,
+    /// Shown on the scoreboard.
+    shown: f64,
+    capacity: f64,
+    inflight: u32,
+    picks: u64,
+    breaker: Breaker,
+    model_breakers: Vec<(String, Breaker)>,
+    serves_several: bool,
+}
+
+impl PodRt {
+    fn new(address: String, peer_idx: usize) -> Self {
+        Self {
+            address,
+            peer_idx,
+            seen: None,
+            ema: None,
+            score: Score {
+                value: 0.0,
+                raw: 0.0,
+                cut: None,
+                has_terms: false,
+            },
+            cut: None,
+            cold: true,
+            base: 0.0,
+            shown: 0.0,
+            capacity: 1.0,
+            inflight: 0,
+            picks: 0,
+            breaker: Breaker::default(),
+            model_breakers: Vec::new(),
+            serves_several: false,
+        }
+    }
+
+    fn model_breaker(&self, model: Option<&str>) -> Option<&Breaker> {
+        let m = model?;
+        self.model_breakers
+            .iter()
+            .find(|(n, _)| n == m)
+            .map(|(_, b)| b)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Verdict {
+    Pick,
+    Fallback(FallbackReason),
+}
+
+#[derive(Debug, Clone)]
+struct View {
+    model: Option<String>,
+    slots: Vec<u32>,
+    slot_of: Vec<u32>,
+    w: Vec<f64>,
+    tree: Vec<f64>,
+    order: Vec<u32>,
+    verdict: Verdict,
+}
+
+impl View {
+    fn new(model: Option<&str>) -> Self {
+        Self {
+            model: model.map(str::to_string),
+            slots: Vec::new(),
+            slot_of: Vec::new(),
+            w: Vec::new(),
+            tree: Vec::new(),
+            order: Vec::new(),
+            verdict: Verdict::Fallback(FallbackReason::NoAgentData),
+        }
+    }
+
+    fn add(&mut self, slot: usize, delta: f64) {
+        let mut i = slot + 1;
+        while let Some(t) = self.tree.get_mut(i) {
+            *t += delta;
+            i += i & i.wrapping_neg();
+        }
+    }
+
+    fn total(&self) -> f64 {
+        let mut i = self.slots.len();
+        let mut s = 0.0;
+        while i > 0 {
+            s += self.tree.get(i).copied().unwrap_or(0.0);
+            i &= i - 1;
+        }
+        s
+    }
+
+    /// Smallest slot whose prefix sum exceeds `u`.
+    fn find(&self, mut u: f64) -> usize {
+        let n = self.slots.len();
+        let mut pos = 0usize;
+        let mut step = if n == 0 {
+            0
+        } else {
+            1usize << (usize::BITS - 1 - n.leading_zeros())
+        };
+        while step > 0 {
+            let next = pos + step;
+            if next <= n {
+                let t = self.tree.get(next).copied().unwrap_or(0.0);
+                if t <= u {
+                    pos = next;
+                    u -= t;
+                }
+            }
+            step >>= 1;
+        }
+        pos.min(n.saturating_sub(1))
+    }
+
+    fn set(&mut self, slot: usize, value: f64) {
+        let old = self.w.get(slot).copied().unwrap_or(0.0);
+        if let Some(w) = self.w.get_mut(slot) {
+            *w = value;
+        }
+        self.add(slot, value - old);
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+struct PoolRt {
+    state: PoolState,
+    pods: Vec<PodRt>,
+    by_addr: HashMap<String, u32>,
+    views: Vec<View>,
+    generation: u64,
+    next_refresh_ms: u64,
+    dirty: bool,
+    /// Pool mean of smoothed scores of pods with metrics that are not cut.
+    mean: f64,
+}
+
+/// The routing state of every configured pool. Single-threaded (one per wasm VM).
+#[derive(Debug)]
+pub struct Router {
+    cfg: FilterConfig,
+    pools: Vec<PoolRt>,
+    counters: Counters,
+    events: Vec<BreakerEvent>,
+}
+
+fn uniform01(rng: &mut (impl RngCore + ?Sized)) -> f64 {
+    (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+}
+
+fn effective(pod: &PodRt, model: Option<&str>, cfg: &FilterConfig) -> f64 {
+    if pod.base <= 0.0 {
+        return 0.0;
+    }
+    if let Some(b) = pod.model_breaker(model) {
+        if !b.admits(&cfg.breaker) {
+            return 0.0;
+        }
+    }
+    pod.base / (1.0 + f64::from(pod.inflight) / pod.capacity)
+}
+
+fn push_event(
+    events: &mut Vec<BreakerEvent>,
+    counters: &mut Counters,
+    pod: &str,
+    model: Option<&str>,
+    t: Transition,
+) {
+    counters.count_transition(t.to);
+    events.push(BreakerEvent {
+        pod: pod.to_string(),
+        model: model.map(str::to_string),
+        from: t.from,
+        to: t.to,
+        reason: t.reason,
+    });
+}
+
+impl Router {
+    /// A router for every pool of `cfg`, with no agent data yet.
+    pub fn new(cfg: FilterConfig) -> Self {
+        let pools = cfg.pools.iter().map(|_| PoolRt::default()).collect();
+        Self {
+            cfg,
+            pools,
+            counters: Counters::default(),
+            events: Vec::new(),
+        }
+    }
+
+    pub fn config(&self) -> &FilterConfig {
+        &self.cfg
+    }
+
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    pub fn counters_mut(&mut self) -> &mut Counters {
+        &mut self.counters
+    }
+
+    /// Time-driven breaker transitions (Open → HalfOpen) seen since the last call.
+    pub fn take_breaker_events(&mut self) -> Vec<BreakerEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    pub fn pool_state(&self, pool_idx: usize) -> Option<&PoolState> {
+        self.pools.get(pool_idx).map(|p| &p.state)
+    }
+
+    /// Subscriber path: applies one `WatchPool` event to the pool's state.
+    pub fn apply_pool_event(
+        &mut self,
+        pool_idx: usize,
+        ev: &ai_lb_proto::PoolEvent,
+        now_ms: u64,
+    ) -> Vec<BreakerEvent> {
+        let Some(p) = self.pools.get_mut(pool_idx) else {
+            return Vec::new();
+        };
+        p.state.apply_event(ev, now_ms, &mut self.counters);
+        self.relayout(pool_idx, now_ms)
+    }
+
+    /// Worker path: replaces the pool's state (decoded from shared data). Pods keep their
+    /// EMA, breakers, in-flight counts and picks by serving address.
+    pub fn set_pool_state(
+        &mut self,
+        pool_idx: usize,
+        state: PoolState,
+        now_ms: u64,
+    ) -> Vec<BreakerEvent> {
+        let Some(p) = self.pools.get_mut(pool_idx) else {
+            return Vec::new();
+        };
+        p.state = state;
+        self.relayout(pool_idx, now_ms)
+    }
+
+    /// Worker path: decodes shared bytes and installs them unless their version is the one
+    /// already installed. Counts decode errors.
+    pub fn set_pool_state_bytes(
+        &mut self,
+        pool_idx: usize,
+        bytes: &[u8],
+        now_ms: u64,
+    ) -> Result<Vec<BreakerEvent>, DecodeError> {
+        match PoolState::decode(bytes) {
+            Ok(s) => {
+                let same = self.pools.get(pool_idx).is_some_and(|p| {
+                    p.state.version() == s.version() && p.state.last_event_ms() == s.last_event_ms()
+                });
+                if same {
+                    return Ok(Vec::new());
+                }
+                Ok(self.set_pool_state(pool_idx, s, now_ms))
+            }
+            Err(e) => {
+                self.counters.pool_decode_errors += 1;
+                Err(e)
+            }
+        }
+    }
+
+    fn relayout(&mut self, pool_idx: usize, now_ms: u64) -> Vec<BreakerEvent> {
+        let Some(p) = self.pools.get_mut(pool_idx) else {
+            return Vec::new();
+        };
+        let mut old: HashMap<String, PodRt> =
+            p.pods.drain(..).map(|r| (r.address.clone(), r)).collect();
+        p.by_addr.clear();
+        for (i, peer) in p.state.peers().iter().enumerate() {
+            let Some(sig) = &peer.signals else { continue };
+            if p.by_addr.contains_key(&sig.address) {
+                self.counters.snapshots_rejected += 1;
+                continue;
+            }
+            let mut rt = old
+                .remove(&sig.address)
+                .unwrap_or_else(|| PodRt::new(sig.address.clone(), i));
+            rt.peer_idx = i;
+            let id = u32::try_from(p.pods.len()).unwrap_or(NONE);
+            p.by_addr.insert(sig.address.clone(), id);
+            p.pods.push(rt);
+        }
+        p.generation = p.generation.wrapping_add(1);
+        p.views.clear();
+        p.dirty = true;
+        let before = self.events.len();
+        self.refresh(pool_idx, now_ms);
+        self.events.split_off(before)
+    }
+
+    /// Recomputes scores, breaker polls and every view's tree.
+    fn refresh(&mut self, pool_idx: usize, now_ms: u64) {
+        let cfg = &self.cfg;
+        let Some(p) = self.pools.get_mut(pool_idx) else {
+            return;
+        };
+        let Some(pool_cfg) = cfg.pools.get(pool_idx) else {
+            return;
+        };
+        let mut next = u64::MAX;
+        let mut mean_sum = 0.0;
+        let mut mean_n = 0u32;
+        for pod in p.pods.iter_mut() {
+            let Some(entry) = p.state.peers().get(pod.peer_idx) else {
+                continue;
+            };
+            let Some(sig) = entry.signals.as_ref() else {
+                continue;
+            };
+            let weights = pool_cfg.weights_for(&pod.address);
+            let s = score(sig, weights, &cfg.cutoffs, now_ms);
+            let key = (entry.received_at_ms, sig.sequence);
+            if pod.seen != Some(key) {
+                pod.seen = Some(key);
+                if s.has_terms {
+                    pod.ema = Some(match pod.ema {
+                        Some(e) => cfg.ema_alpha * s.raw + (1.0 - cfg.ema_alpha) * e,
+                        None => s.raw,
+                    });
+                }
+                pod.inflight = 0;
+                if sig.hardware_fault {
+                    if let Some(t) =
+                        pod.breaker
+                            .trip(TripReason::HardwareFault, now_ms, &cfg.breaker)
+                    {
+                        push_event(&mut self.events, &mut self.counters, &pod.address, None, t);
+                    }
+                }
+            }
+            if let Some(t) = pod.breaker.poll(now_ms, &cfg.breaker) {
+                push_event(&mut self.events, &mut self.counters, &pod.address, None, t);
+            }
+            for (m, b) in pod.model_breakers.iter_mut() {
+                if let Some(t) = b.poll(now_ms, &cfg.breaker) {
+                    push_event(
+                        &mut self.events,
+                        &mut self.counters,
+                        &pod.address,
+                        Some(m),
+                        t,
+                    );
+                }
+                if b.state() == BreakerState::Open {
+                    next = next.min(b.open_until_ms());
+                } else if b.state() == BreakerState::HalfOpen {
+                    next = next.min(now_ms.saturating_add(cfg.breaker.base_cooldown_ms));
+                }
+            }
+            match pod.breaker.state() {
+                BreakerState::Open => next = next.min(pod.breaker.open_until_ms()),
+                BreakerState::HalfOpen => {
+                    next = next.min(now_ms.saturating_add(cfg.breaker.base_cooldown_ms))
+                }
+                BreakerState::Closed => {}
+            }
+            if s.cut.is_none() && !sig.peer_stale {
+                next = next.min(sig.stale_at_ms(cfg.cutoffs.staleness_ms));
+            }
+            pod.score = s;
+            pod.cold = !s.has_terms || pod.ema.is_none();
+            pod.cut = s.cut.or_else(|| {
+                (!pod.breaker.admits(&cfg.breaker)).then(|| {
+                    CutReason::Breaker(pod.breaker.reason().unwrap_or(TripReason::ServerErrors))
+                })
+            });
+            pod.capacity = f64::from(sig.queue_capacity.unwrap_or(cfg.cutoffs.max_queue).max(1));
+            pod.serves_several = sig.models.len() > 1;
+            if pod.cut.is_none() && !pod.cold {
+                let e = pod.ema.unwrap_or(0.0);
+                mean_sum += e;
+                mean_n += 1;
+            }
+        }
+        let mean = if mean_n > 0 {
+            mean_sum / f64::from(mean_n)
+        } else {
+            0.0
+        };
+        p.mean = mean;
+        for pod in p.pods.iter_mut() {
+            let value = if pod.cold {
+                mean
+            } else {
+                pod.ema.unwrap_or(0.0)
+            };
+            pod.shown = if pod.cut.is_some() { 0.0 } else { value };
+            pod.base = if pod.cut.is_some() || (pod.cold && mean_n == 0) {
+                0.0
+            } else {
+                value.max(cfg.floor_weight).clamp(0.0, 1.0)
+            };
+        }
+        p.next_refresh_ms = next;
+        p.dirty = false;
+        // Rebuild existing views in place (buffers keep their capacity).
+        let mut views = std::mem::take(&mut p.views);
+        for v in views.iter_mut() {
+            build_view(v, p, cfg);
+        }
+        p.views = views;
+    }
+
+    /// Decides where one request of `model` (None: any) goes, at `now_ms`.
+    pub fn decide(
+        &mut self,
+        pool_idx: usize,
+        model: Option<&str>,
+        now_ms: u64,
+        rng: &mut (impl RngCore + ?Sized),
+    ) -> Decision {
+        let needs_refresh = match self.pools.get(pool_idx) {
+            Some(p) => p.dirty || now_ms >= p.next_refresh_ms,
+            None => {
+                self.counters.fallback_no_agent_data += 1;
+                return Decision::Fallback(FallbackReason::NoAgentData);
+            }
+        };
+        if needs_refresh {
+            self.refresh(pool_idx, now_ms);
+        }
+        let cfg = &self.cfg;
+        let Some(p) = self.pools.get_mut(pool_idx) else {
+            return Decision::Fallback(FallbackReason::NoAgentData);
+        };
+        let vi = match p.views.iter().position(|v| v.model.as_deref() == model) {
+            Some(i) => i,
+            None => {
+                let mut v = View::new(model);
+                build_view(&mut v, p, cfg);
+                p.views.push(v);
+                p.views.len() - 1
+            }
+        };
+        let Some(view) = p.views.get(vi) else {
+            return Decision::Fallback(FallbackReason::NoAgentData);
+        };
+        if let Verdict::Fallback(r) = view.verdict {
+            let c = &mut self.counters;
+            match r {
+                FallbackReason::NoAgentData => c.fallback_no_agent_data += 1,
+                FallbackReason::NoModel => c.fallback_no_model += 1,
+                FallbackReason::AllStale => c.fallback_all_stale += 1,
+                FallbackReason::TooFewPods => c.fallback_too_few_pods += 1,
+            }
+            return Decision::Fallback(r);
+        }
+        let total = view.total();
+        let mut ranked = Ranked::new(p.generation);
+        if total <= 1e-12 {
+            let n = view.slots.len();
+            if n == 0 {
+                self.counters.fallback_no_agent_data += 1;
+                return Decision::Fallback(FallbackReason::NoAgentData);
+            }
+            let start = usize::try_from(rng.next_u64() % n as u64).unwrap_or(0);
+            for k in 0..n.min(cfg.fallback_endpoints + 1) {
+                if let Some(id) = view.slots.get((start + k) % n) {
+                    ranked.push(*id);
+                }
+            }
+            if let Some(pod) = ranked.first().and_then(|id| p.pods.get_mut(id.0 as usize)) {
+                pod.picks += 1;
+            }
+            self.counters.fail_open += 1;
+            return Decision::FailOpen { ranked };
+        }
+        let u = uniform01(rng) * total;
+        let mut slot = view.find(u);
+        if view.w.get(slot).copied().unwrap_or(0.0) <= 0.0 {
+            // Rounding landed on a zero-weight slot: take the nearest positive one.
+            let n = view.w.len();
+            slot = (0..n)
+                .map(|k| (slot + k) % n)
+                .find(|s| view.w.get(*s).copied().unwrap_or(0.0) > 0.0)
+                .unwrap_or(slot);
+        }
+        let Some(&chosen) = view.slots.get(slot) else {
+            self.counters.fallback_no_agent_data += 1;
+            return Decision::Fallback(FallbackReason::NoAgentData);
+        };
+        ranked.push(chosen);
+        for &s in &view.order {
+            if ranked.len() > cfg.fallback_endpoints {
+                break;
+            }
+            if let Some(&id) = view.slots.get(s as usize) {
+                if !ranked.contains(id) {
+                    ranked.push(id);
+                }
+            }
+        }
+        let mut chosen_score = 0.0;
+        let mut probe = false;
+        if let Some(pod) = p.pods.get_mut(chosen as usize) {
+            chosen_score = pod.shown;
+            pod.picks += 1;
+            if pod.breaker.state() == BreakerState::HalfOpen {
+                pod.breaker.on_request(now_ms);
+                probe = true;
+            }
+            if let Some(m) = model {
+                if let Some((_, b)) = pod.model_breakers.iter_mut().find(|(n, _)| n == m) {
+                    if b.state() == BreakerState::HalfOpen {
+                        b.on_request(now_ms);
+                        probe = true;
+                    }
+                }
+            }
+        }
+        if probe {
+            // The probe budget may be spent: re-weigh this pod everywhere.
+            if let Some(pod) = p.pods.get_mut(chosen as usize) {
+                if !pod.breaker.admits(&cfg.breaker) {
+                    pod.base = 0.0;
+                    pod.cut = Some(CutReason::Breaker(
+                        pod.breaker.reason().unwrap_or(TripReason::ServerErrors),
+                    ));
+                }
+            }
+            update_pod(p, chosen, cfg);
+        }
+        self.counters.steered += 1;
+        Decision::Steer {
+            ranked,
+            chosen_score,
+        }
+    }
+
+    /// Records that a request was sent to `pod` (serving address): it counts as in flight
+    /// until [`Router::on_outcome`] or the pod's next snapshot.
+    pub fn on_request_start(&mut self, pool_idx: usize, pod: &str) {
+        let cfg = &self.cfg;
+        let Some(p) = self.pools.get_mut(pool_idx) else {
+            return;
+        };
+        let Some(&id) = p.by_addr.get(pod) else {
+            return;
+        };
+        if let Some(rt) = p.pods.get_mut(id as usize) {
+            rt.inflight = rt.inflight.saturating_add(1);
+        }
+        update_pod(p, id, cfg);
+    }
+
+    /// Records how a request to `pod` ended; feeds the pod's breaker (the pod+model breaker
+    /// when the pod serves several models and `model` is given). Returns the transitions.
+    pub fn on_outcome(
+        &mut self,
+        pool_idx: usize,
+        pod: &str,
+        model: Option<&str>,
+        outcome: &Outcome,
+        now_ms: u64,
+    ) -> Vec<BreakerEvent> {
+        let cfg = &self.cfg;
+        let Some(p) = self.pools.get_mut(pool_idx) else {
+            return Vec::new();
+        };
+        let Some(&id) = p.by_addr.get(pod) else {
+            return Vec::new();
+        };
+        let Some(rt) = p.pods.get_mut(id as usize) else {
+            return Vec::new();
+        };
+        rt.inflight = rt.inflight.saturating_sub(1);
+        let failure = outcome.failure(&cfg.breaker);
+        let mut out = Vec::new();
+        let per_model = model.filter(|_| rt.serves_several);
+        let t = match per_model {
+            Some(m) => {
+                let idx = match rt.model_breakers.iter().position(|(n, _)| n == m) {
+                    Some(i) => i,
+                    None => {
+                        rt.model_breakers.push((m.to_string(), Breaker::default()));
+                        rt.model_breakers.len() - 1
+                    }
+                };
+                rt.model_breakers
+                    .get_mut(idx)
+                    .and_then(|(_, b)| b.record(failure, now_ms, &cfg.breaker))
+            }
+            None => rt.breaker.record(failure, now_ms, &cfg.breaker),
+        };
+        if let Some(t) = t {
+            push_event(&mut out, &mut self.counters, &rt.address, per_model, t);
+            p.dirty = true;
+        } else {
+            update_pod(p, id, cfg);
+        }
+        out
+    }
+
+    /// Advances time without a request (e.g. from the glue's tick): polls breakers and
+    /// staleness. Returns transitions that happened.
+    pub fn tick(&mut self, now_ms: u64) -> Vec<BreakerEvent> {
+        let before = self.events.len();
+        for i in 0..self.pools.len() {
+            let due = self
+                .pools
+                .get(i)
+                .is_some_and(|p| p.dirty || now_ms >= p.next_refresh_ms);
+            if due {
+                self.refresh(i, now_ms);
+            }
+        }
+        self.events.split_off(before)
+    }
+
+    /// The pod's breaker (pod-level when `model` is None), for sharing between VMs.
+    pub fn breaker(&self, pool_idx: usize, pod: &str, model: Option<&str>) -> Option<&Breaker> {
+        let p = self.pools.get(pool_idx)?;
+        let rt = p.pods.get(*p.by_addr.get(pod)? as usize)?;
+        match model {
+            None => Some(&rt.breaker),
+            Some(_) => rt.model_breaker(model),
+        }
+    }
+
+    /// Installs a breaker state read from shared data (another VM's view).
+    pub fn set_breaker(
+        &mut self,
+        pool_idx: usize,
+        pod: &str,
+        model: Option<&str>,
+        breaker: Breaker,
+    ) {
+        let Some(p) = self.pools.get_mut(pool_idx) else {
+            return;
+        };
+        let Some(&id) = p.by_addr.get(pod) else {
+            return;
+        };
+        let Some(rt) = p.pods.get_mut(id as usize) else {
+            return;
+        };
+        match model {
+            None => rt.breaker = breaker,
+            Some(m) => match rt.model_breakers.iter_mut().find(|(n, _)| n == m) {
+                Some((_, b)) => *b = breaker,
+                None => rt.model_breakers.push((m.to_string(), breaker)),
+            },
+        }
+        p.dirty = true;
+    }
+
+    /// Serving address of a pod of a ranked list; None if the pool layout changed since.
+    pub fn address(&self, pool_idx: usize, ranked: &Ranked, id: PodId) -> Option<&str> {
+        let p = self.pools.get(pool_idx)?;
+        if p.generation != ranked.generation {
+            return None;
+        }
+        p.pods.get(id.0 as usize).map(|r| r.address.as_str())
+    }
+
+    /// Writes `IP:PORT,IP:PORT,...` for the routing header into `out` (cleared first; reuse
+    /// it to avoid allocation). Returns false when the pool layout changed since the decision.
+    pub fn write_ranked(&self, pool_idx: usize, ranked: &Ranked, out: &mut String) -> bool {
+        out.clear();
+        let Some(p) = self.pools.get(pool_idx) else {
+            return false;
+        };
+        if p.generation != ranked.generation {
+            return false;
+        }
+        for (i, id) in ranked.iter().enumerate() {
+            if let Some(r) = p.pods.get(id.0 as usize) {
+                if i > 0 {
+                    out.push(',');
+                }
+                out.push_str(&r.address);
+            }
+        }
+        !out.is_empty()
+    }
+
+    /// Scoreboard rows of one pool at `now_ms`.
+    pub fn pod_status(&self, pool_idx: usize, now_ms: u64) -> Vec<PodStatus<'_>> {
+        let Some(p) = self.pools.get(pool_idx) else {
+            return Vec::new();
+        };
+        p.pods
+            .iter()
+            .map(|r| {
+                let entry = p.state.peers().get(r.peer_idx);
+                PodStatus {
+                    address: &r.address,
+                    peer: entry.map_or("", |e| e.peer.as_str()),
+                    score: r.shown,
+                    raw: r.score.raw,
+                    cut: r.cut,
+                    cold: r.cold,
+                    breaker: r.breaker.state(),
+                    picks: r.picks,
+                    inflight: r.inflight,
+                    metrics_age_ms: entry
+                        .and_then(|e| e.signals.as_ref())
+                        .map(|s| s.age_ms(now_ms)),
+                }
+            })
+            .collect()
+    }
+
+    /// Number of configured pools.
+    pub fn pool_count(&self) -> usize {
+        self.pools.len()
+    }
+}
+
+fn update_pod(p: &mut PoolRt, id: u32, cfg: &FilterConfig) {
+    let Some(pod) = p.pods.get(id as usize) else {
+        return;
+    };
+    for v in p.views.iter_mut() {
+        let slot = v.slot_of.get(id as usize).copied().unwrap_or(NONE);
+        if slot == NONE {
+            continue;
+        }
+        let w = effective(pod, v.model.as_deref(), cfg);
+        v.set(slot as usize, w);
+    }
+}
+
+fn build_view(v: &mut View, p: &PoolRt, cfg: &FilterConfig) {
+    v.slots.clear();
+    v.w.clear();
+    v.order.clear();
+    v.slot_of.clear();
+    v.slot_of.resize(p.pods.len(), NONE);
+    let mut fresh = 0usize;
+    let mut stale = 0usize;
+    let model = v.model.as_deref();
+    for (i, pod) in p.pods.iter().enumerate() {
+        let Some(sig) = p
+            .state
+            .peers()
+            .get(pod.peer_idx)
+            .and_then(|e| e.signals.as_ref())
+        else {
+            continue;
+        };
+        if let Some(m) = model {
+            if !sig.serves(m) {
+                continue;
+            }
+        }
+        let slot = v.slots.len();
+        if let Some(s) = v.slot_of.get_mut(i) {
+            *s = u32::try_from(slot).unwrap_or(NONE);
+        }
+        v.slots.push(u32::try_from(i).unwrap_or(NONE));
+        v.w.push(effective(pod, model, cfg));
+        if pod.score.has_terms {
+            if pod.score.cut == Some(CutReason::Stale) {
+                stale += 1;
+            } else {
+                fresh += 1;
+            }
+        }
+    }
+    // Fenwick tree in O(n).
+    let n = v.slots.len();
+    v.tree.clear();
+    v.tree.resize(n + 1, 0.0);
+    for i in 1..=n {
+        let w = v.w.get(i - 1).copied().unwrap_or(0.0);
+        if let Some(t) = v.tree.get_mut(i) {
+            *t += w;
+        }
+        let j = i + (i & i.wrapping_neg());
+        if j <= n {
+            let ti = v.tree.get(i).copied().unwrap_or(0.0);
+            if let Some(t) = v.tree.get_mut(j) {
+                *t += ti;
+            }
+        }
+    }
+    // Fallback order: eligible, not half-open, by base weight descending.
+    for (slot, &id) in v.slots.iter().enumerate() {
+        let Some(pod) = p.pods.get(id as usize) else {
+            continue;
+        };
+        let half_open = pod.breaker.state() == BreakerState::HalfOpen
+            || pod
+                .model_breaker(model)
+                .is_some_and(|b| b.state() != BreakerState::Closed);
+        if v.w.get(slot).copied().unwrap_or(0.0) > 0.0 && !half_open {
+            v.order.push(u32::try_from(slot).unwrap_or(NONE));
+        }
+    }
+    let pods = &p.pods;
+    let slots = &v.slots;
+    let base_of = |s: &u32| {
+        slots
+            .get(*s as usize)
+            .and_then(|id| pods.get(*id as usize))
+            .map_or(0.0, |r| r.base)
+    };
+    v.order
+        .sort_unstable_by(|a, b| base_of(b).total_cmp(&base_of(a)));
+    let fallbacks = cfg.fallback_endpoints;
+    v.order.truncate(fallbacks + 1);
+
+    v.verdict = if p.state.last_event_ms().is_none() || p.pods.is_empty() {
+        Verdict::Fallback(FallbackReason::NoAgentData)
+    } else if n == 0 {
+        Verdict::Fallback(if model.is_some() {
+            FallbackReason::NoModel
+        } else {
+            FallbackReason::NoAgentData
+        })
+    } else if fresh == 0 && stale > 0 {
+        Verdict::Fallback(FallbackReason::AllStale)
+    } else if fresh < cfg.min_pods {
+        Verdict::Fallback(FallbackReason::TooFewPods)
+    } else {
+        Verdict::Pick
+    };
+}

@@ -1,0 +1,180 @@
+//! Decides how attractive one pod is: a weighted sum of four load terms, each normalised to
+//! [0, 1] (GIE's scorer contract), with named hard cut-offs that zero it.
+//!
+//! `raw = wg·(1-gpu) + wq·(1-min(waiting/maxQueue, 1)) + wp·(1-min(p99/p99Timeout, 1)) + wm·(1-mem)`
+//!
+//! A signal the pod does not report drops its term; the remaining weights are renormalised to
+//! sum 1 (so a pod without p99 is judged on the other three). A pod with no term at all is
+//! "cold" and the picker gives it the pool mean (see [`crate::picker`]).
+
+use crate::breaker::TripReason;
+use crate::config::{Cutoffs, Weights};
+use crate::signals::PodSignals;
+
+/// Why a pod's score was zeroed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CutReason {
+    /// GPU utilisation above `cutoffs.gpuHardLimit`.
+    GpuHardLimit,
+    /// `waiting ≥ cutoffs.maxQueue`.
+    QueueFull,
+    /// Metrics older than `cutoffs.stalenessMs`, or the peer is reported STALE.
+    Stale,
+    /// Xid/ECC errors increased in the latest snapshot.
+    HardwareFault,
+    /// The pod's (or pod+model's) breaker is open, or half-open with its probes spent.
+    Breaker(TripReason),
+}
+
+impl CutReason {
+    /// Stable snake_case name for stats and the status page.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            CutReason::GpuHardLimit => "gpu_hard_limit",
+            CutReason::QueueFull => "queue_full",
+            CutReason::Stale => "stale",
+            CutReason::HardwareFault => "hardware_fault",
+            CutReason::Breaker(r) => r.cut_name(),
+        }
+    }
+}
+
+/// A pod's score at one moment.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Score {
+    /// In [0, 1]; 0 when cut.
+    pub value: f64,
+    /// The formula's value before cut-offs, in [0, 1] (fed to the EMA).
+    pub raw: f64,
+    /// Why `value` is 0, if it was cut.
+    pub cut: Option<CutReason>,
+    /// False when no term could be computed (cold pod).
+    pub has_terms: bool,
+}
+
+fn clamp01(x: f64) -> f64 {
+    if x.is_nan() {
+        0.0
+    } else {
+        x.clamp(0.0, 1.0)
+    }
+}
+
+/// Scores one pod at `now_ms` (monotonic host ms). Breaker cuts are applied by the picker.
+pub fn score(signals: &PodSignals, weights: &Weights, cutoffs: &Cutoffs, now_ms: u64) -> Score {
+    let mut sum = 0.0;
+    let mut wsum = 0.0;
+    if signals.has_metrics {
+        if let Some(g) = signals.gpu {
+            sum += weights.gpu * (1.0 - clamp01(g));
+            wsum += weights.gpu;
+        }
+        if let Some(w) = signals.waiting {
+            let q = f64::from(w) / f64::from(cutoffs.max_queue.max(1));
+            sum += weights.queue * (1.0 - clamp01(q));
+            wsum += weights.queue;
+        }
+        if let Some(p) = signals.p99_ms {
+            let r = p / (cutoffs.p99_timeout_ms.max(1) as f64);
+            sum += weights.p99 * (1.0 - clamp01(r));
+            wsum += weights.p99;
+        }
+        if let Some(m) = signals.memory {
+            sum += weights.memory * (1.0 - clamp01(m));
+            wsum += weights.memory;
+        }
+    }
+    let has_terms = wsum > 0.0;
+    let raw = if has_terms { clamp01(sum / wsum) } else { 0.0 };
+
+    let cut = if signals.hardware_fault {
+        Some(CutReason::HardwareFault)
+    } else if signals.peer_stale || signals.age_ms(now_ms) > cutoffs.staleness_ms {
+        Some(CutReason::Stale)
+    } else if signals.has_metrics && signals.gpu.is_some_and(|g| g > cutoffs.gpu_hard_limit) {
+        Some(CutReason::GpuHardLimit)
+    } else if signals.has_metrics && signals.waiting.is_some_and(|w| w >= cutoffs.max_queue) {
+        Some(CutReason::QueueFull)
+    } else {
+        None
+    };
+    Score {
+        value: if cut.is_some() { 0.0 } else { raw },
+        raw,
+        cut,
+        has_terms,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sig(gpu: f64, waiting: u32, p99: f64, mem: f64) -> PodSignals {
+        PodSignals {
+            address: "10.0.0.1:1".into(),
+            gpu: Some(gpu),
+            waiting: Some(waiting),
+            p99_ms: Some(p99),
+            memory: Some(mem),
+            has_metrics: true,
+            confirmed_at_ms: 1000,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn formula_matches_hand_computation() {
+        let s = score(
+            &sig(0.2, 16, 1000.0, 0.5),
+            &Weights::default(),
+            &Cutoffs::default(),
+            1000,
+        );
+        let want = 0.35 * 0.8 + 0.25 * 0.75 + 0.25 * 0.8 + 0.15 * 0.5;
+        assert!((s.value - want).abs() < 1e-12);
+        assert_eq!(s.cut, None);
+    }
+
+    #[test]
+    fn missing_term_renormalises() {
+        let mut p = sig(0.0, 0, 0.0, 0.0);
+        p.p99_ms = None;
+        p.gpu = Some(1.0);
+        let s = score(
+            &p,
+            &Weights::default(),
+            &Cutoffs {
+                gpu_hard_limit: 1.0,
+                ..Cutoffs::default()
+            },
+            1000,
+        );
+        let want = (0.25 + 0.15) / 0.75;
+        assert!((s.value - want).abs() < 1e-12);
+    }
+
+    #[test]
+    fn cutoffs_are_named() {
+        let c = Cutoffs::default();
+        let w = Weights::default();
+        assert_eq!(
+            score(&sig(0.96, 0, 0.0, 0.0), &w, &c, 1000).cut,
+            Some(CutReason::GpuHardLimit)
+        );
+        assert_eq!(
+            score(&sig(0.1, 64, 0.0, 0.0), &w, &c, 1000).cut,
+            Some(CutReason::QueueFull)
+        );
+        assert_eq!(
+            score(&sig(0.1, 0, 0.0, 0.0), &w, &c, 3001).cut,
+            Some(CutReason::Stale)
+        );
+        assert_eq!(score(&sig(0.1, 0, 0.0, 0.0), &w, &c, 3000).cut, None);
+        let mut f = sig(0.1, 0, 0.0, 0.0);
+        f.hardware_fault = true;
+        let s = score(&f, &w, &c, 1000);
+        assert_eq!(s.cut, Some(CutReason::HardwareFault));
+        assert_eq!(s.value, 0.0);
+    }
+}

@@ -1,0 +1,400 @@
+//! Decides what an agent snapshot says about a pod: validates and normalises the protobuf
+//! readings once, on entry (NaN, negative and out-of-range values are dropped or clamped and
+//! each one is reported as a [`SignalIssue`]), so scoring never re-checks them.
+//!
+//! Derivations:
+//! - GPU signal: the MAX utilisation over the pod's GPUs (the busiest GPU bounds a
+//!   tensor-parallel model's speed).
+//! - Memory signal: KV-cache use when the model server reports it, else the MAX GPU memory
+//!   ratio (vLLM preallocates, so the NVML ratio sits near 0.9 and is a weak signal).
+//! - p99 signal: TTFT p99 when its window has samples (it reflects queueing, which steering
+//!   changes), else end-to-end p99.
+//! - Hardware fault: Xid or uncorrected-ECC totals INCREASED since the previous snapshot of the
+//!   same agent instance ([`PodSignals::detect_fault_since`]).
+//! - Sources: if every reported source is FAILING, the pod has no metrics (`has_metrics`
+//!   false) even if stale numbers are present.
+
+use std::net::SocketAddr;
+
+use ai_lb_proto::{PodSnapshot, SourceState};
+
+/// One rejected or clamped reading.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SignalIssue {
+    /// Field path inside the snapshot, e.g. `gpus[1].utilization`.
+    pub field: String,
+    /// The offending value as text.
+    pub value: String,
+    /// What was done: e.g. `not finite: dropped`, `above 1: clamped`.
+    pub action: &'static str,
+}
+
+/// A model served by the pod (name plus LoRA adapters).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ServedModel {
+    pub name: String,
+    pub adapters: Vec<String>,
+}
+
+/// Validated, normalised signals of one pod from one snapshot.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct PodSignals {
+    /// Serving address `IP:PORT` (validated).
+    pub address: String,
+    pub pod_name: String,
+    pub agent_instance: String,
+    pub sequence: u64,
+    pub models: Vec<ServedModel>,
+    /// Max GPU utilisation over the pod's GPUs, 0..=1.
+    pub gpu: Option<f64>,
+    /// KV-cache use, else GPU memory ratio, 0..=1.
+    pub memory: Option<f64>,
+    /// Requests waiting in the model server's queue.
+    pub waiting: Option<u32>,
+    pub running: Option<u32>,
+    /// Max concurrently running sequences, when known (> 0).
+    pub queue_capacity: Option<u32>,
+    /// TTFT p99 (else e2e p99), ms, ≥ 0.
+    pub p99_ms: Option<f64>,
+    /// Sum of Xid error counts over GPUs (for fault detection).
+    pub xid_total: Option<u64>,
+    /// Sum of uncorrected ECC errors over GPUs (for fault detection).
+    pub ecc_total: Option<u64>,
+    /// Xid/ECC increased since the previous snapshot of the same agent instance.
+    pub hardware_fault: bool,
+    /// False when every source is failing or no usable reading exists.
+    pub has_metrics: bool,
+    /// The peer was reported STALE by the pool agent.
+    pub peer_stale: bool,
+    /// Monotonic host time (ms) the metrics were last confirmed: the snapshot's receive time,
+    /// moved forward when a live stream confirms the peer unchanged.
+    pub confirmed_at_ms: u64,
+    /// Age of the metrics at `confirmed_at_ms` (the snapshot's `age_ms` at send time; 0 after a
+    /// confirmation). Age at `now` = this + (now − confirmed_at), no clock comparison.
+    pub age_at_confirm_ms: u64,
+}
+
+impl PodSignals {
+    /// Validates one snapshot received at `received_at_ms` (monotonic host ms). Returns None
+    /// (with an issue) when the snapshot has no valid serving address: it cannot be steered to.
+    pub fn from_proto(
+        snap: &PodSnapshot,
+        received_at_ms: u64,
+    ) -> (Option<PodSignals>, Vec<SignalIssue>) {
+        let mut issues = Vec::new();
+        let identity = snap.identity.as_ref();
+        let address = identity.map(|i| i.address.as_str()).unwrap_or("");
+        if address.parse::<SocketAddr>().is_err() {
+            issues.push(SignalIssue {
+                field: "identity.address".into(),
+                value: format!("{address:?}"),
+                action: "not IP:PORT: snapshot ignored",
+            });
+            return (None, issues);
+        }
+        let models = identity
+            .map(|i| {
+                i.models
+                    .iter()
+                    .map(|m| ServedModel {
+                        name: m.name.clone(),
+                        adapters: m.adapters.clone(),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+
+        let mut gpu: Option<f64> = None;
+        let mut mem_ratio: Option<f64> = None;
+        let mut xid_total: Option<u64> = None;
+        let mut ecc_total: Option<u64> = None;
+        for (i, g) in snap.gpus.iter().enumerate() {
+            if let Some(u) = ratio(
+                &format!("gpus[{i}].utilization"),
+                g.utilization,
+                &mut issues,
+            ) {
+                gpu = Some(gpu.map_or(u, |m: f64| m.max(u)));
+            }
+            if let (Some(used), Some(total)) = (g.memory_used_bytes, g.memory_total_bytes) {
+                if total == 0 {
+                    issues.push(SignalIssue {
+                        field: format!("gpus[{i}].memory_total_bytes"),
+                        value: "0".into(),
+                        action: "zero total: memory ratio dropped",
+                    });
+                } else {
+                    let mut r = used as f64 / total as f64;
+                    if r > 1.0 {
+                        issues.push(SignalIssue {
+                            field: format!("gpus[{i}].memory_used_bytes"),
+                            value: used.to_string(),
+                            action: "above total: clamped",
+                        });
+                        r = 1.0;
+                    }
+                    mem_ratio = Some(mem_ratio.map_or(r, |m: f64| m.max(r)));
+                }
+            }
+            if let Some(x) = g.xid_errors {
+                xid_total = Some(xid_total.unwrap_or(0).saturating_add(x));
+            }
+            if let Some(e) = g.ecc_uncorrected_errors {
+                ecc_total = Some(ecc_total.unwrap_or(0).saturating_add(e));
+            }
+        }
+
+        let inf = snap.inference.as_ref();
+        let kv = inf.and_then(|s| ratio("inference.kv_cache_usage", s.kv_cache_usage, &mut issues));
+        let memory = kv.or(mem_ratio);
+        let waiting = inf.and_then(|s| s.waiting);
+        let running = inf.and_then(|s| s.running);
+        let queue_capacity = match inf.and_then(|s| s.queue_capacity) {
+            Some(0) => {
+                issues.push(SignalIssue {
+                    field: "inference.queue_capacity".into(),
+                    value: "0".into(),
+                    action: "zero: dropped",
+                });
+                None
+            }
+            other => other,
+        };
+        let ttft = inf
+            .and_then(|s| s.ttft.as_ref())
+            .filter(|q| q.samples > 0)
+            .and_then(|q| millis("inference.ttft.p99_ms", q.p99_ms, &mut issues));
+        let e2e = inf
+            .and_then(|s| s.e2e.as_ref())
+            .filter(|q| q.samples > 0)
+            .and_then(|q| millis("inference.e2e.p99_ms", q.p99_ms, &mut issues));
+        let p99_ms = ttft.or(e2e);
+
+        let all_failing = !snap.sources.is_empty()
+            && snap
+                .sources
+                .iter()
+                .all(|s| s.state == SourceState::Failing as i32);
+        let any_reading =
+            gpu.is_some() || memory.is_some() || waiting.is_some() || p99_ms.is_some();
+        let has_metrics = any_reading && !all_failing;
+
+        let signals = PodSignals {
+            address: address.to_string(),
+            pod_name: identity.map(|i| i.pod_name.clone()).unwrap_or_default(),
+            agent_instance: snap.agent_instance.clone(),
+            sequence: snap.sequence,
+            models,
+            gpu,
+            memory,
+            waiting,
+            running,
+            queue_capacity,
+            p99_ms,
+            xid_total,
+            ecc_total,
+            hardware_fault: false,
+            has_metrics,
+            peer_stale: false,
+            confirmed_at_ms: received_at_ms,
+            age_at_confirm_ms: snap.age_ms,
+        };
+        (Some(signals), issues)
+    }
+
+    /// Sets `hardware_fault` when Xid or ECC totals grew since `prev`, a snapshot of the same
+    /// agent instance. A different instance (agent restart) resets the counters: no fault.
+    pub fn detect_fault_since(&mut self, prev: &PodSignals) {
+        if prev.agent_instance != self.agent_instance {
+            return;
+        }
+        let grew = |now: Option<u64>, before: Option<u64>| matches!((now, before), (Some(n), Some(b)) if n > b);
+        if grew(self.xid_total, prev.xid_total) || grew(self.ecc_total, prev.ecc_total) {
+            self.hardware_fault = true;
+        }
+        // A same-sequence resend keeps the verdict of the snapshot it repeats.
+        if prev.sequence == self.sequence && prev.hardware_fault {
+            self.hardware_fault = true;
+        }
+    }
+
+    /// Age of the metrics at `now_ms` (0 if the host clock went backwards).
+    pub fn age_ms(&self, now_ms: u64) -> u64 {
+        self.age_at_confirm_ms
+            .saturating_add(now_ms.saturating_sub(self.confirmed_at_ms))
+    }
+
+    /// The first `now_ms` at which the metrics are older than `staleness_ms`.
+    pub fn stale_at_ms(&self, staleness_ms: u64) -> u64 {
+        let left = staleness_ms.saturating_sub(self.age_at_confirm_ms);
+        self.confirmed_at_ms.saturating_add(left).saturating_add(1)
+    }
+
+    /// A live stream confirmed the metrics unchanged at `now_ms`.
+    pub fn confirm(&mut self, now_ms: u64) {
+        if now_ms >= self.confirmed_at_ms {
+            self.confirmed_at_ms = now_ms;
+            self.age_at_confirm_ms = 0;
+        }
+    }
+
+    /// True when the pod serves `model` as a base model or a LoRA adapter.
+    pub fn serves(&self, model: &str) -> bool {
+        self.models
+            .iter()
+            .any(|m| m.name == model || m.adapters.iter().any(|a| a == model))
+    }
+}
+
+fn ratio(field: &str, v: Option<f64>, issues: &mut Vec<SignalIssue>) -> Option<f64> {
+    let v = v?;
+    if !v.is_finite() {
+        issues.push(SignalIssue {
+            field: field.into(),
+            value: v.to_string(),
+            action: "not finite: dropped",
+        });
+        return None;
+    }
+    if v < 0.0 {
+        issues.push(SignalIssue {
+            field: field.into(),
+            value: v.to_string(),
+            action: "below 0: clamped",
+        });
+        return Some(0.0);
+    }
+    if v > 1.0 {
+        issues.push(SignalIssue {
+            field: field.into(),
+            value: v.to_string(),
+            action: "above 1: clamped",
+        });
+        return Some(1.0);
+    }
+    Some(v)
+}
+
+fn millis(field: &str, v: Option<f64>, issues: &mut Vec<SignalIssue>) -> Option<f64> {
+    let v = v?;
+    if !v.is_finite() || v < 0.0 {
+        issues.push(SignalIssue {
+            field: field.into(),
+            value: v.to_string(),
+            action: "not a finite value ≥ 0: dropped",
+        });
+        return None;
+    }
+    Some(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ai_lb_proto::{GpuStats, InferenceStats, LatencyQuantiles, PodIdentity, SourceStatus};
+
+    pub(crate) fn snap(addr: &str) -> PodSnapshot {
+        PodSnapshot {
+            identity: Some(PodIdentity {
+                address: addr.into(),
+                ..Default::default()
+            }),
+            gpus: vec![
+                GpuStats {
+                    utilization: Some(0.2),
+                    memory_used_bytes: Some(90),
+                    memory_total_bytes: Some(100),
+                    ..Default::default()
+                },
+                GpuStats {
+                    utilization: Some(0.6),
+                    ..Default::default()
+                },
+            ],
+            inference: Some(InferenceStats {
+                waiting: Some(3),
+                ttft: Some(LatencyQuantiles {
+                    p99_ms: Some(120.0),
+                    samples: 10,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            age_ms: 30,
+            agent_instance: "a".into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn derives_max_gpu_memory_fallback_and_ttft() {
+        let (s, issues) = PodSignals::from_proto(&snap("10.0.0.1:8000"), 1000);
+        let s = s.unwrap();
+        assert!(issues.is_empty());
+        assert_eq!(s.gpu, Some(0.6));
+        assert_eq!(s.memory, Some(0.9));
+        assert_eq!(s.p99_ms, Some(120.0));
+        assert_eq!(s.age_ms(1000), 30);
+        assert_eq!(s.age_ms(1100), 130);
+        assert_eq!(s.stale_at_ms(100), 1071);
+        assert!(s.has_metrics);
+    }
+
+    #[test]
+    fn kv_cache_preferred_over_gpu_memory() {
+        let mut p = snap("10.0.0.1:8000");
+        if let Some(i) = p.inference.as_mut() {
+            i.kv_cache_usage = Some(0.3);
+        }
+        let (s, _) = PodSignals::from_proto(&p, 0);
+        assert_eq!(s.unwrap().memory, Some(0.3));
+    }
+
+    #[test]
+    fn nan_and_out_of_range_are_counted() {
+        let mut p = snap("10.0.0.1:8000");
+        p.gpus[0].utilization = Some(f64::NAN);
+        p.gpus[1].utilization = Some(1.7);
+        let (s, issues) = PodSignals::from_proto(&p, 0);
+        assert_eq!(s.unwrap().gpu, Some(1.0));
+        assert_eq!(issues.len(), 2);
+        assert_eq!(issues[0].field, "gpus[0].utilization");
+    }
+
+    #[test]
+    fn bad_address_rejects_snapshot() {
+        let (s, issues) = PodSignals::from_proto(&snap("pod-a"), 0);
+        assert!(s.is_none());
+        assert_eq!(issues[0].field, "identity.address");
+    }
+
+    #[test]
+    fn all_sources_failing_means_no_metrics() {
+        let mut p = snap("10.0.0.1:8000");
+        p.sources = vec![SourceStatus {
+            name: "nvml".into(),
+            state: SourceState::Failing as i32,
+            ..Default::default()
+        }];
+        let (s, _) = PodSignals::from_proto(&p, 0);
+        assert!(!s.unwrap().has_metrics);
+    }
+
+    #[test]
+    fn xid_increase_is_a_fault_only_within_one_instance() {
+        let mut p = snap("10.0.0.1:8000");
+        p.gpus[0].xid_errors = Some(1);
+        let (a, _) = PodSignals::from_proto(&p, 0);
+        p.gpus[0].xid_errors = Some(2);
+        p.sequence = 1;
+        let (b, _) = PodSignals::from_proto(&p, 0);
+        let mut b = b.unwrap();
+        b.detect_fault_since(a.as_ref().unwrap());
+        assert!(b.hardware_fault);
+        p.agent_instance = "restarted".into();
+        let (c, _) = PodSignals::from_proto(&p, 0);
+        let mut c = c.unwrap();
+        c.detect_fault_since(a.as_ref().unwrap());
+        assert!(!c.hardware_fault);
+    }
+}

@@ -1,0 +1,53 @@
+//! Decides nothing: renders the scoreboard (per pod: address, score, cut reason, breaker
+//! state, picks, metrics age) as JSON for the status path and the debug header.
+
+use serde_json::{json, Value};
+
+use crate::picker::Router;
+
+/// The scoreboard of every pool at `now_ms`, as a JSON value.
+pub fn scoreboard(router: &Router, now_ms: u64) -> Value {
+    let pools: Vec<Value> = (0..router.pool_count())
+        .map(|i| {
+            let cfg = router.config().pools.get(i);
+            let state = router.pool_state(i);
+            let pods: Vec<Value> = router
+                .pod_status(i, now_ms)
+                .iter()
+                .map(|s| {
+                    json!({
+                        "address": s.address,
+                        "peer": s.peer,
+                        "score": s.score,
+                        "raw": s.raw,
+                        "cut": s.cut.map(|c| c.as_str()),
+                        "cold": s.cold,
+                        "breaker": s.breaker.as_str(),
+                        "picks": s.picks,
+                        "inflight": s.inflight,
+                        "metricsAgeMs": s.metrics_age_ms,
+                    })
+                })
+                .collect();
+            json!({
+                "name": cfg.map(|c| c.name.as_str()),
+                "cluster": cfg.map(|c| c.cluster.as_str()),
+                "version": state.map(|s| s.version()),
+                "lastEventAgeMs": state.and_then(|s| s.last_event_ms()).map(|t| now_ms.saturating_sub(t)),
+                "pods": pods,
+            })
+        })
+        .collect();
+    let counters: serde_json::Map<String, Value> = router
+        .counters()
+        .iter()
+        .iter()
+        .map(|(k, v)| ((*k).to_string(), json!(v)))
+        .collect();
+    json!({ "pools": pools, "counters": counters })
+}
+
+/// [`scoreboard`] as compact JSON text (fits a response header when the pool is small).
+pub fn scoreboard_json(router: &Router, now_ms: u64) -> String {
+    scoreboard(router, now_ms).to_string()
+}

@@ -1,0 +1,522 @@
+//! Properties of scoring, breakers and picking, driven by explicit `now_ms` and seeded RNGs.
+
+use ai_lb_filter_core::breaker::{Breaker, BreakerState, Outcome};
+use ai_lb_filter_core::config::{BreakerConfig, Cutoffs, FilterConfig, Weights};
+use ai_lb_filter_core::picker::{Decision, FallbackReason, Router};
+use ai_lb_filter_core::{score, PodSignals, PoolState};
+use ai_lb_proto::{
+    GpuStats, InferenceStats, LatencyQuantiles, ModelInfo, PeerState, PeerStatus, PodIdentity,
+    PodSnapshot, PoolEvent,
+};
+use proptest::prelude::*;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+#[derive(Clone, Copy, Debug)]
+struct Pod {
+    gpu: Option<f64>,
+    waiting: u32,
+    age_ms: u64,
+}
+
+fn pod(gpu: f64) -> Pod {
+    Pod {
+        gpu: Some(gpu),
+        waiting: 0,
+        age_ms: 0,
+    }
+}
+
+fn addr(i: usize) -> String {
+    format!("10.0.{}.{}:8000", i / 250, i % 250 + 1)
+}
+
+fn snapshot(i: usize, p: &Pod, seq: u64, models: &[&str]) -> PodSnapshot {
+    PodSnapshot {
+        identity: Some(PodIdentity {
+            address: addr(i),
+            pod_name: format!("pod-{i}"),
+            models: models
+                .iter()
+                .map(|m| ModelInfo {
+                    name: (*m).into(),
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        }),
+        gpus: vec![GpuStats {
+            utilization: p.gpu,
+            ..Default::default()
+        }],
+        inference: Some(InferenceStats {
+            waiting: p.gpu.map(|_| p.waiting),
+            ttft: Some(LatencyQuantiles {
+                p99_ms: p.gpu.map(|_| 0.0),
+                samples: u64::from(p.gpu.is_some()),
+                ..Default::default()
+            }),
+            kv_cache_usage: p.gpu.map(|_| 0.0),
+            ..Default::default()
+        }),
+        sequence: seq,
+        agent_instance: format!("agent-{i}"),
+        age_ms: p.age_ms,
+        ..Default::default()
+    }
+}
+
+fn event(pods: &[Pod], seq: u64) -> PoolEvent {
+    PoolEvent {
+        full: true,
+        peers: pods
+            .iter()
+            .enumerate()
+            .map(|(i, p)| PeerState {
+                peer: format!("agent-{i}:9090"),
+                status: PeerStatus::Live as i32,
+                snapshot: Some(snapshot(i, p, seq, &["llm"])),
+                reason: String::new(),
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+fn merge(base: &mut serde_json::Value, extra: serde_json::Value) {
+    match (base, extra) {
+        (serde_json::Value::Object(b), serde_json::Value::Object(e)) => {
+            for (k, v) in e {
+                merge(b.entry(k).or_insert(serde_json::Value::Null), v);
+            }
+        }
+        (b, e) => *b = e,
+    }
+}
+
+/// The test pool config with `extra` (a JSON object) merged over it.
+fn config(extra: &str) -> FilterConfig {
+    let mut base = serde_json::json!({
+        "pools": [{"name": "p", "cluster": "c"}], "minPods": 1, "floorWeight": 0.0,
+        "cutoffs": {"gpuHardLimit": 0.9},
+        "breaker": {"consecutiveFailures": 2, "baseCooldownMs": 1000, "maxCooldownMs": 8000, "halfOpenProbes": 2}
+    });
+    if !extra.is_empty() {
+        merge(&mut base, serde_json::from_str(extra).unwrap());
+    }
+    FilterConfig::from_json(base.to_string().as_bytes()).unwrap()
+}
+
+fn router(pods: &[Pod], extra: &str) -> Router {
+    let mut r = Router::new(config(extra));
+    r.apply_pool_event(0, &event(pods, 1), 1000);
+    r
+}
+
+fn chosen(r: &Router, d: &Decision) -> Option<String> {
+    match d {
+        Decision::Steer { ranked, .. } | Decision::FailOpen { ranked } => ranked
+            .first()
+            .and_then(|id| r.address(0, ranked, id))
+            .map(str::to_string),
+        Decision::Fallback(_) => None,
+    }
+}
+
+fn counts(r: &mut Router, n: usize, picks: usize, seed: u64, now: u64) -> Vec<usize> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut c = vec![0usize; n];
+    for _ in 0..picks {
+        let d = r.decide(0, None, now, &mut rng);
+        if let Some(a) = chosen(r, &d) {
+            let i = (0..n).position(|i| addr(i) == a).unwrap();
+            c[i] += 1;
+        }
+    }
+    c
+}
+
+#[test]
+fn pick_share_follows_score_ratio_for_20_and_60_percent_gpu() {
+    let mut r = router(&[pod(0.2), pod(0.6)], "");
+    // Other terms are perfect: score = 0.35·(1-gpu) + 0.65.
+    let (s0, s1) = (0.35 * 0.8 + 0.65, 0.35 * 0.4 + 0.65);
+    let c = counts(&mut r, 2, 100_000, 7, 1000);
+    let share = c[0] as f64 / 100_000.0;
+    let want = s0 / (s0 + s1);
+    assert!((share - want).abs() < 0.005, "share {share}, want {want}");
+}
+
+#[test]
+fn ranked_list_has_chosen_first_then_best_fallbacks() {
+    let mut r = router(
+        &[pod(0.1), pod(0.5), pod(0.3), pod(0.95)],
+        r#"{"fallbackEndpoints":2}"#,
+    );
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let mut buf = String::new();
+    for _ in 0..200 {
+        let d = r.decide(0, None, 1000, &mut rng);
+        let Decision::Steer {
+            ranked,
+            chosen_score,
+        } = d
+        else {
+            panic!("{d:?}")
+        };
+        assert_eq!(ranked.len(), 3);
+        assert!(chosen_score > 0.0 && chosen_score <= 1.0);
+        assert!(r.write_ranked(0, &ranked, &mut buf));
+        assert!(!buf.contains(&addr(3)), "cut pod listed: {buf}");
+        let parts: Vec<&str> = buf.split(',').collect();
+        // The fallbacks are the best two pods other than the chosen one.
+        let best: Vec<String> = [0, 2, 1]
+            .iter()
+            .map(|i| addr(*i))
+            .filter(|a| a != parts[0])
+            .take(2)
+            .collect();
+        assert_eq!(
+            &parts[1..],
+            &best.iter().map(String::as_str).collect::<Vec<_>>()[..]
+        );
+    }
+}
+
+#[test]
+fn cold_start_pod_gets_pool_mean() {
+    let pods = [
+        pod(0.1),
+        pod(0.5),
+        Pod {
+            gpu: None,
+            waiting: 0,
+            age_ms: 0,
+        },
+    ];
+    let r = router(&pods, "");
+    let st = r.pod_status(0, 1000);
+    let (a, b, cold) = (st[0].score, st[1].score, &st[2]);
+    assert!(cold.cold);
+    assert!(
+        (cold.score - (a + b) / 2.0).abs() < 1e-12,
+        "{} vs mean of {a},{b}",
+        cold.score
+    );
+}
+
+#[test]
+fn ema_smooths_successive_snapshots() {
+    let mut r = Router::new(config(r#"{"emaAlpha":0.25}"#));
+    r.apply_pool_event(0, &event(&[pod(0.0)], 1), 1000);
+    r.apply_pool_event(0, &event(&[pod(0.8)], 2), 1100);
+    let w = Weights::default();
+    let raw1 = 1.0;
+    let raw2 = w.gpu * 0.2 + (1.0 - w.gpu);
+    let want = 0.25 * raw2 + 0.75 * raw1;
+    let got = r.pod_status(0, 1100)[0].score;
+    assert!((got - want).abs() < 1e-12, "{got} vs {want}");
+    // A heartbeat (no new snapshot) does not move the average.
+    r.apply_pool_event(0, &PoolEvent::default(), 1200);
+    assert!((r.pod_status(0, 1200)[0].score - want).abs() < 1e-12);
+}
+
+#[test]
+fn fail_open_spreads_evenly_when_every_pod_is_cut() {
+    let mut r = router(&[pod(0.95), pod(0.99), pod(0.97)], "");
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    assert!(matches!(
+        r.decide(0, None, 1000, &mut rng),
+        Decision::FailOpen { .. }
+    ));
+    let c = counts(&mut r, 3, 30_000, 11, 1000);
+    for n in &c {
+        assert!((9_500..=10_500).contains(n), "{c:?}");
+    }
+    assert_eq!(r.counters().fail_open, 30_001);
+}
+
+#[test]
+fn fallback_reasons() {
+    let mut rng = ChaCha8Rng::seed_from_u64(0);
+    let mut r = Router::new(config(""));
+    assert_eq!(
+        r.decide(0, None, 0, &mut rng),
+        Decision::Fallback(FallbackReason::NoAgentData)
+    );
+
+    let mut r = Router::new(config(r#"{"minPods":3}"#));
+    r.apply_pool_event(0, &event(&[pod(0.1), pod(0.2)], 1), 1000);
+    assert_eq!(
+        r.decide(0, None, 1000, &mut rng),
+        Decision::Fallback(FallbackReason::TooFewPods)
+    );
+    assert_eq!(
+        r.decide(0, Some("other"), 1000, &mut rng),
+        Decision::Fallback(FallbackReason::NoModel)
+    );
+    // Staleness: default 2000 ms after the snapshot was current.
+    assert_eq!(
+        r.decide(0, None, 3001, &mut rng),
+        Decision::Fallback(FallbackReason::AllStale)
+    );
+    assert_eq!(r.counters().fallback_all_stale, 1);
+    assert_eq!(r.counters().fallback_too_few_pods, 1);
+}
+
+#[test]
+fn staleness_uses_snapshot_age_at_receive_and_a_live_stream_confirms() {
+    let mut r = router(
+        &[
+            Pod {
+                age_ms: 1500,
+                ..pod(0.1)
+            },
+            pod(0.1),
+        ],
+        "",
+    );
+    let st = r.pod_status(0, 1000);
+    assert_eq!(st[0].metrics_age_ms, Some(1500));
+    let mut rng = ChaCha8Rng::seed_from_u64(0);
+    // At 1501 pod 0 is 2001 ms old: cut, only pod 1 is picked.
+    let c = counts(&mut r, 2, 100, 5, 1501);
+    assert_eq!(c, vec![0, 100]);
+    // A heartbeat on the live stream confirms both as current.
+    r.apply_pool_event(0, &PoolEvent::default(), 1600);
+    assert!(matches!(
+        r.decide(0, None, 1600, &mut rng),
+        Decision::Steer { .. }
+    ));
+    assert_eq!(r.pod_status(0, 1600)[0].cut, None);
+}
+
+#[test]
+fn model_filter_only_picks_pods_serving_the_model() {
+    let mut r = Router::new(config(""));
+    let pods = [pod(0.1), pod(0.1)];
+    let mut ev = event(&pods, 1);
+    ev.peers[1].snapshot = Some(snapshot(1, &pods[1], 1, &["vision"]));
+    if let Some(id) = ev.peers[0]
+        .snapshot
+        .as_mut()
+        .and_then(|s| s.identity.as_mut())
+    {
+        id.models[0].adapters = vec!["sql-lora".into()];
+    }
+    r.apply_pool_event(0, &ev, 1000);
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    for _ in 0..100 {
+        let d = r.decide(0, Some("vision"), 1000, &mut rng);
+        assert_eq!(chosen(&r, &d).unwrap(), addr(1));
+        let d = r.decide(0, Some("sql-lora"), 1000, &mut rng);
+        assert_eq!(chosen(&r, &d).unwrap(), addr(0));
+    }
+}
+
+#[test]
+fn open_breaker_excludes_pod_then_half_open_admits_probe_budget() {
+    let mut r = router(&[pod(0.1), pod(0.1)], "");
+    let bad = addr(0);
+    let err = Outcome {
+        status: Some(503),
+        ..Default::default()
+    };
+    assert!(r.on_outcome(0, &bad, None, &err, 1000).is_empty());
+    let ev = r.on_outcome(0, &bad, None, &err, 1000);
+    assert_eq!(ev.len(), 1);
+    assert_eq!(ev[0].to, BreakerState::Open);
+    assert_eq!(counts(&mut r, 2, 500, 1, 1500), vec![0, 500]);
+    // Cooldown 1000 ms: half-open at 2000, two probes, then none until they report.
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    let mut probes = 0;
+    // Keep the snapshot fresh with a heartbeat; it also reports open → half-open.
+    let ev = r.apply_pool_event(0, &PoolEvent::default(), 2000);
+    assert_eq!(ev.len(), 1);
+    assert_eq!(ev[0].to, BreakerState::HalfOpen);
+    for _ in 0..500 {
+        let d = r.decide(0, None, 2000, &mut rng);
+        if chosen(&r, &d).as_deref() == Some(bad.as_str()) {
+            probes += 1;
+        }
+    }
+    assert_eq!(probes, 2);
+    assert!(r.take_breaker_events().is_empty(), "already returned");
+    let ok = Outcome {
+        status: Some(200),
+        ..Default::default()
+    };
+    assert!(r.on_outcome(0, &bad, None, &ok, 2001).is_empty());
+    let ev = r.on_outcome(0, &bad, None, &ok, 2002);
+    assert_eq!(ev[0].to, BreakerState::Closed);
+    assert_eq!(r.counters().breaker_closed, 1);
+}
+
+#[test]
+fn hardware_fault_trips_breaker_and_cuts() {
+    let mut r = router(&[pod(0.1), pod(0.1)], "");
+    let mut ev = event(&[pod(0.1), pod(0.1)], 1);
+    ev.peers[0].snapshot.as_mut().unwrap().gpus[0].xid_errors = Some(1);
+    r.apply_pool_event(0, &ev, 1100);
+    let mut ev = event(&[pod(0.1), pod(0.1)], 2);
+    ev.peers[0].snapshot.as_mut().unwrap().gpus[0].xid_errors = Some(2);
+    let events = r.apply_pool_event(0, &ev, 1200);
+    assert_eq!(events.len(), 1);
+    assert_eq!(r.counters().hardware_faults, 1);
+    assert_eq!(counts(&mut r, 2, 200, 4, 1200), vec![0, 200]);
+}
+
+#[test]
+fn inflight_since_snapshot_lowers_share_until_next_snapshot() {
+    let mut r = router(&[pod(0.2), pod(0.2)], r#"{"cutoffs":{"maxQueue":4}}"#);
+    for _ in 0..4 {
+        r.on_request_start(0, &addr(0));
+    }
+    // Pod 0 weight halves: 1/(1+4/4).
+    let c = counts(&mut r, 2, 30_000, 8, 1000);
+    let share = c[0] as f64 / 30_000.0;
+    assert!((share - 1.0 / 3.0).abs() < 0.01, "{share}");
+    r.apply_pool_event(0, &event(&[pod(0.2), pod(0.2)], 2), 1100);
+    let c = counts(&mut r, 2, 30_000, 8, 1100);
+    assert!((c[0] as f64 / 30_000.0 - 0.5).abs() < 0.01);
+}
+
+#[test]
+fn shared_state_round_trip_drives_a_worker_router() {
+    let mut sub = router(&[pod(0.1), pod(0.7)], "");
+    let bytes = sub.pool_state(0).unwrap().encode();
+    let mut worker = Router::new(config(""));
+    worker.set_pool_state_bytes(0, &bytes, 1000).unwrap();
+    assert_eq!(worker.pool_state(0), sub.pool_state(0));
+    let a = counts(&mut sub, 2, 1000, 5, 1000);
+    let b = counts(&mut worker, 2, 1000, 5, 1000);
+    assert_eq!(a, b);
+    assert!(worker.set_pool_state_bytes(0, b"\x0a\xff", 1000).is_err());
+    assert_eq!(worker.counters().pool_decode_errors, 1);
+}
+
+#[test]
+fn status_json_lists_pods() {
+    let r = router(&[pod(0.1), pod(0.99)], "");
+    let v = ai_lb_filter_core::status::scoreboard(&r, 1000);
+    assert_eq!(v["pools"][0]["pods"][1]["cut"], "gpu_hard_limit");
+    assert_eq!(v["pools"][0]["pods"][0]["breaker"], "closed");
+}
+
+fn arb_pod() -> impl Strategy<Value = Pod> {
+    (
+        prop::option::weighted(0.9, 0.0f64..1.0),
+        0u32..80,
+        0u64..3000,
+    )
+        .prop_map(|(gpu, waiting, age_ms)| Pod {
+            gpu,
+            waiting,
+            age_ms,
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn scores_stay_in_unit_interval(
+        gpu in prop::option::of(prop::num::f64::ANY),
+        mem in prop::option::of(prop::num::f64::ANY),
+        p99 in prop::option::of(prop::num::f64::ANY),
+        waiting in prop::option::of(any::<u32>()),
+        age in any::<u64>(), now in any::<u64>(),
+        wg in 0.0f64..5.0, wq in 0.0f64..5.0,
+    ) {
+        let snap = PodSnapshot {
+            identity: Some(PodIdentity { address: "10.1.1.1:80".into(), ..Default::default() }),
+            gpus: vec![GpuStats { utilization: gpu, ..Default::default() }],
+            inference: Some(InferenceStats {
+                waiting, kv_cache_usage: mem,
+                e2e: Some(LatencyQuantiles { p99_ms: p99, samples: 1, ..Default::default() }),
+                ..Default::default()
+            }),
+            age_ms: age,
+            ..Default::default()
+        };
+        let (s, _) = PodSignals::from_proto(&snap, now);
+        let s = s.unwrap();
+        let sum = wg + wq + 0.1;
+        let w = Weights { gpu: wg / sum, queue: wq / sum, p99: 0.05 / sum, memory: 0.05 / sum };
+        let sc = score(&s, &w, &Cutoffs::default(), now);
+        prop_assert!((0.0..=1.0).contains(&sc.value), "{sc:?}");
+        prop_assert!((0.0..=1.0).contains(&sc.raw), "{sc:?}");
+        prop_assert!(sc.cut.is_none() || sc.value == 0.0);
+    }
+
+    #[test]
+    fn cut_or_open_breaker_pods_are_never_steered_to(
+        pods in prop::collection::vec(arb_pod(), 1..12),
+        failing in prop::collection::vec(any::<bool>(), 12),
+        seed in any::<u64>(), now_off in 0u64..2500,
+    ) {
+        let mut r = router(&pods, "");
+        let err = Outcome { connect_failure: true, ..Default::default() };
+        for (i, f) in failing.iter().enumerate().take(pods.len()) {
+            if *f {
+                r.on_outcome(0, &addr(i), None, &err, 1000);
+                r.on_outcome(0, &addr(i), None, &err, 1000);
+            }
+        }
+        let now = 1000 + now_off.min(999); // breakers stay open (cooldown 1000 ms)
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut buf = String::new();
+        for _ in 0..50 {
+            let d = r.decide(0, None, now, &mut rng);
+            if let Decision::Steer { ranked, chosen_score } = d {
+                prop_assert!((0.0..=1.0).contains(&chosen_score));
+                r.write_ranked(0, &ranked, &mut buf);
+                for a in buf.split(',') {
+                    let i = (0..pods.len()).position(|i| addr(i) == a).unwrap();
+                    let p = pods[i];
+                    prop_assert!(!failing[i], "open breaker pod {i} steered to");
+                    prop_assert!(p.gpu.is_none_or(|g| g <= 0.9), "gpu-cut pod {i}");
+                    prop_assert!(p.gpu.is_none() || p.waiting < 64, "queue-cut pod {i}");
+                    prop_assert!(p.age_ms + (now - 1000) <= 2000, "stale pod {i}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn four_xx_never_opens_a_breaker(statuses in prop::collection::vec(400u16..500, 1..200)) {
+        let cfg = BreakerConfig { consecutive_failures: 1, ..BreakerConfig::default() };
+        let mut b = Breaker::default();
+        for (t, s) in statuses.iter().enumerate() {
+            let o = Outcome { status: Some(*s), ..Default::default() };
+            prop_assert!(b.record(o.failure(&cfg), t as u64, &cfg).is_none());
+        }
+        prop_assert_eq!(b.state(), BreakerState::Closed);
+    }
+
+    #[test]
+    fn cooldown_doubles_and_caps(reopens in 1u32..12) {
+        let cfg = BreakerConfig { consecutive_failures: 1, base_cooldown_ms: 100, max_cooldown_ms: 1600, half_open_probes: 1, ttft_slo_ms: None };
+        let mut b = Breaker::default();
+        let fail = Outcome { timeout: true, ..Default::default() };
+        let mut now = 0u64;
+        b.record(fail.failure(&cfg), now, &cfg);
+        for k in 1..=reopens {
+            let want = (100u64 << (k - 1)).min(1600);
+            prop_assert_eq!(b.open_until_ms() - now, want);
+            now = b.open_until_ms();
+            prop_assert!(b.poll(now - 1, &cfg).is_none() || k == 0);
+            prop_assert_eq!(b.poll(now, &cfg).map(|t| t.to), Some(BreakerState::HalfOpen));
+            b.on_request(now);
+            b.record(fail.failure(&cfg), now, &cfg);
+        }
+    }
+
+    #[test]
+    fn pool_state_encoding_round_trips(pods in prop::collection::vec(arb_pod(), 0..20), now in 0u64..1_000_000) {
+        let mut st = PoolState::new();
+        let mut c = ai_lb_filter_core::Counters::default();
+        st.apply_event(&event(&pods, 3), now, &mut c);
+        prop_assert_eq!(PoolState::decode(&st.encode()).unwrap(), st);
+    }
+}
