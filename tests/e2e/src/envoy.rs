@@ -1,1 +1,770 @@
-//! (being written)
+//! Runs a real Envoy 1.40 with the ai-lb wasm filter for end-to-end tests: renders
+//! `envoy-config/envoy.yaml` with run-time values, starts Envoy with an ephemeral admin port
+//! (read back from `--admin-address-path`) and an ephemeral listener port (read back from the
+//! admin `/listeners`), waits for `/ready`, reads `/stats` and `/stats/prometheus`, keeps the
+//! log, and kills Envoy on drop. Also a small blocking HTTP/1.1 client and a stub upstream.
+//!
+//! `--disable-hot-restart` means no shared-memory base id, so any number of Envoys can run side
+//! by side without choosing `--base-id` values.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// Harness error: a sentence saying what failed and where to look.
+pub type Error = String;
+
+/// Root of the workspace (two levels above this crate).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .nth(2)
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+/// The Envoy binary: `$ENVOY_BIN`, else `<workspace>/.venv/bin/envoy`, else `envoy` on PATH.
+pub fn envoy_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("ENVOY_BIN") {
+        return PathBuf::from(p);
+    }
+    let venv = workspace_root().join(".venv/bin/envoy");
+    if venv.exists() {
+        return venv;
+    }
+    PathBuf::from("envoy")
+}
+
+/// The target dirs to search for build outputs: `$CARGO_TARGET_DIR`, the dir holding this test
+/// binary (`<target>/debug/deps/..`), and `<workspace>/target`.
+fn target_dirs() -> Vec<PathBuf> {
+    let mut dirs = Vec::new();
+    if let Some(d) = std::env::var_os("CARGO_TARGET_DIR") {
+        let d = PathBuf::from(d);
+        dirs.push(if d.is_absolute() {
+            d
+        } else {
+            workspace_root().join(d)
+        });
+    }
+    if let Ok(exe) = std::env::current_exe() {
+        // <target>/<profile>/deps/<test-binary>
+        if let Some(t) = exe.ancestors().nth(3) {
+            dirs.push(t.to_path_buf());
+        }
+    }
+    dirs.push(workspace_root().join("target"));
+    dirs
+}
+
+/// The wasm filter: `$AI_LB_WASM`, else `<target>/wasm32-wasip1/release/ai_lb_filter_wasm.wasm`.
+pub fn wasm_path() -> Result<PathBuf, Error> {
+    if let Some(p) = std::env::var_os("AI_LB_WASM") {
+        let p = PathBuf::from(p);
+        return if p.exists() {
+            Ok(p)
+        } else {
+            Err(format!("AI_LB_WASM={} does not exist", p.display()))
+        };
+    }
+    let dirs = target_dirs();
+    for d in &dirs {
+        let p = d.join("wasm32-wasip1/release/ai_lb_filter_wasm.wasm");
+        if p.exists() {
+            return Ok(p);
+        }
+    }
+    Err(format!(
+        "the wasm filter is not built: run `cargo build -p ai-lb-filter-wasm --target \
+         wasm32-wasip1 --release` (looked in {dirs:?}, or set AI_LB_WASM)"
+    ))
+}
+
+/// A binary of this workspace (e.g. `ai-lb-agent`, `ai-lb-fake-pod`) in the target dirs.
+pub fn workspace_bin(name: &str) -> Result<PathBuf, Error> {
+    let dirs = target_dirs();
+    for d in &dirs {
+        for profile in ["debug", "release"] {
+            let p = d.join(profile).join(name);
+            if p.exists() {
+                return Ok(p);
+            }
+        }
+    }
+    Err(format!(
+        "binary {name} is not built: run `cargo build --bins` (looked in {dirs:?})"
+    ))
+}
+
+/// The template `envoy-config/envoy.yaml`.
+pub fn template() -> Result<String, Error> {
+    let p = workspace_root().join("envoy-config/envoy.yaml");
+    std::fs::read_to_string(&p).map_err(|e| format!("reading {}: {e}", p.display()))
+}
+
+/// Replaces every `${NAME}` of `vars`; fails naming any placeholder left over.
+pub fn render(template: &str, vars: &BTreeMap<&str, String>) -> Result<String, Error> {
+    let mut out = template.to_string();
+    for (k, v) in vars {
+        out = out.replace(&format!("${{{k}}}"), v);
+    }
+    // Placeholders only count outside comments.
+    for line in out.lines() {
+        let code = line.split('#').next().unwrap_or("");
+        if let Some(i) = code.find("${") {
+            return Err(format!(
+                "placeholder left unrendered: {}",
+                &code[i..].chars().take(40).collect::<String>()
+            ));
+        }
+    }
+    Ok(out)
+}
+
+/// `s` as a YAML double-quoted scalar (the JSON string escapes are valid YAML).
+pub fn yaml_quote(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// A YAML flow list of `lb_endpoints` for these addresses.
+pub fn endpoints_yaml(addrs: &[SocketAddr]) -> String {
+    let items: Vec<String> = addrs
+        .iter()
+        .map(|a| {
+            format!(
+                "{{endpoint: {{address: {{socket_address: {{address: \"{}\", port_value: {}}}}}}}}}",
+                a.ip(),
+                a.port()
+            )
+        })
+        .collect();
+    format!("[{}]", items.join(", "))
+}
+
+/// What to run Envoy with.
+#[derive(Debug, Clone)]
+pub struct EnvoyOptions {
+    /// The filter's JSON config (rendered into `FILTER_CONFIG`).
+    pub filter_config: String,
+    /// The model servers (the `inference` cluster).
+    pub inference: Vec<SocketAddr>,
+    /// The collector agents (the `ai_lb_agents` cluster).
+    pub agents: Vec<SocketAddr>,
+    /// Worker threads.
+    pub concurrency: u32,
+    /// Template text; None = `envoy-config/envoy.yaml`.
+    pub template: Option<String>,
+    /// How long to wait for `/ready`.
+    pub ready_timeout: Duration,
+}
+
+impl EnvoyOptions {
+    pub fn new(filter_config: impl Into<String>) -> Self {
+        Self {
+            filter_config: filter_config.into(),
+            inference: Vec::new(),
+            agents: Vec::new(),
+            concurrency: 2,
+            template: None,
+            ready_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+static SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// A fresh scratch dir under the system temp dir.
+pub fn scratch_dir(tag: &str) -> Result<PathBuf, Error> {
+    let n = SEQ.fetch_add(1, Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let d = std::env::temp_dir().join(format!(
+        "ai-lb-e2e-{tag}-{}-{n}-{nanos}",
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&d).map_err(|e| format!("creating {}: {e}", d.display()))?;
+    Ok(d)
+}
+
+/// The rendered config file for `opts` (admin and listener on 127.0.0.1 port 0).
+pub fn write_config(opts: &EnvoyOptions, dir: &Path) -> Result<PathBuf, Error> {
+    let template = match &opts.template {
+        Some(t) => t.clone(),
+        None => template()?,
+    };
+    let wasm = wasm_path()?;
+    let mut vars = BTreeMap::new();
+    vars.insert("ADMIN_ADDRESS", "127.0.0.1".to_string());
+    vars.insert("ADMIN_PORT", "0".to_string());
+    vars.insert("LISTEN_ADDRESS", "127.0.0.1".to_string());
+    vars.insert("LISTEN_PORT", "0".to_string());
+    vars.insert("WASM_PATH", wasm.display().to_string());
+    vars.insert("FILTER_CONFIG", yaml_quote(&opts.filter_config));
+    vars.insert("INFERENCE_ENDPOINTS", endpoints_yaml(&opts.inference));
+    vars.insert("AGENT_ENDPOINTS", endpoints_yaml(&opts.agents));
+    let text = render(&template, &vars)?;
+    let path = dir.join("envoy.yaml");
+    std::fs::write(&path, text).map_err(|e| format!("writing {}: {e}", path.display()))?;
+    Ok(path)
+}
+
+fn envoy_command(config: &Path, dir: &Path, concurrency: u32) -> Command {
+    let mut cmd = Command::new(envoy_bin());
+    cmd.arg("-c")
+        .arg(config)
+        .arg("--disable-hot-restart")
+        .arg("--concurrency")
+        .arg(concurrency.to_string())
+        .arg("--admin-address-path")
+        .arg(dir.join("admin.addr"))
+        .arg("--log-path")
+        .arg(dir.join("envoy.log"))
+        .arg("-l")
+        .arg("info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    cmd
+}
+
+fn spawn_error(e: &std::io::Error) -> Error {
+    format!(
+        "cannot run Envoy at {}: {e} (install it with scripts/setup.sh, or set ENVOY_BIN)",
+        envoy_bin().display()
+    )
+}
+
+/// Outcome of running Envoy until it exits (for configs Envoy must refuse).
+#[derive(Debug)]
+pub struct Exited {
+    pub status: ExitStatus,
+    pub log: String,
+}
+
+/// Runs Envoy with `opts` expecting it to exit within `timeout` (e.g. a refused config).
+/// Fails if it is still running (then it was killed) or cannot start.
+pub fn run_until_exit(opts: &EnvoyOptions, timeout: Duration) -> Result<Exited, Error> {
+    let dir = scratch_dir("exit")?;
+    let config = write_config(opts, &dir)?;
+    let mut child = envoy_command(&config, &dir, opts.concurrency)
+        .spawn()
+        .map_err(|e| spawn_error(&e))?;
+    let deadline = Instant::now() + timeout;
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => {
+                let log = std::fs::read_to_string(dir.join("envoy.log")).unwrap_or_default();
+                let _ = std::fs::remove_dir_all(&dir);
+                return Ok(Exited { status, log });
+            }
+            Ok(None) if Instant::now() < deadline => thread::sleep(Duration::from_millis(50)),
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!(
+                    "envoy still running after {timeout:?}; log in {}",
+                    dir.display()
+                ));
+            }
+            Err(e) => return Err(format!("waiting for envoy: {e}")),
+        }
+    }
+}
+
+/// `envoy --mode validate` on a rendered config; Ok(()) when Envoy accepts it.
+pub fn validate(opts: &EnvoyOptions) -> Result<(), Error> {
+    let dir = scratch_dir("validate")?;
+    let config = write_config(opts, &dir)?;
+    let out = Command::new(envoy_bin())
+        .arg("--mode")
+        .arg("validate")
+        .arg("-c")
+        .arg(&config)
+        .arg("--disable-hot-restart")
+        .output()
+        .map_err(|e| spawn_error(&e))?;
+    let _ = std::fs::remove_dir_all(&dir);
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "envoy --mode validate failed ({}): {}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
+/// A running Envoy, killed on drop. Its log and rendered config stay in `dir` if a test fails.
+pub struct Envoy {
+    child: Child,
+    pub dir: PathBuf,
+    pub admin: SocketAddr,
+    pub listener: SocketAddr,
+}
+
+impl std::fmt::Debug for Envoy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Envoy")
+            .field("dir", &self.dir)
+            .field("admin", &self.admin)
+            .field("listener", &self.listener)
+            .finish()
+    }
+}
+
+impl Envoy {
+    /// Starts Envoy and waits until `/ready` answers 200 and the listener is bound.
+    pub fn start(opts: &EnvoyOptions) -> Result<Envoy, Error> {
+        let dir = scratch_dir("envoy")?;
+        let config = write_config(opts, &dir)?;
+        let child = envoy_command(&config, &dir, opts.concurrency)
+            .spawn()
+            .map_err(|e| spawn_error(&e))?;
+        let placeholder: SocketAddr = ([127, 0, 0, 1], 0).into();
+        let mut envoy = Envoy {
+            child,
+            dir,
+            admin: placeholder,
+            listener: placeholder,
+        };
+        let deadline = Instant::now() + opts.ready_timeout;
+        // The admin address file appears once the admin listener is bound.
+        envoy.admin = envoy.wait_for(deadline, "admin address file", |e| {
+            let text = std::fs::read_to_string(e.dir.join("admin.addr")).ok()?;
+            text.trim().parse().ok()
+        })?;
+        envoy.wait_for(deadline, "/ready", |e| {
+            let r = http_get(e.admin, "/ready").ok()?;
+            (r.status == 200).then_some(())
+        })?;
+        envoy.listener = envoy.wait_for(deadline, "the inference listener", |e| {
+            let r = http_get(e.admin, "/listeners").ok()?;
+            // `inference::127.0.0.1:PORT`
+            r.text()
+                .lines()
+                .find_map(|l| l.strip_prefix("inference::"))
+                .and_then(|a| a.trim().parse().ok())
+        })?;
+        Ok(envoy)
+    }
+
+    fn wait_for<T>(
+        &mut self,
+        deadline: Instant,
+        what: &str,
+        mut f: impl FnMut(&Envoy) -> Option<T>,
+    ) -> Result<T, Error> {
+        loop {
+            if let Some(v) = f(self) {
+                return Ok(v);
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Err(format!(
+                    "envoy exited ({status}) before {what}; log:\n{}",
+                    self.log_tail(60)
+                ));
+            }
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "timed out waiting for {what}; log:\n{}",
+                    self.log_tail(60)
+                ));
+            }
+            thread::sleep(Duration::from_millis(25));
+        }
+    }
+
+    /// The whole log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("envoy.log")).unwrap_or_default()
+    }
+
+    /// The last `n` lines of the log.
+    pub fn log_tail(&self, n: usize) -> String {
+        let log = self.log();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    }
+
+    /// `/stats` as name → value (counters and gauges; histograms are skipped).
+    pub fn stats(&self) -> Result<BTreeMap<String, u64>, Error> {
+        let r = http_get(self.admin, "/stats")?;
+        Ok(parse_stats(&r.text()))
+    }
+
+    /// One stat from `/stats` (0 when absent).
+    pub fn stat(&self, name: &str) -> Result<u64, Error> {
+        Ok(self.stats()?.get(name).copied().unwrap_or(0))
+    }
+
+    /// `/stats/prometheus` text.
+    pub fn prometheus(&self) -> Result<String, Error> {
+        Ok(http_get(self.admin, "/stats/prometheus")?.text())
+    }
+
+    /// Polls `f` every 50 ms until it returns Some or `timeout` passes.
+    pub fn poll<T>(
+        &self,
+        timeout: Duration,
+        what: &str,
+        mut f: impl FnMut() -> Option<T>,
+    ) -> Result<T, Error> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(v) = f() {
+                return Ok(v);
+            }
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "timed out after {timeout:?} waiting for {what}; envoy log:\n{}",
+                    self.log_tail(40)
+                ));
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// True if the wasm VM trapped or the filter logged a panic.
+    pub fn wasm_failed(&self) -> bool {
+        let log = self.log();
+        log.contains("panicked at")
+            || log.contains("Uncaught RuntimeError")
+            || log.contains("Function: proxy_on_")
+    }
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if thread::panicking() {
+            eprintln!("envoy log and config kept in {}", self.dir.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// Parses Envoy's `/stats` text (`name: value`).
+pub fn parse_stats(text: &str) -> BTreeMap<String, u64> {
+    text.lines()
+        .filter_map(|l| {
+            let (k, v) = l.rsplit_once(": ")?;
+            Some((k.to_string(), v.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// An HTTP response.
+#[derive(Debug, Clone)]
+pub struct Response {
+    pub status: u16,
+    /// Header names lower-cased.
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Response {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        let name = name.to_ascii_lowercase();
+        self.headers
+            .iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+/// A keep-alive HTTP/1.1 client for one address (reconnects when the server closes).
+#[derive(Debug)]
+pub struct HttpClient {
+    addr: SocketAddr,
+    conn: Option<BufReader<TcpStream>>,
+    timeout: Duration,
+}
+
+impl HttpClient {
+    pub fn new(addr: SocketAddr) -> Self {
+        Self {
+            addr,
+            conn: None,
+            timeout: Duration::from_secs(30),
+        }
+    }
+
+    /// Sends one request; retries once on a stale keep-alive connection.
+    pub fn request(
+        &mut self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Result<Response, Error> {
+        let reused = self.conn.is_some();
+        match self.try_request(method, path, headers, body) {
+            Ok(r) => Ok(r),
+            Err(_) if reused => {
+                self.conn = None;
+                self.try_request(method, path, headers, body)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn try_request(
+        &mut self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Result<Response, Error> {
+        if self.conn.is_none() {
+            let s = TcpStream::connect_timeout(&self.addr, self.timeout)
+                .map_err(|e| format!("connect {}: {e}", self.addr))?;
+            s.set_read_timeout(Some(self.timeout)).ok();
+            s.set_nodelay(true).ok();
+            self.conn = Some(BufReader::new(s));
+        }
+        let addr = self.addr;
+        let conn = self
+            .conn
+            .as_mut()
+            .ok_or_else(|| "no connection".to_string())?;
+        let mut req = format!("{method} {path} HTTP/1.1\r\nhost: {addr}\r\n");
+        for (k, v) in headers {
+            req.push_str(&format!("{k}: {v}\r\n"));
+        }
+        req.push_str(&format!("content-length: {}\r\n\r\n", body.len()));
+        let stream = conn.get_mut();
+        stream
+            .write_all(req.as_bytes())
+            .and_then(|_| stream.write_all(body))
+            .map_err(|e| format!("write to {addr}: {e}"))?;
+        let resp = read_response(conn).map_err(|e| format!("read from {addr}: {e}"));
+        match &resp {
+            Ok(r) if r.header("connection") == Some("close") => self.conn = None,
+            Err(_) => self.conn = None,
+            _ => {}
+        }
+        resp
+    }
+
+    pub fn get(&mut self, path: &str, headers: &[(&str, &str)]) -> Result<Response, Error> {
+        self.request("GET", path, headers, b"")
+    }
+
+    pub fn post_json(
+        &mut self,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &str,
+    ) -> Result<Response, Error> {
+        let mut h: Vec<(&str, &str)> = vec![("content-type", "application/json")];
+        h.extend_from_slice(headers);
+        self.request("POST", path, &h, body.as_bytes())
+    }
+}
+
+fn read_response(r: &mut BufReader<TcpStream>) -> std::io::Result<Response> {
+    let bad = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, m.to_string());
+    let mut line = String::new();
+    if r.read_line(&mut line)? == 0 {
+        return Err(bad("connection closed"));
+    }
+    let status: u16 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| bad("bad status line"))?;
+    let mut headers = Vec::new();
+    loop {
+        line.clear();
+        r.read_line(&mut line)?;
+        let l = line.trim_end();
+        if l.is_empty() {
+            break;
+        }
+        if let Some((k, v)) = l.split_once(':') {
+            headers.push((k.trim().to_ascii_lowercase(), v.trim().to_string()));
+        }
+    }
+    let find = |n: &str| {
+        headers
+            .iter()
+            .find(|(k, _)| k == n)
+            .map(|(_, v)| v.to_string())
+    };
+    let mut body = Vec::new();
+    if find("transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case("chunked")) {
+        loop {
+            line.clear();
+            r.read_line(&mut line)?;
+            let size = usize::from_str_radix(line.trim().split(';').next().unwrap_or(""), 16)
+                .map_err(|_| bad("bad chunk size"))?;
+            if size == 0 {
+                // trailers until an empty line
+                loop {
+                    line.clear();
+                    r.read_line(&mut line)?;
+                    if line.trim().is_empty() {
+                        break;
+                    }
+                }
+                break;
+            }
+            let mut chunk = vec![0; size];
+            r.read_exact(&mut chunk)?;
+            body.extend_from_slice(&chunk);
+            line.clear();
+            r.read_line(&mut line)?;
+        }
+    } else if let Some(n) = find("content-length").and_then(|v| v.parse::<usize>().ok()) {
+        body.resize(n, 0);
+        r.read_exact(&mut body)?;
+    } else if status != 204 && status != 304 {
+        r.read_to_end(&mut body)?;
+    }
+    Ok(Response {
+        status,
+        headers,
+        body,
+    })
+}
+
+/// One GET on a fresh connection.
+pub fn http_get(addr: SocketAddr, path: &str) -> Result<Response, Error> {
+    HttpClient::new(addr).get(path, &[("connection", "close")])
+}
+
+/// Request headers (lower-cased names) of every request a [`StubUpstream`] served.
+pub type SeenHeaders = Arc<Mutex<Vec<Vec<(String, String)>>>>;
+
+/// A tiny HTTP/1.1 upstream that answers every request with 200, header
+/// `x-fake-pod: <its address>` and the request headers it saw (one per line) as the body.
+/// For tests that need endpoints but no GPU model. Stops on drop.
+pub struct StubUpstream {
+    pub addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    pub seen: SeenHeaders,
+}
+
+impl std::fmt::Debug for StubUpstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StubUpstream")
+            .field("addr", &self.addr)
+            .finish()
+    }
+}
+
+impl StubUpstream {
+    pub fn start() -> Result<StubUpstream, Error> {
+        let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("bind: {e}"))?;
+        let addr = listener.local_addr().map_err(|e| e.to_string())?;
+        listener.set_nonblocking(true).map_err(|e| e.to_string())?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let (stop2, seen2) = (stop.clone(), seen.clone());
+        thread::spawn(move || {
+            while !stop2.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((s, _)) => {
+                        let seen = seen2.clone();
+                        let stop = stop2.clone();
+                        thread::spawn(move || serve_stub(s, addr, seen, stop));
+                    }
+                    Err(_) => thread::sleep(Duration::from_millis(5)),
+                }
+            }
+        });
+        Ok(StubUpstream { addr, stop, seen })
+    }
+}
+
+impl Drop for StubUpstream {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+fn serve_stub(s: TcpStream, addr: SocketAddr, seen: SeenHeaders, stop: Arc<AtomicBool>) {
+    let _ = s.set_nonblocking(false);
+    let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
+    let Ok(mut w) = s.try_clone() else { return };
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    while !stop.load(Ordering::Relaxed) {
+        line.clear();
+        match r.read_line(&mut line) {
+            Ok(0) => return,
+            Ok(_) => {}
+            Err(e)
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    || e.kind() == std::io::ErrorKind::TimedOut =>
+            {
+                continue
+            }
+            Err(_) => return,
+        }
+        let mut headers = Vec::new();
+        let mut len = 0usize;
+        loop {
+            let mut h = String::new();
+            if r.read_line(&mut h).unwrap_or(0) == 0 {
+                return;
+            }
+            let h = h.trim_end();
+            if h.is_empty() {
+                break;
+            }
+            if let Some((k, v)) = h.split_once(':') {
+                let (k, v) = (k.trim().to_ascii_lowercase(), v.trim().to_string());
+                if k == "content-length" {
+                    len = v.parse().unwrap_or(0);
+                }
+                headers.push((k, v));
+            }
+        }
+        let mut body = vec![0; len];
+        if r.read_exact(&mut body).is_err() {
+            return;
+        }
+        let text: String = headers.iter().map(|(k, v)| format!("{k}: {v}\n")).collect();
+        if let Ok(mut g) = seen.lock() {
+            g.push(headers);
+        }
+        let resp = format!(
+            "HTTP/1.1 200 OK\r\nx-fake-pod: {addr}\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n\r\n{text}",
+            text.len()
+        );
+        if w.write_all(resp.as_bytes()).is_err() {
+            return;
+        }
+    }
+}

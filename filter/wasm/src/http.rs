@@ -1,0 +1,319 @@
+//! One HTTP request: drops any client-supplied routing header, finds the pool and the model
+//! (model header, else the JSON body's `model`), asks the core's router, writes the ranked list
+//! `a,b,c` into the routing header for override_host, and at the end feeds the outcome (status,
+//! resets, connect failures, TTFT, latency) to the shared per-pod breakers.
+//!
+//! Request headers are only touched in the request phase (they are gone afterwards and the
+//! SDK's helpers would trap); everything later comes from properties and response headers.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use proxy_wasm::traits::{Context, HttpContext};
+use proxy_wasm::types::{Action, LogLevel};
+
+use ai_lb_filter_core::breaker::BreakerState;
+use ai_lb_filter_core::picker::Decision;
+use ai_lb_filter_core::status::scoreboard_json;
+
+use crate::outcome::{self, Observed};
+use crate::root::{count_transitions, State};
+use crate::{body, host, shared};
+
+/// A context that does nothing (filter not configured for routing).
+pub struct PassThrough;
+
+impl Context for PassThrough {}
+impl HttpContext for PassThrough {}
+
+pub struct Request {
+    state: Rc<RefCell<State>>,
+    pool: Option<usize>,
+    model: Option<String>,
+    /// The routing header value written; empty when nothing was steered.
+    ranked: String,
+    chosen_score: f64,
+    debug: bool,
+    waiting_body: bool,
+    started_ms: u64,
+    ttft_ms: Option<u64>,
+    attempts: Option<u32>,
+}
+
+impl Request {
+    pub fn new(state: Rc<RefCell<State>>) -> Self {
+        Self {
+            state,
+            pool: None,
+            model: None,
+            ranked: String::new(),
+            chosen_score: 0.0,
+            debug: false,
+            waiting_body: false,
+            started_ms: 0,
+            ttft_ms: None,
+            attempts: None,
+        }
+    }
+
+    fn chosen(&self) -> Option<&str> {
+        self.ranked.split(',').next().filter(|s| !s.is_empty())
+    }
+
+    /// Asks the router and writes the routing header.
+    fn route(&mut self, now: u64) {
+        let Some(pool) = self.pool else { return };
+        let Ok(mut guard) = self.state.try_borrow_mut() else {
+            return;
+        };
+        let State {
+            router,
+            metrics,
+            rng,
+            scratch,
+        } = &mut *guard;
+        let ranked = match router.decide(pool, self.model.as_deref(), now, rng) {
+            Decision::Steer {
+                ranked,
+                chosen_score,
+            } => {
+                self.chosen_score = chosen_score;
+                ranked
+            }
+            Decision::FailOpen { ranked } => ranked,
+            Decision::Fallback(_) => return,
+        };
+        if !router.write_ranked(pool, &ranked, scratch) {
+            return;
+        }
+        let header = router.config().routing_header.clone();
+        if let Err(e) = host::set_request_header(&header, Some(scratch)) {
+            host::log(
+                LogLevel::Warn,
+                &format!("ai-lb: cannot set `{header}`: {e:?}"),
+            );
+            return;
+        }
+        self.ranked.clear();
+        self.ranked.push_str(scratch);
+        let Some(chosen) = self.ranked.split(',').next() else {
+            return;
+        };
+        router.on_request_start(pool, chosen);
+        metrics.pick(chosen);
+        // A half-open pod's probe budget is shared by every VM.
+        if router
+            .breaker(pool, chosen, None)
+            .is_some_and(|b| b.state() == BreakerState::HalfOpen)
+        {
+            let cfg = router.config().breaker;
+            if let Some(name) = router.config().pools.get(pool).map(|p| p.name.clone()) {
+                if let Some((b, ts)) = shared::update_breaker(&name, chosen, now, &cfg, |b| {
+                    b.on_request(now);
+                    None
+                }) {
+                    router.set_breaker(pool, chosen, None, b);
+                    count_transitions(metrics, &ts);
+                }
+            }
+        }
+    }
+
+    fn finish(&mut self) {
+        let Some(pool) = self.pool else { return };
+        let now = host::now_ms();
+        let upstream = host::property_string(&["upstream", "address"]);
+        let status = host::property_u64(&["response", "code"])
+            .and_then(|c| u16::try_from(c).ok())
+            .filter(|c| *c > 0);
+        let flags = host::property_u64(&["response", "flags"]).unwrap_or(0);
+        let details = host::property_string(&["response", "code_details"]).unwrap_or_default();
+        let observed = Observed {
+            ranked: &self.ranked,
+            upstream: upstream.as_deref(),
+            status,
+            flags,
+            details: &details,
+            attempts: self.attempts,
+            ttft_ms: self.ttft_ms,
+            total_ms: Some(now.saturating_sub(self.started_ms)),
+        };
+        let pairs = outcome::attribute(&observed);
+        let chosen = self.chosen().map(str::to_string);
+        let Ok(mut guard) = self.state.try_borrow_mut() else {
+            return;
+        };
+        let State {
+            router, metrics, ..
+        } = &mut *guard;
+        let cfg = router.config().breaker;
+        let Some(name) = router.config().pools.get(pool).map(|p| p.name.clone()) else {
+            return;
+        };
+        let model = self.model.as_deref();
+        // The chosen pod was counted in flight: close that (its local breaker also records).
+        if let Some(c) = chosen.as_deref() {
+            let o = pairs
+                .iter()
+                .find(|(p, _)| *p == c)
+                .map(|(_, o)| *o)
+                .unwrap_or_default();
+            let _ = router.on_outcome(pool, c, model, &o, now);
+        }
+        for (pod, o) in &pairs {
+            let failure = o.failure(&cfg);
+            if failure.is_some() {
+                metrics.failure(pod);
+            }
+            if let Some((b, ts)) =
+                shared::update_breaker(&name, pod, now, &cfg, |b| b.record(failure, now, &cfg))
+            {
+                router.set_breaker(pool, pod, None, b);
+                count_transitions(metrics, &ts);
+                for t in &ts {
+                    if t.to == BreakerState::Open {
+                        host::log(
+                            LogLevel::Warn,
+                            &format!(
+                                "ai-lb: pool `{name}`: breaker of {pod} opened ({})",
+                                t.reason.map_or("unknown", |r| r.as_str())
+                            ),
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Context for Request {}
+
+impl HttpContext for Request {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let now = host::now_ms();
+        self.started_ms = now;
+        let (routing_header, model_header, debug_header, status_path, pools) = {
+            let Ok(s) = self.state.try_borrow() else {
+                return Action::Continue;
+            };
+            let c = s.router.config();
+            (
+                c.routing_header.clone(),
+                c.model_header.clone(),
+                c.debug_header.clone(),
+                c.status_path.clone(),
+                c.pools.len(),
+            )
+        };
+        // Clients cannot steer: whatever they sent in the routing header is dropped first.
+        if let Err(e) = host::set_request_header(&routing_header, None) {
+            host::log(
+                LogLevel::Warn,
+                &format!("ai-lb: cannot remove `{routing_header}`: {e:?}"),
+            );
+        }
+        if let Some(path) = status_path.as_deref() {
+            let req_path = host::request_header(":path").unwrap_or_default();
+            let bare = req_path.split('?').next().unwrap_or("");
+            if bare == path {
+                let body = match self.state.try_borrow() {
+                    Ok(s) => scoreboard_json(&s.router, now),
+                    Err(_) => "{}".to_string(),
+                };
+                let _ = host::send_response(
+                    200,
+                    vec![("content-type", "application/json")],
+                    body.as_bytes(),
+                );
+                return Action::Pause;
+            }
+        }
+        let cluster = host::property_string(&["xds", "cluster_name"]);
+        self.pool = {
+            let Ok(s) = self.state.try_borrow() else {
+                return Action::Continue;
+            };
+            match cluster.as_deref() {
+                Some(c) => s.router.config().pool_by_cluster(c),
+                None if pools == 1 => Some(0),
+                None => None,
+            }
+        };
+        if self.pool.is_none() {
+            return Action::Continue;
+        }
+        self.debug = debug_header.is_some_and(|h| host::request_header(&h).is_some());
+        if let Some(h) = model_header.as_deref() {
+            self.model = host::request_header(h).filter(|m| !m.is_empty());
+            if self.model.is_none() && !end_of_stream {
+                // Decide from the body's `model` (needs allow_on_headers_stop_iteration).
+                self.waiting_body = true;
+                return Action::Pause;
+            }
+        }
+        self.route(now);
+        Action::Continue
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if !self.waiting_body {
+            return Action::Continue;
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        self.waiting_body = false;
+        if let Some(b) = host::request_body(body_size) {
+            self.model = body::model_of(&b);
+        }
+        self.route(host::now_ms());
+        Action::Continue
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        if self.waiting_body {
+            self.waiting_body = false;
+            self.route(host::now_ms());
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        if self.pool.is_none() {
+            return Action::Continue;
+        }
+        self.attempts = host::response_header("x-envoy-attempt-count").and_then(|v| v.parse().ok());
+        if end_of_stream && self.ttft_ms.is_none() {
+            self.ttft_ms = Some(host::now_ms().saturating_sub(self.started_ms));
+        }
+        if self.debug {
+            let header = self
+                .state
+                .try_borrow()
+                .ok()
+                .and_then(|s| s.router.config().debug_header.clone());
+            if let Some(h) = header {
+                let value = match self.chosen() {
+                    Some(pod) => format!(
+                        "pod={pod}; score={:.3}; ranked={}",
+                        self.chosen_score, self.ranked
+                    ),
+                    None => "pod=none; fallback".to_string(),
+                };
+                let _ = host::set_response_header(&h, &value);
+            }
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
+        if self.ttft_ms.is_none() && self.pool.is_some() {
+            self.ttft_ms = Some(host::now_ms().saturating_sub(self.started_ms));
+        }
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        self.finish();
+    }
+}

@@ -1,0 +1,110 @@
+//! Decides nothing: names and caches the filter's Envoy metrics. Per-pod metrics carry the pod
+//! in the name (`ailb.endpoint.<ip:port>.<metric>`) and envoy.yaml's `stats_tags` turns it into
+//! a label. Ids are defined once per VM and cached, so the request path does not allocate names.
+
+use std::collections::HashMap;
+
+use proxy_wasm::types::MetricType;
+
+use crate::host;
+
+/// The per-pod metric ids.
+#[derive(Debug, Clone, Copy)]
+pub struct PodMetrics {
+    pub picks: Option<u32>,
+    pub failures: Option<u32>,
+    pub score: Option<u32>,
+    pub breaker_state: Option<u32>,
+    pub metrics_age_ms: Option<u32>,
+    pub inflight: Option<u32>,
+}
+
+/// Metric id cache of one VM.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    named: HashMap<String, u32>,
+    pods: HashMap<String, PodMetrics>,
+    /// Last exported values of the core's counters (exported as deltas).
+    last_core: HashMap<&'static str, u64>,
+}
+
+impl Metrics {
+    fn id(&mut self, kind: MetricType, name: &str) -> Option<u32> {
+        if let Some(id) = self.named.get(name) {
+            return Some(*id);
+        }
+        let id = host::define_metric(kind, name)?;
+        self.named.insert(name.to_string(), id);
+        Some(id)
+    }
+
+    /// Adds `by` to counter `name` (defined on first use).
+    pub fn inc(&mut self, name: &str, by: u64) {
+        if by == 0 {
+            return;
+        }
+        if let Some(id) = self.id(MetricType::Counter, name) {
+            host::increment_metric(id, i64::try_from(by).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// Sets gauge `name`.
+    pub fn set(&mut self, name: &str, value: u64) {
+        if let Some(id) = self.id(MetricType::Gauge, name) {
+            host::record_metric(id, value);
+        }
+    }
+
+    /// The metric ids of `pod`, defined on first use.
+    pub fn pod(&mut self, pod: &str) -> PodMetrics {
+        if let Some(m) = self.pods.get(pod) {
+            return *m;
+        }
+        let name = |m: &str| format!("ailb.endpoint.{pod}.{m}");
+        let m = PodMetrics {
+            picks: host::define_metric(MetricType::Counter, &name("picks")),
+            failures: host::define_metric(MetricType::Counter, &name("failures")),
+            score: host::define_metric(MetricType::Gauge, &name("score")),
+            breaker_state: host::define_metric(MetricType::Gauge, &name("breaker_state")),
+            metrics_age_ms: host::define_metric(MetricType::Gauge, &name("metrics_age_ms")),
+            inflight: host::define_metric(MetricType::Gauge, &name("inflight")),
+        };
+        self.pods.insert(pod.to_string(), m);
+        m
+    }
+
+    /// Counts a pick of `pod`.
+    pub fn pick(&mut self, pod: &str) {
+        if let Some(id) = self.pod(pod).picks {
+            host::increment_metric(id, 1);
+        }
+    }
+
+    /// Counts a failed outcome of `pod`.
+    pub fn failure(&mut self, pod: &str) {
+        if let Some(id) = self.pod(pod).failures {
+            host::increment_metric(id, 1);
+        }
+    }
+
+    /// Exports the core's monotonic counters as `ailb.<name>` deltas since the last call;
+    /// returns the fallback requests counted in this call.
+    pub fn export_core(&mut self, counters: &[(&'static str, u64)]) -> u64 {
+        let mut fallbacks = 0;
+        for (name, value) in counters {
+            // Breaker transitions are counted from the shared (cross-VM) breaker state instead.
+            if name.starts_with("breaker_") {
+                continue;
+            }
+            let last = self.last_core.insert(name, *value).unwrap_or(0);
+            let delta = value.saturating_sub(last);
+            if delta > 0 {
+                if name.starts_with("fallback.") {
+                    fallbacks += delta;
+                }
+                self.inc(&format!("ailb.{name}"), delta);
+            }
+        }
+        fallbacks
+    }
+}

@@ -1,0 +1,536 @@
+//! The root context of one VM: validates the plugin config, and on every tick renews or
+//! follows the pool subscription lease, runs the single `WatchPool` stream when it holds the
+//! lease (publishing the pool state to shared data), refreshes the worker's copy of the pool
+//! and breaker state from shared data, and exports stats. Decisions are the core's; the lease
+//! and reconnect timing are [`crate::lease`] and [`crate::stream`].
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::time::Duration;
+
+use prost::Message;
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{ContextType, LogLevel};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use ai_lb_filter_core::breaker::{BreakerState, Transition};
+use ai_lb_filter_core::config::{FilterConfig, Mode};
+use ai_lb_filter_core::picker::Router;
+use ai_lb_proto::{PoolEvent, WatchPoolRequest};
+
+use crate::http::{PassThrough, Request};
+use crate::metrics::Metrics;
+use crate::stream::{Backoff, Subscription};
+use crate::{grpc_service, host, shared};
+
+const SERVICE: &str = "ai_lb.v1.MetricsService";
+const METHOD: &str = "WatchPool";
+/// Agent heartbeat assumed when the config leaves it to the agent (`watch.heartbeatMs` 0).
+const DEFAULT_HEARTBEAT_MS: u64 = 5_000;
+const GAUGE_EVERY_MS: u64 = 500;
+const COUNTERS_EVERY_MS: u64 = 200;
+const LOG_EVERY_MS: u64 = 10_000;
+
+/// State shared by the root context and the HTTP contexts of one VM (single-threaded).
+pub struct State {
+    pub router: Router,
+    pub metrics: Metrics,
+    pub rng: SmallRng,
+    /// Reused buffer for the routing header value.
+    pub scratch: String,
+}
+
+/// Per-pool bookkeeping of the root context.
+struct PoolRt {
+    name: String,
+    cluster: String,
+    /// Serialized GrpcService (see [`grpc_service`]); valid UTF-8 (checked at configure).
+    upstream: String,
+    sub: Subscription,
+    holder: bool,
+    seen_version: u64,
+    breakers_seen: HashMap<String, Vec<u8>>,
+}
+
+pub struct Root {
+    vm: u64,
+    state: Option<Rc<RefCell<State>>>,
+    pools: Vec<PoolRt>,
+    tokens: HashMap<u32, usize>,
+    watch_request: Vec<u8>,
+    lease_ttl_ms: u64,
+    refresh_ms: u64,
+    next_refresh_ms: u64,
+    next_counters_ms: u64,
+    next_gauges_ms: u64,
+    unsteered: u64,
+    last_unsteered_log_ms: u64,
+    last_stream_log_ms: u64,
+}
+
+impl Default for Root {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Root {
+    pub fn new() -> Self {
+        Self {
+            vm: shared::vm_id(),
+            state: None,
+            pools: Vec::new(),
+            tokens: HashMap::new(),
+            watch_request: Vec::new(),
+            lease_ttl_ms: 1_000,
+            refresh_ms: 20,
+            next_refresh_ms: 0,
+            next_counters_ms: 0,
+            next_gauges_ms: 0,
+            unsteered: 0,
+            last_unsteered_log_ms: 0,
+            last_stream_log_ms: 0,
+        }
+    }
+
+    fn configure(&mut self, bytes: &[u8]) -> Result<(), String> {
+        let cfg = FilterConfig::from_json(bytes).map_err(|e| e.to_string())?;
+        if cfg.mode == Mode::Guard {
+            host::log(
+                LogLevel::Warn,
+                "ai-lb: mode `guard` (admission) is not handled by this filter build; \
+                 requests pass through unchanged",
+            );
+        }
+        let w = cfg.watch;
+        let heartbeat = if w.heartbeat_ms == 0 {
+            DEFAULT_HEARTBEAT_MS
+        } else {
+            u64::from(w.heartbeat_ms)
+        };
+        let backoff = Backoff {
+            base_ms: w.reconnect_base_ms,
+            max_ms: w.reconnect_max_ms,
+            idle_timeout_ms: heartbeat.saturating_mul(3).saturating_add(1_000),
+        };
+        let mut pools = Vec::new();
+        for (i, p) in cfg.pools.iter().enumerate() {
+            let bytes = grpc_service::encode(&p.agent_cluster, Some(&p.agent_authority));
+            let upstream = String::from_utf8(bytes).map_err(|_| {
+                format!(
+                    "ai-lb plugin config: field `pools[{i}].agentCluster`: value {:?}: \
+                     cluster name plus authority must be under 100 bytes",
+                    p.agent_cluster
+                )
+            })?;
+            pools.push(PoolRt {
+                name: p.name.clone(),
+                cluster: p.cluster.clone(),
+                upstream,
+                sub: Subscription::new(backoff),
+                holder: false,
+                seen_version: 0,
+                breakers_seen: HashMap::new(),
+            });
+        }
+        self.watch_request = WatchPoolRequest {
+            min_interval_ms: w.min_interval_ms,
+            heartbeat_ms: w.heartbeat_ms,
+        }
+        .encode_to_vec();
+        self.refresh_ms = w.refresh_ms.max(1);
+        let tick_ms = self.refresh_ms.clamp(10, 100);
+        self.lease_ttl_ms = (tick_ms * 10).max(1_000);
+        let seed = self.vm ^ host::now_ms();
+        self.pools = pools;
+        self.state = Some(Rc::new(RefCell::new(State {
+            router: Router::new(cfg),
+            metrics: Metrics::default(),
+            rng: SmallRng::seed_from_u64(seed),
+            scratch: String::with_capacity(256),
+        })));
+        if hostcalls::set_tick_period(Duration::from_millis(tick_ms)).is_err() {
+            return Err("ai-lb: the host refused the tick period".to_string());
+        }
+        Ok(())
+    }
+
+    fn rand01(&self) -> f64 {
+        self.state
+            .as_ref()
+            .and_then(|s| s.try_borrow_mut().ok().map(|mut s| s.rng.random::<f64>()))
+            .unwrap_or(0.5)
+    }
+
+    fn open_stream(&mut self, i: usize, now: u64) {
+        let r = self.rand01();
+        let Some(p) = self.pools.get_mut(i) else {
+            return;
+        };
+        match hostcalls::open_grpc_stream(&p.upstream, SERVICE, METHOD, Vec::new()) {
+            Ok(token) => {
+                if hostcalls::send_grpc_stream_message(token, Some(&self.watch_request), true)
+                    .is_err()
+                {
+                    let _ = hostcalls::cancel_grpc_stream(token);
+                    p.sub.failed(now, r);
+                    return;
+                }
+                p.sub.opened(token, now);
+                self.tokens.insert(token, i);
+                self.inc("ailb.stream.opens");
+            }
+            Err(status) => {
+                p.sub.failed(now, r);
+                let msg = format!(
+                    "ai-lb: pool `{}`: cannot open WatchPool stream ({status:?}); retrying",
+                    p.name
+                );
+                self.inc("ailb.stream.failures");
+                self.log_limited(now, &msg);
+            }
+        }
+    }
+
+    fn inc(&self, name: &str) {
+        if let Some(s) = &self.state {
+            if let Ok(mut s) = s.try_borrow_mut() {
+                s.metrics.inc(name, 1);
+            }
+        }
+    }
+
+    fn log_limited(&mut self, now: u64, msg: &str) {
+        if now.saturating_sub(self.last_stream_log_ms) >= LOG_EVERY_MS
+            || self.last_stream_log_ms == 0
+        {
+            self.last_stream_log_ms = now;
+            host::log(LogLevel::Warn, msg);
+        }
+    }
+
+    /// Installs the shared pool state when its version changed.
+    fn refresh_pool(&mut self, i: usize, now: u64) {
+        let Some(state) = self.state.clone() else {
+            return;
+        };
+        let Some(p) = self.pools.get_mut(i) else {
+            return;
+        };
+        let v = shared::read_u64(&shared::version_key(&p.name));
+        if v == p.seen_version {
+            return;
+        }
+        let (bytes, _) = host::shared_get(&shared::state_key(&p.name));
+        let Some(bytes) = bytes else {
+            return;
+        };
+        let Ok(mut s) = state.try_borrow_mut() else {
+            return;
+        };
+        match s.router.set_pool_state_bytes(i, &bytes, now) {
+            Ok(_) => p.seen_version = v,
+            Err(e) => {
+                p.seen_version = v;
+                host::log(LogLevel::Warn, &format!("ai-lb: pool `{}`: {e}", p.name));
+            }
+        }
+    }
+
+    /// Installs other VMs' breaker changes for every pod of pool `i`.
+    fn refresh_breakers(&mut self, i: usize, now: u64) {
+        let Some(state) = self.state.clone() else {
+            return;
+        };
+        let Some(p) = self.pools.get_mut(i) else {
+            return;
+        };
+        let Ok(mut s) = state.try_borrow_mut() else {
+            return;
+        };
+        let pods: Vec<String> = s
+            .router
+            .pod_status(i, now)
+            .iter()
+            .map(|r| r.address.to_string())
+            .collect();
+        for pod in pods {
+            let (bytes, _) = host::shared_get(&shared::breaker_key(&p.name, &pod));
+            let Some(bytes) = bytes else { continue };
+            if p.breakers_seen.get(&pod) == Some(&bytes) {
+                continue;
+            }
+            if let Some(b) = ai_lb_filter_core::breaker::Breaker::decode(&bytes) {
+                s.router.set_breaker(i, &pod, None, b);
+            }
+            p.breakers_seen.insert(pod, bytes);
+        }
+    }
+
+    fn export(&mut self, now: u64) {
+        let Some(state) = self.state.clone() else {
+            return;
+        };
+        let Ok(mut s) = state.try_borrow_mut() else {
+            return;
+        };
+        let State {
+            router, metrics, ..
+        } = &mut *s;
+        let counters = router.counters().iter();
+        self.unsteered += metrics.export_core(&counters);
+        if self.unsteered > 0 && now.saturating_sub(self.last_unsteered_log_ms) >= LOG_EVERY_MS {
+            self.last_unsteered_log_ms = now;
+            let live = self.pools.iter().any(|p| p.sub.live());
+            host::log(
+                LogLevel::Warn,
+                &format!(
+                    "ai-lb: {} requests not steered since the last report (no fresh pod \
+                     metrics: agent stream {}); Envoy's fallback policy balanced them",
+                    self.unsteered,
+                    if live {
+                        "live"
+                    } else {
+                        "down or held by another VM"
+                    }
+                ),
+            );
+            self.unsteered = 0;
+        }
+    }
+
+    fn gauges(&mut self, now: u64) {
+        let Some(state) = self.state.clone() else {
+            return;
+        };
+        let Ok(mut s) = state.try_borrow_mut() else {
+            return;
+        };
+        let State {
+            router, metrics, ..
+        } = &mut *s;
+        for (i, p) in self.pools.iter().enumerate() {
+            if !p.holder {
+                continue;
+            }
+            metrics.set(
+                &format!("ailb.pool.{}.stream_live", p.name),
+                u64::from(p.sub.live()),
+            );
+            for row in router.pod_status(i, now) {
+                let m = metrics.pod(row.address);
+                if let Some(id) = m.score {
+                    host::record_metric(id, (row.score.clamp(0.0, 1.0) * 1000.0).round() as u64);
+                }
+                if let Some(id) = m.breaker_state {
+                    let v = match row.breaker {
+                        BreakerState::Closed => 0,
+                        BreakerState::HalfOpen => 1,
+                        BreakerState::Open => 2,
+                    };
+                    host::record_metric(id, v);
+                }
+                if let (Some(id), Some(age)) = (m.metrics_age_ms, row.metrics_age_ms) {
+                    host::record_metric(id, age);
+                }
+                if let Some(id) = m.inflight {
+                    host::record_metric(id, u64::from(row.inflight));
+                }
+            }
+        }
+    }
+
+    fn tick(&mut self, now: u64) {
+        let refresh = now >= self.next_refresh_ms;
+        if refresh {
+            self.next_refresh_ms = now + self.refresh_ms;
+        }
+        for i in 0..self.pools.len() {
+            let Some(p) = self.pools.get_mut(i) else {
+                continue;
+            };
+            let holds =
+                shared::hold_lease(&shared::lease_key(&p.name), self.vm, now, self.lease_ttl_ms);
+            if holds && !p.holder {
+                p.holder = true;
+                host::log(
+                    LogLevel::Info,
+                    &format!(
+                        "ai-lb: pool `{}` (cluster `{}`): this VM subscribes to WatchPool",
+                        p.name, p.cluster
+                    ),
+                );
+                // Start from what the previous holder published.
+                p.seen_version = u64::MAX;
+                self.refresh_pool(i, now);
+            } else if !holds && p.holder {
+                p.holder = false;
+                if let Some(t) = p.sub.stop(now) {
+                    self.tokens.remove(&t);
+                    let _ = hostcalls::cancel_grpc_stream(t);
+                }
+            }
+            let r = self.rand01();
+            let Some(p) = self.pools.get_mut(i) else {
+                continue;
+            };
+            if p.holder {
+                if let Some(t) = p.sub.silent(now) {
+                    self.tokens.remove(&t);
+                    let _ = hostcalls::cancel_grpc_stream(t);
+                    p.sub.failed(now, r);
+                    let msg = format!(
+                        "ai-lb: pool `{}`: WatchPool stream silent; reconnecting",
+                        p.name
+                    );
+                    self.log_limited(now, &msg);
+                }
+                if self.pools.get(i).is_some_and(|p| p.sub.due(now)) {
+                    self.open_stream(i, now);
+                }
+            } else if refresh {
+                self.refresh_pool(i, now);
+            }
+            if refresh {
+                self.refresh_breakers(i, now);
+            }
+        }
+        if let Some(state) = self.state.clone() {
+            if let Ok(mut s) = state.try_borrow_mut() {
+                let _ = s.router.tick(now);
+            }
+        }
+        if now >= self.next_counters_ms {
+            self.next_counters_ms = now + COUNTERS_EVERY_MS;
+            self.export(now);
+        }
+        if now >= self.next_gauges_ms {
+            self.next_gauges_ms = now + GAUGE_EVERY_MS;
+            self.gauges(now);
+        }
+    }
+
+    fn on_event(&mut self, i: usize, bytes: &[u8], now: u64) {
+        let Some(state) = self.state.clone() else {
+            return;
+        };
+        let ev = match PoolEvent::decode(bytes) {
+            Ok(ev) => ev,
+            Err(e) => {
+                self.inc("ailb.stream.decode_errors");
+                self.log_limited(now, &format!("ai-lb: undecodable PoolEvent: {e}"));
+                return;
+            }
+        };
+        let Some(p) = self.pools.get_mut(i) else {
+            return;
+        };
+        let encoded = {
+            let Ok(mut s) = state.try_borrow_mut() else {
+                return;
+            };
+            let _ = s.router.apply_pool_event(i, &ev, now);
+            s.router.pool_state(i).map(|st| st.encode())
+        };
+        if let Some(bytes) = encoded {
+            match shared::publish_state(&p.name, &bytes) {
+                Ok(v) => p.seen_version = v,
+                Err(e) => host::log(
+                    LogLevel::Warn,
+                    &format!("ai-lb: pool `{}`: cannot publish state: {e:?}", p.name),
+                ),
+            }
+        }
+    }
+}
+
+impl Context for Root {
+    fn on_grpc_stream_message(&mut self, token_id: u32, message_size: usize) {
+        let Some(&i) = self.tokens.get(&token_id) else {
+            return;
+        };
+        let now = host::now_ms();
+        let current = self
+            .pools
+            .get_mut(i)
+            .is_some_and(|p| p.sub.message(token_id, now));
+        if !current {
+            return;
+        }
+        let Some(bytes) = host::grpc_message(message_size) else {
+            return;
+        };
+        self.on_event(i, &bytes, now);
+    }
+
+    fn on_grpc_stream_close(&mut self, token_id: u32, status_code: u32) {
+        let Some(i) = self.tokens.remove(&token_id) else {
+            return;
+        };
+        let now = host::now_ms();
+        let r = self.rand01();
+        let Some(p) = self.pools.get_mut(i) else {
+            return;
+        };
+        let was_live = p.sub.live();
+        if p.sub.closed(token_id, now, r) {
+            let msg = format!(
+                "ai-lb: pool `{}`: WatchPool stream on cluster closed (grpc status {status_code}{}); \
+                 reconnecting with backoff",
+                p.name,
+                if was_live { "" } else { ", before any event" }
+            );
+            self.inc("ailb.stream.closes");
+            self.log_limited(now, &msg);
+        }
+    }
+}
+
+impl RootContext for Root {
+    fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
+        let bytes = host::plugin_configuration().unwrap_or_default();
+        match self.configure(&bytes) {
+            Ok(()) => true,
+            Err(msg) => {
+                // Envoy refuses the plugin (exit 1 at startup, LDS update rejected later).
+                host::log(LogLevel::Critical, &msg);
+                false
+            }
+        }
+    }
+
+    fn on_tick(&mut self) {
+        let now = host::now_ms();
+        self.tick(now);
+    }
+
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        match &self.state {
+            Some(s) if s.borrow().router.config().mode == Mode::Route => {
+                Some(Box::new(Request::new(s.clone())))
+            }
+            _ => Some(Box::new(PassThrough)),
+        }
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+/// Counts breaker transitions that happened on the shared breaker state.
+pub fn count_transitions(metrics: &mut Metrics, transitions: &[Transition]) {
+    for t in transitions {
+        match t.to {
+            BreakerState::Open => {
+                let reason = t.reason.map_or("unknown", |r| r.as_str());
+                metrics.inc(&format!("ailb.breaker_opened.{reason}"), 1);
+            }
+            BreakerState::HalfOpen => metrics.inc("ailb.breaker_half_opened", 1),
+            BreakerState::Closed => metrics.inc("ailb.breaker_closed", 1),
+        }
+    }
+}

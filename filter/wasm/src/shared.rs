@@ -1,0 +1,115 @@
+//! Decides nothing: the layout of proxy-wasm shared data (one namespace per `vm_id`, seen by
+//! every VM of the Envoy process) and the compare-and-swap loops over it.
+//!
+//! Keys: `ai_lb.<pool>.lease` (who subscribes), `ai_lb.<pool>.state` (the encoded pool state)
+//! and `ai_lb.<pool>.version` (bumped after every publish, so workers only copy the state when
+//! it changed), `ai_lb.<pool>.breaker.<pod>` (the pod's circuit breaker, 32 bytes).
+
+use std::hash::{BuildHasher, Hasher};
+
+use proxy_wasm::types::Status;
+
+use ai_lb_filter_core::breaker::{Breaker, Transition};
+use ai_lb_filter_core::config::BreakerConfig;
+
+use crate::host;
+use crate::lease::{self, Lease, LeaseStep};
+
+const CAS_RETRIES: usize = 16;
+
+pub fn lease_key(pool: &str) -> String {
+    format!("ai_lb.{pool}.lease")
+}
+
+pub fn state_key(pool: &str) -> String {
+    format!("ai_lb.{pool}.state")
+}
+
+pub fn version_key(pool: &str) -> String {
+    format!("ai_lb.{pool}.version")
+}
+
+pub fn breaker_key(pool: &str, pod: &str) -> String {
+    format!("ai_lb.{pool}.breaker.{pod}")
+}
+
+/// A VM id that is unique with overwhelming probability: std's random hash keys (WASI
+/// `random_get`) mixed with the host clock. (`std::process::id()` panics on wasip1.)
+pub fn vm_id() -> u64 {
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(host::now_ms());
+    h.finish() | 1
+}
+
+/// Runs one lease step for VM `me`; true when `me` holds the lease afterwards.
+pub fn hold_lease(key: &str, me: u64, now_ms: u64, ttl_ms: u64) -> bool {
+    let (bytes, cas) = host::shared_get(key);
+    let current = bytes.as_deref().and_then(Lease::decode);
+    match lease::step(current, me, now_ms, ttl_ms) {
+        LeaseStep::Follow => false,
+        // Absent key: no CAS token exists, so two VMs may both write; the later write wins
+        // and the other VM follows from its next tick on.
+        LeaseStep::Write(l) => host::shared_set(key, &l.encode(), cas).is_ok(),
+    }
+}
+
+/// A u64 stored little-endian (0 when absent or malformed).
+pub fn read_u64(key: &str) -> u64 {
+    let (bytes, _) = host::shared_get(key);
+    bytes
+        .and_then(|b| b.get(..8).and_then(|s| <[u8; 8]>::try_from(s).ok()))
+        .map(u64::from_le_bytes)
+        .unwrap_or(0)
+}
+
+/// Publishes a pool state: the state first, then a bumped version.
+pub fn publish_state(pool: &str, state: &[u8]) -> Result<u64, Status> {
+    host::shared_set(&state_key(pool), state, None)?;
+    let vkey = version_key(pool);
+    for _ in 0..CAS_RETRIES {
+        let (bytes, cas) = host::shared_get(&vkey);
+        let v = bytes
+            .and_then(|b| b.get(..8).and_then(|s| <[u8; 8]>::try_from(s).ok()))
+            .map(u64::from_le_bytes)
+            .unwrap_or(0)
+            .wrapping_add(1);
+        match host::shared_set(&vkey, &v.to_le_bytes(), cas) {
+            Ok(()) => return Ok(v),
+            Err(Status::CasMismatch) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(Status::CasMismatch)
+}
+
+/// Applies `update` to the pod's shared breaker with CAS retries; returns the new breaker and
+/// the transitions `update` caused (on the shared state, so each is counted once per process).
+pub fn update_breaker(
+    pool: &str,
+    pod: &str,
+    now_ms: u64,
+    cfg: &BreakerConfig,
+    mut update: impl FnMut(&mut Breaker) -> Option<Transition>,
+) -> Option<(Breaker, Vec<Transition>)> {
+    let key = breaker_key(pool, pod);
+    for _ in 0..CAS_RETRIES {
+        let (bytes, cas) = host::shared_get(&key);
+        let mut b = bytes
+            .as_deref()
+            .and_then(Breaker::decode)
+            .unwrap_or_default();
+        let mut transitions = Vec::new();
+        if let Some(t) = b.poll(now_ms, cfg) {
+            transitions.push(t);
+        }
+        if let Some(t) = update(&mut b) {
+            transitions.push(t);
+        }
+        match host::shared_set(&key, &b.encode(), cas) {
+            Ok(()) => return Some((b, transitions)),
+            Err(Status::CasMismatch) => continue,
+            Err(_) => return None,
+        }
+    }
+    None
+}
