@@ -28,13 +28,16 @@ pub fn closed_loop(
     output_tokens: u32,
 ) -> LoopResult {
     let mut engine = Engine::new(params);
-    let mut next_id = 0u64;
     let mut remaining = vec![rounds; clients as usize];
-    let mut owner = std::collections::HashMap::new();
-    let mut submit = |engine: &mut Engine, client: usize, now: f64, next_id: &mut u64| {
-        let id = *next_id;
-        *next_id += 1;
-        owner.insert(id, client);
+    // request id -> client; ids are dense, so a Vec indexed by id.
+    let mut owner: Vec<usize> = Vec::new();
+    let mut submit = |engine: &mut Engine, owner: &mut Vec<usize>, client: usize, now: f64| {
+        if remaining[client] == 0 {
+            return;
+        }
+        remaining[client] -= 1;
+        let id = owner.len() as u64;
+        owner.push(client);
         // Lengths are valid by construction (callers pass small positive sizes).
         let _ = engine.submit(
             NewRequest {
@@ -44,15 +47,9 @@ pub fn closed_loop(
             },
             now,
         );
-        id
     };
-    let mut ids: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
     for c in 0..clients as usize {
-        if remaining[c] > 0 {
-            remaining[c] -= 1;
-            let id = submit(&mut engine, c, 0.0, &mut next_id);
-            ids.insert(id, c);
-        }
+        submit(&mut engine, &mut owner, c, 0.0);
     }
     let (mut n, mut ttft_sum, mut gap_sum, mut gaps, mut end) = (0u64, 0.0, 0.0, 0u64, 0.0);
     let mut out = Vec::new();
@@ -69,12 +66,8 @@ pub fn closed_loop(
             }
             if ev.last {
                 end = ev.at;
-                if let Some(c) = ids.remove(&ev.id) {
-                    if remaining[c] > 0 {
-                        remaining[c] -= 1;
-                        let id = submit(&mut engine, c, ev.at, &mut next_id);
-                        ids.insert(id, c);
-                    }
+                if let Some(&c) = owner.get(ev.id as usize) {
+                    submit(&mut engine, &mut owner, c, ev.at);
                 }
             }
         }

@@ -1,6 +1,11 @@
 //! The fake inference pod: a simulated vLLM-like GPU server for tests, demos and benchmarks.
-//! `model` is the pure continuous-batching engine; the other modules wire it to HTTP.
+//! `model` is the pure continuous-batching engine; `server` wires it to HTTP.
 
 pub mod config;
+pub mod faults;
 pub mod fit;
+pub mod gpu;
+pub mod metrics;
 pub mod model;
+pub mod openai;
+pub mod server;

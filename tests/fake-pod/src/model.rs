@@ -525,7 +525,10 @@ mod tests {
         assert_eq!(ev.len(), 24);
         // The two late ones start only after the first four finish (FIFO).
         let first_done = ev.iter().filter(|t| t.last && t.id < 4).map(|t| t.at);
-        let late_first = ev.iter().filter(|t| t.index == 0 && t.id >= 4).map(|t| t.at);
+        let late_first = ev
+            .iter()
+            .filter(|t| t.index == 0 && t.id >= 4)
+            .map(|t| t.at);
         let done = first_done.fold(f64::MIN, f64::max);
         assert!(late_first.fold(f64::MAX, f64::min) > done - 1e-12);
     }

@@ -1,0 +1,201 @@
+//! Decides which faults are injected and how `POST /control` updates them: a partial JSON
+//! update, validated field by field (all-or-nothing), errors naming the field and the value.
+
+use serde::Serialize;
+use serde_json::{Map, Value};
+
+/// Current fault injection state (also the body of `GET /control`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Faults {
+    /// Multiplies the iteration time (≥ 1).
+    pub slowdown: f64,
+    /// Fraction of requests answered 500 (0..1), decided by the seeded RNG.
+    pub error_rate: f64,
+    /// New requests are accepted but not answered while true.
+    pub hang: bool,
+    /// Forces the utilisation reported by /sim/gpu (0..1).
+    pub gpu_utilization: Option<f64>,
+    /// Forces `vllm:num_requests_waiting` to at least this.
+    pub queue: Option<u32>,
+    /// Injected Xid errors so far, and the last one.
+    pub xid_errors: u64,
+    pub last_xid: Option<u32>,
+    /// Injected uncorrected ECC errors so far.
+    pub ecc_errors: u64,
+}
+
+impl Default for Faults {
+    fn default() -> Self {
+        Self {
+            slowdown: 1.0,
+            error_rate: 0.0,
+            hang: false,
+            gpu_utilization: None,
+            queue: None,
+            xid_errors: 0,
+            last_xid: None,
+            ecc_errors: 0,
+        }
+    }
+}
+
+/// A rejected control update.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ControlError {
+    #[error("control body must be a JSON object: {0}")]
+    NotAnObject(String),
+    #[error("unknown control field `{field}` (value {value}); known: slowdown, error_rate, hang, gpu_utilization, queue, xid, ecc_errors, reset")]
+    UnknownField { field: String, value: String },
+    #[error("invalid value {value} for control field `{field}`: {reason}")]
+    InvalidValue {
+        field: String,
+        value: String,
+        reason: &'static str,
+    },
+}
+
+fn invalid(field: &str, value: &Value, reason: &'static str) -> ControlError {
+    ControlError::InvalidValue {
+        field: field.to_string(),
+        value: value.to_string(),
+        reason,
+    }
+}
+
+fn unit_interval(field: &str, v: &Value) -> Result<f64, ControlError> {
+    match v.as_f64() {
+        Some(x) if (0.0..=1.0).contains(&x) => Ok(x),
+        _ => Err(invalid(field, v, "must be a number between 0 and 1")),
+    }
+}
+
+impl Faults {
+    /// Applies a partial update from a JSON body. `reset: true` is applied first, then the
+    /// other fields; nothing changes if any field is invalid.
+    pub fn apply(&self, body: &Value) -> Result<Faults, ControlError> {
+        let obj: &Map<String, Value> = body
+            .as_object()
+            .ok_or_else(|| ControlError::NotAnObject(body.to_string()))?;
+        let mut next = self.clone();
+        match obj.get("reset") {
+            None => {}
+            Some(Value::Bool(true)) => next = Faults::default(),
+            Some(Value::Bool(false)) => {}
+            Some(v) => return Err(invalid("reset", v, "must be true or false")),
+        }
+        for (field, v) in obj {
+            match field.as_str() {
+                "reset" => {}
+                "slowdown" => match v.as_f64() {
+                    Some(x) if x.is_finite() && x >= 1.0 => next.slowdown = x,
+                    _ => return Err(invalid(field, v, "must be a number >= 1")),
+                },
+                "error_rate" => next.error_rate = unit_interval(field, v)?,
+                "hang" => {
+                    next.hang = v
+                        .as_bool()
+                        .ok_or_else(|| invalid(field, v, "must be true or false"))?
+                }
+                "gpu_utilization" => {
+                    next.gpu_utilization = if v.is_null() {
+                        None
+                    } else {
+                        Some(unit_interval(field, v)?)
+                    }
+                }
+                "queue" => {
+                    next.queue = if v.is_null() {
+                        None
+                    } else {
+                        let q = v
+                            .as_u64()
+                            .and_then(|q| u32::try_from(q).ok())
+                            .ok_or_else(|| invalid(field, v, "must be a u32 or null"))?;
+                        Some(q)
+                    }
+                }
+                "xid" => {
+                    let x = v
+                        .as_u64()
+                        .and_then(|q| u32::try_from(q).ok())
+                        .ok_or_else(|| invalid(field, v, "must be a u32 Xid code"))?;
+                    next.xid_errors += 1;
+                    next.last_xid = Some(x);
+                }
+                "ecc_errors" => {
+                    let n = v
+                        .as_u64()
+                        .ok_or_else(|| invalid(field, v, "must be a u64 count to add"))?;
+                    next.ecc_errors = next.ecc_errors.saturating_add(n);
+                }
+                _ => {
+                    return Err(ControlError::UnknownField {
+                        field: field.clone(),
+                        value: v.to_string(),
+                    })
+                }
+            }
+        }
+        Ok(next)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn partial_updates_apply() {
+        let f = Faults::default()
+            .apply(&json!({"slowdown": 2.5, "error_rate": 0.5, "queue": 7}))
+            .unwrap();
+        assert_eq!(f.slowdown, 2.5);
+        assert_eq!(f.error_rate, 0.5);
+        assert_eq!(f.queue, Some(7));
+        let f = f
+            .apply(&json!({"queue": null, "xid": 79, "ecc_errors": 2}))
+            .unwrap();
+        assert_eq!(f.queue, None);
+        assert_eq!(f.slowdown, 2.5);
+        assert_eq!((f.xid_errors, f.last_xid, f.ecc_errors), (1, Some(79), 2));
+        let f = f.apply(&json!({"xid": 48})).unwrap();
+        assert_eq!((f.xid_errors, f.last_xid), (2, Some(48)));
+    }
+
+    #[test]
+    fn reset_clears_then_applies_the_rest() {
+        let f = Faults::default()
+            .apply(&json!({"hang": true, "xid": 1}))
+            .unwrap();
+        let f = f.apply(&json!({"reset": true, "slowdown": 3})).unwrap();
+        assert_eq!(
+            f,
+            Faults {
+                slowdown: 3.0,
+                ..Faults::default()
+            }
+        );
+    }
+
+    #[test]
+    fn bad_fields_name_field_and_value() {
+        let base = Faults::default();
+        for (body, field, value) in [
+            (json!({"bogus": 1}), "bogus", "1"),
+            (json!({"slowdown": 0.5}), "slowdown", "0.5"),
+            (json!({"error_rate": 1.5}), "error_rate", "1.5"),
+            (json!({"hang": "yes"}), "hang", "\"yes\""),
+            (json!({"gpu_utilization": -0.1}), "gpu_utilization", "-0.1"),
+            (json!({"queue": -1}), "queue", "-1"),
+            (json!({"xid": "x"}), "xid", "\"x\""),
+            (json!({"reset": 1}), "reset", "1"),
+        ] {
+            let e = base.apply(&body).unwrap_err().to_string();
+            assert!(e.contains(field) && e.contains(value), "{e}");
+        }
+        // all-or-nothing: a valid field next to an invalid one is not applied
+        assert!(base.apply(&json!({"slowdown": 2, "nope": 1})).is_err());
+        assert!(base.apply(&json!([1])).is_err());
+    }
+}

@@ -1,0 +1,576 @@
+//! Decides how the pod talks HTTP: the axum routes (OpenAI API, /metrics, /sim/gpu, /control),
+//! the single engine task that advances the pure model in wall-clock time (sleeping until the
+//! next iteration ends, never busy-looping), and how tokens reach each client.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use tokio::sync::{mpsc, watch, Notify};
+
+use crate::config::PodConfig;
+use crate::faults::Faults;
+use crate::gpu;
+use crate::metrics::{FinishReason, Gauges, Metrics};
+use crate::model::{Engine, NewRequest, TokenEvent};
+use crate::openai::{self, ApiError, GenRequest, Kind, ResponseMeta, TextGen, Usage};
+
+/// Shared state of one pod.
+#[derive(Debug)]
+pub struct AppState {
+    cfg: PodConfig,
+    pod_header: HeaderValue,
+    start: Instant,
+    created: u64,
+    inner: Mutex<Inner>,
+    wake: Notify,
+    hang: watch::Sender<bool>,
+    shutdown: watch::Sender<bool>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    engine: Engine,
+    streams: HashMap<u64, StreamEntry>,
+    metrics: Metrics,
+    faults: Faults,
+    error_rng: ChaCha8Rng,
+    next_id: u64,
+    hung: u64,
+    events: Vec<TokenEvent>,
+}
+
+#[derive(Debug)]
+struct StreamEntry {
+    tx: mpsc::UnboundedSender<TokenEvent>,
+    prompt_tokens: u32,
+}
+
+/// The pod name is not usable as an HTTP header value.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid --pod-name {0:?}: not a valid HTTP header value")]
+pub struct BadPodName(String);
+
+impl AppState {
+    pub fn new(cfg: PodConfig) -> Result<Arc<Self>, BadPodName> {
+        let pod_header =
+            HeaderValue::from_str(&cfg.pod_name).map_err(|_| BadPodName(cfg.pod_name.clone()))?;
+        let created = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        let inner = Inner {
+            engine: Engine::new(cfg.engine.clone()),
+            streams: HashMap::new(),
+            metrics: Metrics::new(),
+            faults: Faults::default(),
+            error_rng: ChaCha8Rng::seed_from_u64(cfg.seed),
+            next_id: 0,
+            hung: 0,
+            events: Vec::new(),
+        };
+        Ok(Arc::new(Self {
+            cfg,
+            pod_header,
+            start: Instant::now(),
+            created,
+            inner: Mutex::new(inner),
+            wake: Notify::new(),
+            hang: watch::Sender::new(false),
+            shutdown: watch::Sender::new(false),
+        }))
+    }
+
+    pub fn config(&self) -> &PodConfig {
+        &self.cfg
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Seconds since start: the engine model's clock.
+    fn now(&self) -> f64 {
+        self.start.elapsed().as_secs_f64()
+    }
+
+    /// Releases hung requests (answered 503) before a graceful shutdown.
+    pub fn begin_shutdown(&self) {
+        self.shutdown.send_replace(true);
+    }
+}
+
+impl Inner {
+    /// Advances the model to `now` and delivers the produced tokens.
+    fn step(&mut self, now: f64) {
+        let mut events = std::mem::take(&mut self.events);
+        events.clear();
+        self.engine.advance_to(now, &mut events);
+        for ev in &events {
+            let Some(s) = self.streams.get(&ev.id) else {
+                continue;
+            };
+            if ev.index == 0 {
+                self.metrics.ttft.observe(ev.since_arrival);
+                self.metrics.add_prompt_tokens(u64::from(s.prompt_tokens));
+            } else {
+                self.metrics.itl.observe(ev.since_prev);
+            }
+            self.metrics.add_generation_tokens(1);
+            if ev.last {
+                self.metrics.e2e.observe(ev.since_arrival);
+                self.metrics.finished(FinishReason::Length);
+            }
+            let gone = s.tx.send(*ev).is_err();
+            if ev.last {
+                self.streams.remove(&ev.id);
+            } else if gone {
+                self.abort(ev.id);
+            }
+        }
+        self.events = events;
+    }
+
+    fn abort(&mut self, id: u64) {
+        self.streams.remove(&id);
+        if self.engine.abort(id) {
+            self.metrics.finished(FinishReason::Abort);
+        }
+    }
+}
+
+/// Spawns the engine task: one task advances the model, sleeping until the running iteration
+/// ends or a request arrives. If it wakes late, `advance_to` runs all due iterations at once.
+pub fn spawn_engine(state: Arc<AppState>) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        loop {
+            let next = {
+                let mut g = state.lock();
+                g.step(state.now());
+                g.engine.next_wake()
+            };
+            match next {
+                Some(t) => {
+                    let at = state.start + Duration::from_secs_f64(t.max(0.0));
+                    tokio::select! {
+                        _ = tokio::time::sleep_until(at.into()) => {}
+                        _ = state.wake.notified() => {}
+                    }
+                }
+                None => state.wake.notified().await,
+            }
+        }
+    })
+}
+
+/// The HTTP routes, every response tagged with `x-fake-pod`.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/healthz", get(healthz))
+        .route("/health", get(healthz))
+        .route("/metrics", get(metrics))
+        .route("/sim/gpu", get(sim_gpu))
+        .route("/control", get(get_control).post(post_control))
+        .layer(middleware::from_fn_with_state(state.clone(), tag_pod))
+        .with_state(state)
+}
+
+/// Serves until `shutdown` resolves, then drains open requests.
+pub async fn serve(
+    state: Arc<AppState>,
+    listener: tokio::net::TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let engine = spawn_engine(state.clone());
+    let st = state.clone();
+    let result = axum::serve(listener, router(state))
+        .with_graceful_shutdown(async move {
+            shutdown.await;
+            st.begin_shutdown();
+        })
+        .await;
+    engine.abort();
+    result
+}
+
+async fn tag_pod(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let mut res = next.run(req).await;
+    res.headers_mut()
+        .insert("x-fake-pod", st.pod_header.clone());
+    res
+}
+
+fn json_response(status: StatusCode, body: String) -> Response {
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        Body::from(body),
+    )
+        .into_response()
+}
+
+fn error_response(e: &ApiError) -> Response {
+    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    json_response(status, e.body())
+}
+
+async fn chat(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    generate(st, Kind::Chat, body).await
+}
+
+async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    generate(st, Kind::Completion, body).await
+}
+
+/// Aborts the request in the engine if the client goes away before the last token.
+struct RequestGuard {
+    state: Arc<AppState>,
+    id: u64,
+    done: bool,
+}
+
+impl Drop for RequestGuard {
+    fn drop(&mut self) {
+        if !self.done {
+            self.state.lock().abort(self.id);
+        }
+    }
+}
+
+/// Counts a request held by the `hang` fault in `num_requests_waiting`.
+struct HungGuard(Arc<AppState>);
+
+impl Drop for HungGuard {
+    fn drop(&mut self) {
+        let mut g = self.0.lock();
+        g.hung = g.hung.saturating_sub(1);
+    }
+}
+
+async fn generate(st: Arc<AppState>, kind: Kind, body: Bytes) -> Response {
+    let req = match openai::parse(kind, &body) {
+        Ok(r) => r,
+        Err(e) => return error_response(&e),
+    };
+    if let Some(m) = &req.model {
+        if *m != st.cfg.model {
+            return error_response(&ApiError::not_found_model(m));
+        }
+    }
+    let need = u64::from(req.prompt_tokens) + u64::from(req.max_tokens);
+    if need > st.cfg.engine.kv_cache_tokens {
+        return error_response(&ApiError::bad_request(
+            format!(
+                "prompt ({} tokens) + max_tokens ({}) exceeds the KV cache capacity of {} tokens",
+                req.prompt_tokens, req.max_tokens, st.cfg.engine.kv_cache_tokens
+            ),
+            Some("max_tokens"),
+        ));
+    }
+    {
+        let mut g = st.lock();
+        let roll: f64 = g.error_rng.random();
+        if roll < g.faults.error_rate {
+            g.metrics.finished(FinishReason::Error);
+            return error_response(&ApiError::injected());
+        }
+    }
+    if let Err(resp) = wait_while_hung(&st).await {
+        return resp;
+    }
+    let (tx, rx) = mpsc::unbounded_channel();
+    let id = {
+        let mut g = st.lock();
+        let id = g.next_id;
+        g.next_id += 1;
+        let now = st.now();
+        let submitted = g.engine.submit(
+            NewRequest {
+                id,
+                prompt_tokens: req.prompt_tokens,
+                max_tokens: req.max_tokens,
+            },
+            now,
+        );
+        if let Err(e) = submitted {
+            return error_response(&ApiError::bad_request(e.to_string(), Some("max_tokens")));
+        }
+        g.streams.insert(
+            id,
+            StreamEntry {
+                tx,
+                prompt_tokens: req.prompt_tokens,
+            },
+        );
+        id
+    };
+    st.wake.notify_one();
+    let prefix = match kind {
+        Kind::Chat => "chatcmpl",
+        Kind::Completion => "cmpl",
+    };
+    let meta = ResponseMeta {
+        kind,
+        id: format!("{prefix}-{}-{id}", st.cfg.pod_name),
+        created: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        model: st.cfg.model.clone(),
+    };
+    let gen = TextGen::new(st.cfg.seed, &req);
+    let guard = RequestGuard {
+        state: st.clone(),
+        id,
+        done: false,
+    };
+    if req.stream {
+        stream_response(req, meta, gen, rx, guard)
+    } else {
+        full_response(req, meta, gen, rx, guard).await
+    }
+}
+
+/// Holds the request while the `hang` fault is set; 503 if the pod shuts down meanwhile.
+async fn wait_while_hung(st: &Arc<AppState>) -> Result<(), Response> {
+    let mut hang = st.hang.subscribe();
+    if !*hang.borrow_and_update() {
+        return Ok(());
+    }
+    st.lock().hung += 1;
+    let _hung = HungGuard(st.clone());
+    let mut shutdown = st.shutdown.subscribe();
+    loop {
+        if *shutdown.borrow_and_update() {
+            return Err(error_response(&ApiError::unavailable("pod shutting down")));
+        }
+        tokio::select! {
+            r = hang.changed() => {
+                if r.is_err() || !*hang.borrow_and_update() {
+                    return Ok(());
+                }
+            }
+            _ = shutdown.changed() => {}
+        }
+    }
+}
+
+async fn full_response(
+    req: GenRequest,
+    meta: ResponseMeta,
+    mut gen: TextGen,
+    mut rx: mpsc::UnboundedReceiver<TokenEvent>,
+    mut guard: RequestGuard,
+) -> Response {
+    let mut text = String::with_capacity(req.max_tokens as usize * 7);
+    let mut produced = 0;
+    while let Some(ev) = rx.recv().await {
+        text.push_str(&gen.token(ev.index));
+        produced += 1;
+        if ev.last {
+            guard.done = true;
+            break;
+        }
+    }
+    if !guard.done {
+        return error_response(&ApiError::unavailable("engine stopped"));
+    }
+    json_response(
+        StatusCode::OK,
+        meta.full(&text, Usage::new(req.prompt_tokens, produced)),
+    )
+}
+
+enum Phase {
+    Tokens,
+    Usage,
+    Done,
+    End,
+}
+
+struct StreamCtx {
+    req: GenRequest,
+    meta: ResponseMeta,
+    gen: TextGen,
+    rx: mpsc::UnboundedReceiver<TokenEvent>,
+    guard: RequestGuard,
+    phase: Phase,
+    produced: u32,
+}
+
+fn sse(data: &str) -> Result<Bytes, std::io::Error> {
+    Ok(Bytes::from(format!("data: {data}\n\n")))
+}
+
+fn stream_response(
+    req: GenRequest,
+    meta: ResponseMeta,
+    gen: TextGen,
+    rx: mpsc::UnboundedReceiver<TokenEvent>,
+    guard: RequestGuard,
+) -> Response {
+    let ctx = StreamCtx {
+        req,
+        meta,
+        gen,
+        rx,
+        guard,
+        phase: Phase::Tokens,
+        produced: 0,
+    };
+    let stream = futures::stream::unfold(ctx, |mut c| async move {
+        match c.phase {
+            Phase::Tokens => {
+                let ev = c.rx.recv().await?;
+                let tok = c.gen.token(ev.index);
+                c.produced += 1;
+                let data = c.meta.chunk(&tok, ev.index == 0, ev.last);
+                if ev.last {
+                    c.guard.done = true;
+                    c.phase = if c.req.include_usage {
+                        Phase::Usage
+                    } else {
+                        Phase::Done
+                    };
+                }
+                Some((sse(&data), c))
+            }
+            Phase::Usage => {
+                c.phase = Phase::Done;
+                let data = c
+                    .meta
+                    .usage_chunk(Usage::new(c.req.prompt_tokens, c.produced));
+                Some((sse(&data), c))
+            }
+            Phase::Done => {
+                c.phase = Phase::End;
+                Some((sse("[DONE]"), c))
+            }
+            Phase::End => None,
+        }
+    });
+    (
+        StatusCode::OK,
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        Body::from_stream(stream),
+    )
+        .into_response()
+}
+
+async fn models(State(st): State<Arc<AppState>>) -> Response {
+    let body = serde_json::json!({
+        "object": "list",
+        "data": [{
+            "id": st.cfg.model,
+            "object": "model",
+            "created": st.created,
+            "owned_by": "fake-pod",
+            "root": st.cfg.model,
+            "parent": null,
+        }]
+    });
+    json_response(StatusCode::OK, body.to_string())
+}
+
+async fn healthz() -> &'static str {
+    "ok"
+}
+
+async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    let text = {
+        let g = st.lock();
+        let s = g.engine.stats();
+        let waiting = s.waiting as u64 + g.hung;
+        let waiting = match g.faults.queue {
+            Some(q) => waiting.max(u64::from(q)),
+            None => waiting,
+        };
+        g.metrics.render(
+            &st.cfg.model,
+            Gauges {
+                waiting,
+                running: s.running as u64,
+                kv_cache_usage: s.kv_usage,
+            },
+        )
+    };
+    (
+        StatusCode::OK,
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
+async fn sim_gpu(State(st): State<Arc<AppState>>) -> Response {
+    let report = {
+        let mut g = st.lock();
+        let now = st.now();
+        let (busy, occupancy) = g.engine.busy_window(now);
+        gpu::report(
+            &st.cfg.spec,
+            &st.cfg.pod_name,
+            st.cfg.num_gpus,
+            gpu::utilization(busy, occupancy),
+            &g.faults,
+        )
+    };
+    match serde_json::to_string(&report) {
+        Ok(body) => json_response(StatusCode::OK, body),
+        Err(e) => error_response(&ApiError::unavailable(e.to_string())),
+    }
+}
+
+fn faults_body(f: &Faults) -> String {
+    serde_json::to_string(f).unwrap_or_else(|_| "{}".to_string())
+}
+
+async fn get_control(State(st): State<Arc<AppState>>) -> Response {
+    let body = faults_body(&st.lock().faults);
+    json_response(StatusCode::OK, body)
+}
+
+async fn post_control(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let value: serde_json::Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => {
+            return error_response(&ApiError::bad_request(
+                format!("invalid JSON control body: {e}"),
+                None,
+            ))
+        }
+    };
+    let (faults, hang) = {
+        let mut g = st.lock();
+        match g.faults.apply(&value) {
+            Ok(f) => {
+                g.engine.set_slowdown(f.slowdown);
+                g.faults = f.clone();
+                (f.clone(), f.hang)
+            }
+            Err(e) => return error_response(&ApiError::bad_request(e.to_string(), None)),
+        }
+    };
+    st.hang.send_replace(hang);
+    tracing::info!(?faults, "faults updated");
+    json_response(StatusCode::OK, faults_body(&faults))
+}
