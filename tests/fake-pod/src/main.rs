@@ -27,6 +27,7 @@ async fn main() -> anyhow::Result<()> {
     let cfg = PodConfig::from_cli(cli, hostname());
     let listen = cfg.listen;
     let state = AppState::new(cfg)?;
+    let signals = Signals::install()?;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("cannot bind --listen {listen}"))?;
@@ -43,7 +44,7 @@ async fn main() -> anyhow::Result<()> {
     );
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
-        shutdown_signal().await;
+        signals.wait().await;
         let _ = stop_tx.send(true);
     });
     let mut stop_rx2 = stop_rx.clone();
@@ -61,26 +62,39 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        if tokio::signal::ctrl_c().await.is_err() {
-            std::future::pending::<()>().await;
-        }
-    };
+/// Signal handlers, installed before `LISTENING` is printed so no early SIGTERM is missed.
+struct Signals {
     #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
+    term: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> anyhow::Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            Ok(Self {
+                term: signal(SignalKind::terminate()).context("cannot install SIGTERM handler")?,
+                int: signal(SignalKind::interrupt()).context("cannot install SIGINT handler")?,
+            })
         }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {},
-        _ = term => {},
+        #[cfg(not(unix))]
+        Ok(Self {})
     }
-    tracing::info!("shutdown signal received, draining");
+
+    async fn wait(mut self) {
+        #[cfg(unix)]
+        tokio::select! {
+            _ = self.term.recv() => {},
+            _ = self.int.recv() => {},
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = &mut self;
+            let _ = tokio::signal::ctrl_c().await;
+        }
+        tracing::info!("shutdown signal received, draining");
+    }
 }
