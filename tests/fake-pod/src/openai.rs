@@ -379,13 +379,27 @@ impl Usage {
 /// Fields shared by every response of one request.
 #[derive(Debug, Clone)]
 pub struct ResponseMeta {
-    pub kind: Kind,
-    pub id: String,
-    pub created: u64,
-    pub model: String,
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    /// Precomputed start of every streamed chunk.
+    head: String,
 }
 
 impl ResponseMeta {
+    pub fn new(kind: Kind, id: String, created: u64, model: String) -> Self {
+        let mut m = Self {
+            kind,
+            id,
+            created,
+            model,
+            head: String::new(),
+        };
+        m.head = m.chunk_head();
+        m
+    }
+
     fn object(&self, chunk: bool) -> &'static str {
         match (self.kind, chunk) {
             (Kind::Chat, false) => "chat.completion",
@@ -422,30 +436,34 @@ impl ResponseMeta {
     }
 
     /// One SSE `data:` payload carrying one token; the first chat chunk also carries the role,
-    /// the last one `finish_reason: "length"`.
+    /// the last one `finish_reason: "length"`. Built by string concatenation (this runs once
+    /// per token of every stream, the pod's hottest path); the token is JSON-escaped.
     pub fn chunk(&self, token: &str, first: bool, last: bool) -> String {
-        let finish = if last { Some("length") } else { None };
-        let choice = match self.kind {
+        let token = serde_json::to_string(token).unwrap_or_else(|_| "\"\"".to_string());
+        let head = &self.head;
+        let finish = if last { "\"length\"" } else { "null" };
+        match self.kind {
             Kind::Chat => {
-                let delta = if first {
-                    serde_json::json!({"role": "assistant", "content": token})
-                } else {
-                    serde_json::json!({"content": token})
-                };
-                serde_json::json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+                let role = if first { "\"role\":\"assistant\"," } else { "" };
+                format!(
+                    "{head}{{\"index\":0,\"delta\":{{{role}\"content\":{token}}},\"logprobs\":null,\"finish_reason\":{finish}}}]}}"
+                )
             }
-            Kind::Completion => {
-                serde_json::json!({"index": 0, "text": token, "logprobs": null, "finish_reason": finish})
-            }
-        };
-        serde_json::json!({
-            "id": self.id,
-            "object": self.object(true),
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-        })
-        .to_string()
+            Kind::Completion => format!(
+                "{head}{{\"index\":0,\"text\":{token},\"logprobs\":null,\"finish_reason\":{finish}}}]}}"
+            ),
+        }
+    }
+
+    /// `{"id":..,"object":..,"created":..,"model":..,"choices":[` of a chunk.
+    fn chunk_head(&self) -> String {
+        let id = serde_json::to_string(&self.id).unwrap_or_default();
+        let model = serde_json::to_string(&self.model).unwrap_or_default();
+        format!(
+            "{{\"id\":{id},\"object\":\"{}\",\"created\":{},\"model\":{model},\"choices\":[",
+            self.object(true),
+            self.created
+        )
     }
 
     /// The final usage chunk (`stream_options.include_usage`).
@@ -541,12 +559,15 @@ mod tests {
 
     #[test]
     fn chunks_have_openai_shape() {
-        let m = ResponseMeta {
-            kind: Kind::Chat,
-            id: "chatcmpl-1".into(),
-            created: 1,
-            model: "m".into(),
-        };
+        let m = ResponseMeta::new(Kind::Chat, "chatcmpl-1".into(), 1, "m".into());
+        let c: serde_json::Value = serde_json::from_str(&m.chunk("a\"b", false, false)).unwrap();
+        assert_eq!(c["choices"][0]["delta"]["content"], "a\"b");
+        assert!(c["choices"][0]["delta"].get("role").is_none());
+        let k = ResponseMeta::new(Kind::Completion, "cmpl-1".into(), 1, "m".into());
+        let c: serde_json::Value = serde_json::from_str(&k.chunk("t", true, true)).unwrap();
+        assert_eq!(c["object"], "text_completion");
+        assert_eq!(c["choices"][0]["text"], "t");
+        assert_eq!(c["choices"][0]["finish_reason"], "length");
         let c: serde_json::Value = serde_json::from_str(&m.chunk("hi", true, false)).unwrap();
         assert_eq!(c["object"], "chat.completion.chunk");
         assert_eq!(c["choices"][0]["delta"]["role"], "assistant");

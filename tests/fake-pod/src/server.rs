@@ -54,6 +54,8 @@ struct Inner {
 struct StreamEntry {
     tx: mpsc::UnboundedSender<TokenEvent>,
     prompt_tokens: u32,
+    /// Streaming clients get every token; others only the last one (fewer task wake-ups).
+    every_token: bool,
 }
 
 /// The pod name is not usable as an HTTP header value.
@@ -131,7 +133,7 @@ impl Inner {
                 self.metrics.e2e.observe(ev.since_arrival);
                 self.metrics.finished(FinishReason::Length);
             }
-            let gone = s.tx.send(*ev).is_err();
+            let gone = (s.every_token || ev.last) && s.tx.send(*ev).is_err();
             if ev.last {
                 self.streams.remove(&ev.id);
             } else if gone {
@@ -313,6 +315,7 @@ async fn generate(st: Arc<AppState>, kind: Kind, body: Bytes) -> Response {
             StreamEntry {
                 tx,
                 prompt_tokens: req.prompt_tokens,
+                every_token: req.stream,
             },
         );
         id
@@ -322,15 +325,15 @@ async fn generate(st: Arc<AppState>, kind: Kind, body: Bytes) -> Response {
         Kind::Chat => "chatcmpl",
         Kind::Completion => "cmpl",
     };
-    let meta = ResponseMeta {
+    let meta = ResponseMeta::new(
         kind,
-        id: format!("{prefix}-{}-{id}", st.cfg.pod_name),
-        created: SystemTime::now()
+        format!("{prefix}-{}-{id}", st.cfg.pod_name),
+        SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
-        model: st.cfg.model.clone(),
-    };
+        st.cfg.model.clone(),
+    );
     let gen = TextGen::new(st.cfg.seed, &req);
     let guard = RequestGuard {
         state: st.clone(),
@@ -375,11 +378,8 @@ async fn full_response(
     mut rx: mpsc::UnboundedReceiver<TokenEvent>,
     mut guard: RequestGuard,
 ) -> Response {
-    let mut text = String::with_capacity(req.max_tokens as usize * 7);
-    let mut produced = 0;
+    // Only the last token is delivered for non-streaming requests.
     while let Some(ev) = rx.recv().await {
-        text.push_str(&gen.token(ev.index));
-        produced += 1;
         if ev.last {
             guard.done = true;
             break;
@@ -387,6 +387,11 @@ async fn full_response(
     }
     if !guard.done {
         return error_response(&ApiError::unavailable("engine stopped"));
+    }
+    let produced = req.max_tokens;
+    let mut text = String::with_capacity(produced as usize * 8);
+    for i in 0..produced {
+        text.push_str(&gen.token(i));
     }
     json_response(
         StatusCode::OK,
