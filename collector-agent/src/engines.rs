@@ -1,1 +1,580 @@
-//! (being written)
+//! Decides which engine serves the pod and which of its metric names carry each signal (vLLM V1
+//! with its older names, SGLang, TGI, Triton/TRT-LLM, as each project documents them; table in
+//! ENVOY_FACTS.md "Model servers' own metrics"), and turns one scraped page into unit-normalised
+//! values: times in ms, ratios in 0..1. Several `model_name` series are summed for counts and
+//! histograms; for ratios (KV-cache use) the highest is kept, because ratios do not add.
+
+use crate::prometheus::{parse_float, Exposition, Sample};
+use crate::sources::Rejected;
+use crate::window::HistogramSnapshot;
+use ai_lb_proto::v1::Engine;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+
+/// An engine whose metric names we know.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EngineKind {
+    Vllm,
+    Sglang,
+    Tgi,
+    Triton,
+}
+
+impl EngineKind {
+    pub const ALL: [EngineKind; 4] = [Self::Vllm, Self::Sglang, Self::Tgi, Self::Triton];
+
+    pub fn proto(self) -> Engine {
+        match self {
+            Self::Vllm => Engine::Vllm,
+            Self::Sglang => Engine::Sglang,
+            Self::Tgi => Engine::Tgi,
+            Self::Triton => Engine::Triton,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Vllm => "vllm",
+            Self::Sglang => "sglang",
+            Self::Tgi => "tgi",
+            Self::Triton => "triton",
+        }
+    }
+
+    /// The metric-name prefix that identifies the engine on a page.
+    pub fn prefix(self) -> &'static str {
+        match self {
+            Self::Vllm => "vllm:",
+            Self::Sglang => "sglang:",
+            Self::Tgi => "tgi_",
+            Self::Triton => "nv_",
+        }
+    }
+
+    fn spec(self) -> &'static EngineSpec {
+        match self {
+            Self::Vllm => &VLLM,
+            Self::Sglang => &SGLANG,
+            Self::Tgi => &TGI,
+            Self::Triton => &TRITON,
+        }
+    }
+}
+
+impl fmt::Display for EngineKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An engine name that is not one of `vllm`, `sglang`, `tgi`, `triton`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("engine: unknown value {0:?} (expected one of vllm, sglang, tgi, triton)")]
+pub struct UnknownEngine(pub String);
+
+impl FromStr for EngineKind {
+    type Err = UnknownEngine;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "vllm" => Ok(Self::Vllm),
+            "sglang" => Ok(Self::Sglang),
+            "tgi" => Ok(Self::Tgi),
+            "triton" | "trtllm" | "trt-llm" | "tensorrt-llm" => Ok(Self::Triton),
+            _ => Err(UnknownEngine(s.to_string())),
+        }
+    }
+}
+
+/// Picks the engine from the metric-name prefixes present: the prefix with the most samples
+/// wins (a Triton page also carries `nv_gpu_*`, a vLLM page never carries `nv_`); `None` when
+/// no known prefix appears.
+pub fn detect(page: &Exposition<'_>) -> Option<EngineKind> {
+    let mut counts = [0usize; 4];
+    for s in &page.samples {
+        for (i, k) in EngineKind::ALL.iter().enumerate() {
+            if s.name.starts_with(k.prefix()) {
+                counts[i] += 1;
+            }
+        }
+    }
+    let (i, &n) = counts.iter().enumerate().max_by_key(|(_, n)| **n)?;
+    (n > 0).then_some(EngineKind::ALL[i])
+}
+
+/// A metric name, optionally restricted to series whose label has one of the given values.
+#[derive(Debug)]
+struct Sel {
+    name: &'static str,
+    label: Option<(&'static str, &'static [&'static str])>,
+}
+
+impl Sel {
+    const fn name(name: &'static str) -> Self {
+        Self { name, label: None }
+    }
+    const fn with(
+        name: &'static str,
+        label: &'static str,
+        values: &'static [&'static str],
+    ) -> Self {
+        Self {
+            name,
+            label: Some((label, values)),
+        }
+    }
+    fn matches(&self, s: &Sample<'_>) -> bool {
+        s.name == self.name
+            && match self.label {
+                None => true,
+                Some((l, vals)) => s.label(l).is_some_and(|v| vals.contains(&v)),
+            }
+    }
+    fn field(&self) -> String {
+        match self.label {
+            None => self.name.to_string(),
+            Some((l, v)) => format!("{}{{{l}=\"{}\"}}", self.name, v.join("|")),
+        }
+    }
+}
+
+/// A histogram family and the factor that converts its unit to ms.
+#[derive(Debug)]
+struct Hist {
+    name: &'static str,
+    to_ms: f64,
+}
+
+#[derive(Debug)]
+struct EngineSpec {
+    /// Alternatives, current name first: the first with any series on the page is used.
+    waiting: &'static [Sel],
+    running: &'static [Sel],
+    kv_cache: &'static [Sel],
+    queue_capacity: &'static [Sel],
+    ttft: &'static [Hist],
+    e2e: &'static [Hist],
+    inter_token: &'static [Hist],
+    /// Series summed into "requests finished".
+    finished: &'static [Sel],
+    /// Series summed into "requests that failed".
+    errors: &'static [Sel],
+    /// Whether a missing error series means 0 errors while `finished` is present (the engine
+    /// creates the series only on the first failure) rather than "unknown".
+    errors_zero_when_missing: bool,
+    /// The label naming the model, and the one naming its version.
+    model_label: Option<&'static str>,
+    version_label: Option<&'static str>,
+}
+
+const S: f64 = 1000.0;
+
+static VLLM: EngineSpec = EngineSpec {
+    waiting: &[Sel::name("vllm:num_requests_waiting")],
+    running: &[Sel::name("vllm:num_requests_running")],
+    kv_cache: &[
+        Sel::name("vllm:kv_cache_usage_perc"),
+        Sel::name("vllm:gpu_cache_usage_perc"),
+    ],
+    queue_capacity: &[],
+    ttft: &[Hist {
+        name: "vllm:time_to_first_token_seconds",
+        to_ms: S,
+    }],
+    e2e: &[Hist {
+        name: "vllm:e2e_request_latency_seconds",
+        to_ms: S,
+    }],
+    inter_token: &[
+        Hist {
+            name: "vllm:inter_token_latency_seconds",
+            to_ms: S,
+        },
+        Hist {
+            name: "vllm:time_per_output_token_seconds",
+            to_ms: S,
+        },
+    ],
+    finished: &[Sel::name("vllm:request_success_total")],
+    errors: &[Sel::with(
+        "vllm:request_success_total",
+        "finished_reason",
+        &["abort", "error"],
+    )],
+    errors_zero_when_missing: true,
+    model_label: Some("model_name"),
+    version_label: None,
+};
+
+static SGLANG: EngineSpec = EngineSpec {
+    waiting: &[Sel::name("sglang:num_queue_reqs")],
+    running: &[Sel::name("sglang:num_running_reqs")],
+    kv_cache: &[Sel::name("sglang:token_usage")],
+    queue_capacity: &[],
+    ttft: &[Hist {
+        name: "sglang:time_to_first_token_seconds",
+        to_ms: S,
+    }],
+    e2e: &[Hist {
+        name: "sglang:e2e_request_latency_seconds",
+        to_ms: S,
+    }],
+    inter_token: &[
+        Hist {
+            name: "sglang:inter_token_latency_seconds",
+            to_ms: S,
+        },
+        Hist {
+            name: "sglang:time_per_output_token_seconds",
+            to_ms: S,
+        },
+    ],
+    finished: &[Sel::name("sglang:num_requests_total")],
+    errors: &[Sel::name("sglang:num_aborted_requests_total")],
+    errors_zero_when_missing: false,
+    model_label: Some("model_name"),
+    version_label: None,
+};
+
+static TGI: EngineSpec = EngineSpec {
+    waiting: &[Sel::name("tgi_queue_size")],
+    running: &[Sel::name("tgi_batch_current_size")],
+    kv_cache: &[],
+    queue_capacity: &[],
+    ttft: &[],
+    e2e: &[Hist {
+        name: "tgi_request_duration",
+        to_ms: S,
+    }],
+    inter_token: &[Hist {
+        name: "tgi_request_mean_time_per_token_duration",
+        to_ms: S,
+    }],
+    finished: &[
+        Sel::name("tgi_request_success"),
+        Sel::name("tgi_request_failure"),
+    ],
+    errors: &[Sel::name("tgi_request_failure")],
+    errors_zero_when_missing: true,
+    model_label: None,
+    version_label: None,
+};
+
+static TRITON: EngineSpec = EngineSpec {
+    waiting: &[
+        Sel::with("nv_trt_llm_request_metrics", "request_type", &["waiting"]),
+        Sel::name("nv_inference_pending_request_count"),
+    ],
+    running: &[Sel::with(
+        "nv_trt_llm_request_metrics",
+        "request_type",
+        &["scheduled"],
+    )],
+    kv_cache: &[Sel::with(
+        "nv_trt_llm_kv_cache_block_metrics",
+        "kv_cache_block_type",
+        &["fraction"],
+    )],
+    queue_capacity: &[Sel::with(
+        "nv_trt_llm_request_metrics",
+        "request_type",
+        &["max"],
+    )],
+    ttft: &[Hist {
+        name: "nv_inference_first_response_histogram_ms",
+        to_ms: 1.0,
+    }],
+    // A counter of total µs by default (no quantiles from it); used only when a build exposes it
+    // as a histogram.
+    e2e: &[Hist {
+        name: "nv_inference_request_duration_us",
+        to_ms: 0.001,
+    }],
+    inter_token: &[],
+    finished: &[
+        Sel::name("nv_inference_request_success"),
+        Sel::name("nv_inference_request_failure"),
+    ],
+    errors: &[Sel::name("nv_inference_request_failure")],
+    errors_zero_when_missing: true,
+    model_label: Some("model"),
+    version_label: Some("version"),
+};
+
+/// One page's values for one engine, in ms and 0..1, with what was refused.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Extracted {
+    pub waiting: Option<u32>,
+    pub running: Option<u32>,
+    pub kv_cache_usage: Option<f64>,
+    pub queue_capacity: Option<u32>,
+    /// Cumulative histograms with bounds in ms.
+    pub ttft: Option<HistogramSnapshot>,
+    pub e2e: Option<HistogramSnapshot>,
+    pub inter_token: Option<HistogramSnapshot>,
+    /// Cumulative count of finished requests (all outcomes).
+    pub finished_total: Option<f64>,
+    /// Cumulative count of failed requests.
+    pub errors_total: Option<f64>,
+    /// Served models `(name, version)` from the series' labels, sorted, deduplicated.
+    pub models: Vec<(String, String)>,
+    pub rejected: Vec<Rejected>,
+    /// Whether any of the engine's known signals was on the page.
+    pub found_any: bool,
+}
+
+/// Reads the engine's signals from a parsed page.
+pub fn extract(kind: EngineKind, page: &Exposition<'_>) -> Extracted {
+    let spec = kind.spec();
+    let mut x = Extracted::default();
+
+    let waiting = sum_gauge(page, spec.waiting, Combine::Sum);
+    let running = sum_gauge(page, spec.running, Combine::Sum);
+    let capacity = sum_gauge(page, spec.queue_capacity, Combine::Sum);
+    let had_counts = waiting.is_some() || running.is_some();
+    x.waiting = count_value(waiting, &mut x.rejected);
+    x.running = count_value(running, &mut x.rejected);
+    x.queue_capacity = count_value(capacity, &mut x.rejected);
+    if let Some((field, v)) = sum_gauge(page, spec.kv_cache, Combine::Max) {
+        if (0.0..=1.0).contains(&v) {
+            x.kv_cache_usage = Some(v);
+        } else {
+            x.rejected
+                .push(reject(field, v, "KV-cache usage outside 0..1"));
+        }
+    }
+    x.ttft = histogram(page, spec.ttft, &mut x.rejected);
+    x.e2e = histogram(page, spec.e2e, &mut x.rejected);
+    x.inter_token = histogram(page, spec.inter_token, &mut x.rejected);
+
+    x.finished_total = sum_counter(page, spec.finished);
+    x.errors_total = sum_counter(page, spec.errors);
+    if x.errors_total.is_none() && x.finished_total.is_some() && spec.errors_zero_when_missing {
+        x.errors_total = Some(0.0);
+    }
+
+    if let Some(ml) = spec.model_label {
+        let mut models: Vec<(String, String)> = page
+            .samples
+            .iter()
+            .filter(|s| s.name.starts_with(kind.prefix()))
+            .filter_map(|s| {
+                let name = s.label(ml)?;
+                let version = spec.version_label.and_then(|vl| s.label(vl)).unwrap_or("");
+                Some((name.to_string(), version.to_string()))
+            })
+            .filter(|(n, _)| !n.is_empty())
+            .collect();
+        models.sort();
+        models.dedup();
+        x.models = models;
+    }
+
+    x.found_any = had_counts
+        || x.kv_cache_usage.is_some()
+        || x.ttft.is_some()
+        || x.e2e.is_some()
+        || x.inter_token.is_some()
+        || x.finished_total.is_some()
+        || !x.rejected.is_empty();
+    x
+}
+
+fn reject(field: String, v: f64, reason: &str) -> Rejected {
+    Rejected {
+        field,
+        value: v.to_string(),
+        reason: reason.to_string(),
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Combine {
+    Sum,
+    Max,
+}
+
+/// The first alternative with any series on the page, combined over its series.
+fn sum_gauge(page: &Exposition<'_>, alts: &[Sel], how: Combine) -> Option<(String, f64)> {
+    for sel in alts {
+        let mut acc: Option<f64> = None;
+        for s in page.samples.iter().filter(|s| sel.matches(s)) {
+            acc = Some(match (acc, how) {
+                (None, _) => s.value,
+                (Some(a), Combine::Sum) => a + s.value,
+                (Some(a), Combine::Max) => a.max(s.value),
+            });
+        }
+        if let Some(v) = acc {
+            return Some((sel.field(), v));
+        }
+    }
+    None
+}
+
+/// A request count: non-negative, fits u32; fractions are rounded.
+fn count_value(v: Option<(String, f64)>, rejected: &mut Vec<Rejected>) -> Option<u32> {
+    let (field, v) = v?;
+    if v < 0.0 {
+        rejected.push(reject(field, v, "negative request count"));
+        None
+    } else if v > f64::from(u32::MAX) {
+        rejected.push(reject(field, v, "request count too large"));
+        None
+    } else {
+        Some(v.round() as u32)
+    }
+}
+
+fn sum_counter(page: &Exposition<'_>, sels: &[Sel]) -> Option<f64> {
+    let mut acc: Option<f64> = None;
+    for sel in sels {
+        for s in page.samples.iter().filter(|s| sel.matches(s)) {
+            acc = Some(acc.unwrap_or(0.0) + s.value);
+        }
+    }
+    // With a label filter (vLLM's finished_reason), the family being present means the matching
+    // sum is 0, not unknown.
+    if acc.is_none()
+        && sels
+            .iter()
+            .any(|sel| sel.label.is_some() && page.samples.iter().any(|s| s.name == sel.name))
+    {
+        acc = Some(0.0);
+    }
+    acc
+}
+
+/// The first alternative with `_bucket` series on the page: each series (labels other than `le`)
+/// validated, then summed, bounds converted to ms.
+fn histogram(
+    page: &Exposition<'_>,
+    alts: &[Hist],
+    rejected: &mut Vec<Rejected>,
+) -> Option<HistogramSnapshot> {
+    for h in alts {
+        let bucket = format!("{}_bucket", h.name);
+        let mut series: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+        let mut bad_le = false;
+        for s in page.samples_named(&bucket) {
+            let Some(le) = s.label("le").and_then(parse_float) else {
+                rejected.push(Rejected {
+                    field: bucket.clone(),
+                    value: s.label("le").unwrap_or("").to_string(),
+                    reason: format!("line {}: bucket without a numeric le label", s.line),
+                });
+                bad_le = true;
+                continue;
+            };
+            let key = s
+                .labels
+                .iter()
+                .filter(|(k, _)| *k != "le")
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(",");
+            series.entry(key).or_default().push((le, s.value));
+        }
+        // A bucket dropped by the parser (NaN, negative) leaves the histogram incomplete.
+        let parser_dropped = page.issues.iter().any(|i| i.metric == bucket);
+        if series.is_empty() && !parser_dropped {
+            continue;
+        }
+        if bad_le || parser_dropped {
+            rejected.push(Rejected {
+                field: h.name.to_string(),
+                value: String::new(),
+                reason: "histogram has invalid buckets; left out".into(),
+            });
+            return None;
+        }
+        let mut total: Option<HistogramSnapshot> = None;
+        for (key, buckets) in series {
+            let snap = match HistogramSnapshot::from_buckets(buckets) {
+                Ok(s) => s,
+                Err(e) => {
+                    rejected.push(Rejected {
+                        field: format!("{}{{{key}}}", h.name),
+                        value: String::new(),
+                        reason: e,
+                    });
+                    return None;
+                }
+            };
+            match &mut total {
+                None => total = Some(snap),
+                Some(t) => {
+                    if let Err(e) = t.add(&snap) {
+                        rejected.push(Rejected {
+                            field: h.name.to_string(),
+                            value: String::new(),
+                            reason: e,
+                        });
+                        return None;
+                    }
+                }
+            }
+        }
+        return total.map(|t| t.scaled(h.to_ms));
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::prometheus::parse;
+
+    #[test]
+    fn detects_by_prefix() {
+        let p = parse("vllm:num_requests_waiting 1\n").unwrap();
+        assert_eq!(detect(&p), Some(EngineKind::Vllm));
+        let p = parse("nv_gpu_utilization 1\nnv_inference_count 2\ntgi_queue_size 0\n").unwrap();
+        assert_eq!(detect(&p), Some(EngineKind::Triton));
+        let p = parse("process_cpu_seconds_total 1\n").unwrap();
+        assert_eq!(detect(&p), None);
+    }
+
+    #[test]
+    fn engine_names_parse_with_clear_error() {
+        assert_eq!("vLLM".parse::<EngineKind>(), Ok(EngineKind::Vllm));
+        let e = "llama.cpp".parse::<EngineKind>().unwrap_err();
+        assert!(e.to_string().contains("\"llama.cpp\""), "{e}");
+    }
+
+    #[test]
+    fn several_models_are_summed_and_ratios_maxed() {
+        let p = parse(
+            "vllm:num_requests_waiting{model_name=\"a\"} 2\n\
+             vllm:num_requests_waiting{model_name=\"b\"} 3\n\
+             vllm:kv_cache_usage_perc{model_name=\"a\"} 0.2\n\
+             vllm:kv_cache_usage_perc{model_name=\"b\"} 0.7\n",
+        )
+        .unwrap();
+        let x = extract(EngineKind::Vllm, &p);
+        assert_eq!(x.waiting, Some(5));
+        assert_eq!(x.kv_cache_usage, Some(0.7));
+        assert_eq!(
+            x.models,
+            vec![("a".into(), "".into()), ("b".into(), "".into())]
+        );
+    }
+
+    #[test]
+    fn out_of_range_values_are_rejected() {
+        let p = parse(
+            "vllm:num_requests_waiting -1\nvllm:kv_cache_usage_perc 1.5\n\
+             vllm:num_requests_running 4\n",
+        )
+        .unwrap();
+        let x = extract(EngineKind::Vllm, &p);
+        assert_eq!(x.waiting, None);
+        assert_eq!(x.kv_cache_usage, None);
+        assert_eq!(x.running, Some(4));
+        let fields: Vec<_> = x.rejected.iter().map(|r| r.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            vec!["vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"]
+        );
+    }
+}
