@@ -1,1 +1,676 @@
-//! (being written)
+//! The agent's configuration: what the operator may set (flags, `AI_LB_AGENT_*` env, an optional
+//! YAML/TOML file; flags and env override the file), and the one place where those raw strings
+//! are validated into an [`AgentConfig`]. Every error names the flag and the offending value.
+
+use clap::Parser;
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Why a configuration was refused. The text is what the operator reads, so it names the flag.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("invalid value {value:?} for --{flag}: expected {expected}")]
+    InvalidValue {
+        flag: &'static str,
+        value: String,
+        expected: String,
+    },
+    #[error("missing --{flag}: {why}")]
+    Missing { flag: &'static str, why: String },
+    #[error("{0}")]
+    Args(String),
+    #[error("cannot read --config {path}: {detail}")]
+    File { path: String, detail: String },
+}
+
+/// Raw command line / environment. Every field is optional here so that the config file can
+/// fill what the command line leaves out; defaults are applied during validation.
+#[derive(Debug, Default, Clone, Parser)]
+#[command(
+    name = "ai-lb-agent",
+    version,
+    allow_negative_numbers = true,
+    about = "ai-lb collector agent: GPU + model-server metrics streamed over gRPC"
+)]
+pub struct RawArgs {
+    /// Optional YAML (.yaml/.yml) or TOML (.toml) file with the same keys as the flags
+    /// (e.g. `sample-interval: 100ms`); flags and env override it.
+    #[arg(long, env = "AI_LB_AGENT_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// gRPC listen address [default: 0.0.0.0:9090].
+    #[arg(long, env = "AI_LB_AGENT_GRPC_LISTEN")]
+    pub grpc_listen: Option<String>,
+    /// HTTP (/metrics, /healthz, /readyz) listen address [default: 0.0.0.0:9091].
+    #[arg(long, env = "AI_LB_AGENT_HTTP_LISTEN")]
+    pub http_listen: Option<String>,
+    #[arg(long, env = "AI_LB_AGENT_POD_NAME")]
+    pub pod_name: Option<String>,
+    #[arg(long, env = "AI_LB_AGENT_NAMESPACE")]
+    pub namespace: Option<String>,
+    /// IP:PORT of the model server as Envoy routes to it (required).
+    #[arg(long, env = "AI_LB_AGENT_SERVING_ADDRESS")]
+    pub serving_address: Option<String>,
+    /// nvml | sim | none [default: nvml].
+    #[arg(long, env = "AI_LB_AGENT_GPU_SOURCE")]
+    pub gpu_source: Option<String>,
+    /// Base URL of the simulated GPU endpoint (`GET <url>/sim/gpu`), for --gpu-source sim.
+    #[arg(long, env = "AI_LB_AGENT_SIM_URL")]
+    pub sim_url: Option<String>,
+    /// Base URL of the model server's metrics (`<url>/metrics`); no model-server source if unset.
+    #[arg(long, env = "AI_LB_AGENT_MODEL_SERVER_URL")]
+    pub model_server_url: Option<String>,
+    /// auto | vllm | sglang | tgi | triton [default: auto].
+    #[arg(long, env = "AI_LB_AGENT_ENGINE")]
+    pub engine: Option<String>,
+    /// Model served (repeatable), used when the model server does not say.
+    #[arg(long = "model", env = "AI_LB_AGENT_MODEL", value_delimiter = ',')]
+    pub models: Vec<String>,
+    /// Maximum concurrently running sequences, when the model server does not say.
+    #[arg(long, env = "AI_LB_AGENT_QUEUE_CAPACITY")]
+    pub queue_capacity: Option<String>,
+    /// [default: 100ms]
+    #[arg(long, env = "AI_LB_AGENT_SAMPLE_INTERVAL")]
+    pub sample_interval: Option<String>,
+    /// Window for latency quantiles and rates [default: 10s].
+    #[arg(long, env = "AI_LB_AGENT_WINDOW")]
+    pub window: Option<String>,
+    /// Minimum interval between Watch pushes [default: 50ms].
+    #[arg(long, env = "AI_LB_AGENT_WATCH_MIN_INTERVAL")]
+    pub watch_min_interval: Option<String>,
+    /// Heartbeat interval on idle streams [default: 1s].
+    #[arg(long, env = "AI_LB_AGENT_HEARTBEAT")]
+    pub heartbeat: Option<String>,
+    /// Static peer agents, `host:port,host:port`.
+    #[arg(long, env = "AI_LB_AGENT_PEERS", value_delimiter = ',')]
+    pub peers: Vec<String>,
+    /// DNS name (e.g. a headless Service) resolving to peer agents, `name:port`.
+    #[arg(long, env = "AI_LB_AGENT_PEERS_DNS")]
+    pub peers_dns: Option<String>,
+    /// How often the peer DNS name is re-resolved [default: 5s].
+    #[arg(long, env = "AI_LB_AGENT_PEERS_REFRESH")]
+    pub peers_refresh: Option<String>,
+    /// A peer with no event for this long is STALE [default: 3s].
+    #[arg(long, env = "AI_LB_AGENT_PEER_STALE_AFTER")]
+    pub peer_stale_after: Option<String>,
+}
+
+/// The same keys in a config file (kebab-case, as the flags), all optional.
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct FileArgs {
+    pub grpc_listen: Option<String>,
+    pub http_listen: Option<String>,
+    pub pod_name: Option<String>,
+    pub namespace: Option<String>,
+    pub serving_address: Option<String>,
+    pub gpu_source: Option<String>,
+    pub sim_url: Option<String>,
+    pub model_server_url: Option<String>,
+    pub engine: Option<String>,
+    #[serde(default, alias = "model")]
+    pub models: Vec<String>,
+    pub queue_capacity: Option<serde_yaml::Value>,
+    pub sample_interval: Option<String>,
+    pub window: Option<String>,
+    pub watch_min_interval: Option<String>,
+    pub heartbeat: Option<String>,
+    #[serde(default)]
+    pub peers: Vec<String>,
+    pub peers_dns: Option<String>,
+    pub peers_refresh: Option<String>,
+    pub peer_stale_after: Option<String>,
+}
+
+impl RawArgs {
+    /// Reads `--config` (if any) and fills every field the command line left unset.
+    pub fn merge_file(mut self) -> Result<RawArgs, ConfigError> {
+        let Some(path) = self.config.clone() else {
+            return Ok(self);
+        };
+        let text = std::fs::read_to_string(&path).map_err(|e| ConfigError::File {
+            path: path.display().to_string(),
+            detail: e.to_string(),
+        })?;
+        let file = parse_file(&path, &text)?;
+        fn fill(slot: &mut Option<String>, v: Option<String>) {
+            if slot.is_none() {
+                *slot = v;
+            }
+        }
+        fill(&mut self.grpc_listen, file.grpc_listen);
+        fill(&mut self.http_listen, file.http_listen);
+        fill(&mut self.pod_name, file.pod_name);
+        fill(&mut self.namespace, file.namespace);
+        fill(&mut self.serving_address, file.serving_address);
+        fill(&mut self.gpu_source, file.gpu_source);
+        fill(&mut self.sim_url, file.sim_url);
+        fill(&mut self.model_server_url, file.model_server_url);
+        fill(&mut self.engine, file.engine);
+        if self.models.is_empty() {
+            self.models = file.models;
+        }
+        let qc = file.queue_capacity.map(|v| match v {
+            serde_yaml::Value::String(s) => s,
+            other => serde_yaml::to_string(&other)
+                .unwrap_or_default()
+                .trim()
+                .to_string(),
+        });
+        fill(&mut self.queue_capacity, qc);
+        fill(&mut self.sample_interval, file.sample_interval);
+        fill(&mut self.window, file.window);
+        fill(&mut self.watch_min_interval, file.watch_min_interval);
+        fill(&mut self.heartbeat, file.heartbeat);
+        if self.peers.is_empty() {
+            self.peers = file.peers;
+        }
+        fill(&mut self.peers_dns, file.peers_dns);
+        fill(&mut self.peers_refresh, file.peers_refresh);
+        fill(&mut self.peer_stale_after, file.peer_stale_after);
+        Ok(self)
+    }
+}
+
+fn parse_file(path: &Path, text: &str) -> Result<FileArgs, ConfigError> {
+    let err = |detail: String| ConfigError::File {
+        path: path.display().to_string(),
+        detail,
+    };
+    match path.extension().and_then(|e| e.to_str()) {
+        Some("toml") => toml::from_str(text).map_err(|e| err(e.to_string())),
+        Some("yaml") | Some("yml") => serde_yaml::from_str(text).map_err(|e| err(e.to_string())),
+        other => Err(err(format!(
+            "unknown extension {:?}: expected .yaml, .yml or .toml",
+            other.unwrap_or("")
+        ))),
+    }
+}
+
+/// Where GPU readings come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GpuSource {
+    Nvml,
+    /// The fake pod's `GET <url>/sim/gpu`.
+    Sim {
+        url: String,
+    },
+    None,
+}
+
+/// Which engine's metric names to read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineChoice {
+    Auto,
+    Vllm,
+    Sglang,
+    Tgi,
+    Triton,
+}
+
+impl EngineChoice {
+    /// The configured engine as the proto enum; `Unspecified` for auto-detection.
+    pub fn to_proto(self) -> ai_lb_proto::v1::Engine {
+        use ai_lb_proto::v1::Engine;
+        match self {
+            EngineChoice::Auto => Engine::Unspecified,
+            EngineChoice::Vllm => Engine::Vllm,
+            EngineChoice::Sglang => Engine::Sglang,
+            EngineChoice::Tgi => Engine::Tgi,
+            EngineChoice::Triton => Engine::Triton,
+        }
+    }
+}
+
+/// A validated configuration: every value parsed and checked, defaults applied.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgentConfig {
+    pub grpc_listen: SocketAddr,
+    pub http_listen: SocketAddr,
+    pub pod_name: String,
+    pub namespace: String,
+    pub serving_address: SocketAddr,
+    pub gpu_source: GpuSource,
+    /// The operator chose `--gpu-source` explicitly (nvml's absence then is the operator's call).
+    pub gpu_source_explicit: bool,
+    pub model_server_url: Option<String>,
+    pub engine: EngineChoice,
+    pub models: Vec<String>,
+    pub queue_capacity: Option<u32>,
+    pub sample_interval: Duration,
+    pub window: Duration,
+    pub watch_min_interval: Duration,
+    pub heartbeat: Duration,
+    /// `host:port` of each static peer.
+    pub peers: Vec<String>,
+    /// `name:port` to resolve for peers.
+    pub peers_dns: Option<String>,
+    pub peers_refresh: Duration,
+    pub peer_stale_after: Duration,
+}
+
+impl AgentConfig {
+    /// Parses the process's flags/env/file; `Err` carries the operator-facing message.
+    pub fn from_args<I, T>(args: I) -> Result<AgentConfig, ConfigError>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        let raw = RawArgs::try_parse_from(args).map_err(|e| ConfigError::Args(e.to_string()))?;
+        AgentConfig::try_from(raw.merge_file()?)
+    }
+
+    /// A config for tests and embedding: the given serving address, everything else default,
+    /// no GPU source.
+    pub fn for_tests(serving_address: SocketAddr) -> AgentConfig {
+        let raw = RawArgs {
+            serving_address: Some(serving_address.to_string()),
+            gpu_source: Some("none".into()),
+            grpc_listen: Some("127.0.0.1:0".into()),
+            http_listen: Some("127.0.0.1:0".into()),
+            ..RawArgs::default()
+        };
+        match AgentConfig::try_from(raw) {
+            Ok(c) => c,
+            // Unreachable: the raw values above are valid by construction.
+            Err(e) => unreachable!("default test config is invalid: {e}"),
+        }
+    }
+}
+
+fn invalid(flag: &'static str, value: &str, expected: &str) -> ConfigError {
+    ConfigError::InvalidValue {
+        flag,
+        value: value.to_string(),
+        expected: expected.to_string(),
+    }
+}
+
+/// Parses `100ms`, `2s`, `1m`, `500us`; `0` alone is zero.
+pub fn parse_duration(flag: &'static str, value: &str) -> Result<Duration, ConfigError> {
+    let err = || invalid(flag, value, "a duration like 100ms or 2s");
+    let v = value.trim();
+    if v == "0" {
+        return Ok(Duration::ZERO);
+    }
+    let split = v
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .ok_or_else(err)?;
+    let (num, unit) = v.split_at(split);
+    let n: f64 = num.parse().map_err(|_| err())?;
+    let scale_ms = match unit {
+        "us" | "µs" => 0.001,
+        "ms" => 1.0,
+        "s" => 1000.0,
+        "m" => 60_000.0,
+        "h" => 3_600_000.0,
+        _ => return Err(err()),
+    };
+    let ms = n * scale_ms;
+    if !ms.is_finite() || !(0.0..=1e12).contains(&ms) {
+        return Err(err());
+    }
+    Ok(Duration::from_micros((ms * 1000.0).round() as u64))
+}
+
+fn duration_in(
+    flag: &'static str,
+    value: Option<&str>,
+    default: &str,
+    min: Duration,
+    max: Duration,
+) -> Result<Duration, ConfigError> {
+    let v = value.unwrap_or(default);
+    let d = parse_duration(flag, v)?;
+    if d < min || d > max {
+        return Err(invalid(
+            flag,
+            v,
+            &format!("a duration between {min:?} and {max:?}"),
+        ));
+    }
+    Ok(d)
+}
+
+fn socket_addr(
+    flag: &'static str,
+    value: Option<&str>,
+    default: &str,
+) -> Result<SocketAddr, ConfigError> {
+    let v = value.unwrap_or(default);
+    v.trim()
+        .parse()
+        .map_err(|_| invalid(flag, v, "an address like 0.0.0.0:9090 (IP:PORT)"))
+}
+
+/// `host:port` with a non-empty host and a numeric port.
+fn host_port(flag: &'static str, value: &str) -> Result<String, ConfigError> {
+    let v = value.trim();
+    let err = || invalid(flag, value, "host:port, e.g. agent-0.agents:9090");
+    let (host, port) = v.rsplit_once(':').ok_or_else(err)?;
+    let port: u16 = port.parse().map_err(|_| err())?;
+    if host.is_empty() || port == 0 || host.contains('/') || host.contains(char::is_whitespace) {
+        return Err(err());
+    }
+    Ok(v.to_string())
+}
+
+fn http_url(flag: &'static str, value: &str) -> Result<String, ConfigError> {
+    let v = value.trim().trim_end_matches('/');
+    let rest = v
+        .strip_prefix("http://")
+        .or_else(|| v.strip_prefix("https://"));
+    match rest {
+        Some(r) if !r.is_empty() && !r.contains(char::is_whitespace) => Ok(v.to_string()),
+        _ => Err(invalid(flag, value, "a URL like http://127.0.0.1:8000")),
+    }
+}
+
+impl TryFrom<RawArgs> for AgentConfig {
+    type Error = ConfigError;
+
+    fn try_from(raw: RawArgs) -> Result<AgentConfig, ConfigError> {
+        let grpc_listen = socket_addr("grpc-listen", raw.grpc_listen.as_deref(), "0.0.0.0:9090")?;
+        let http_listen = socket_addr("http-listen", raw.http_listen.as_deref(), "0.0.0.0:9091")?;
+        let serving = raw.serving_address.as_deref().ok_or(ConfigError::Missing {
+            flag: "serving-address",
+            why: "the IP:PORT Envoy routes to for this pod (the key the filter writes)".into(),
+        })?;
+        let serving_address: SocketAddr = serving
+            .trim()
+            .parse()
+            .map_err(|_| invalid("serving-address", serving, "IP:PORT, e.g. 10.0.3.7:8000"))?;
+        if serving_address.port() == 0 || serving_address.ip().is_unspecified() {
+            return Err(invalid(
+                "serving-address",
+                serving,
+                "a routable IP:PORT (not 0.0.0.0 or port 0)",
+            ));
+        }
+
+        let sim_url = raw
+            .sim_url
+            .as_deref()
+            .map(|u| http_url("sim-url", u))
+            .transpose()?;
+        let gpu_source_explicit = raw.gpu_source.is_some();
+        let gpu_source = match raw.gpu_source.as_deref().map(str::trim).unwrap_or("nvml") {
+            "nvml" => GpuSource::Nvml,
+            "none" => GpuSource::None,
+            "sim" => GpuSource::Sim {
+                url: sim_url.ok_or(ConfigError::Missing {
+                    flag: "sim-url",
+                    why: "--gpu-source sim reads GET <sim-url>/sim/gpu".into(),
+                })?,
+            },
+            other => return Err(invalid("gpu-source", other, "one of nvml, sim, none")),
+        };
+        let model_server_url = raw
+            .model_server_url
+            .as_deref()
+            .map(|u| http_url("model-server-url", u))
+            .transpose()?;
+        let engine = match raw.engine.as_deref().map(str::trim).unwrap_or("auto") {
+            "auto" => EngineChoice::Auto,
+            "vllm" => EngineChoice::Vllm,
+            "sglang" => EngineChoice::Sglang,
+            "tgi" => EngineChoice::Tgi,
+            "triton" => EngineChoice::Triton,
+            other => {
+                return Err(invalid(
+                    "engine",
+                    other,
+                    "one of auto, vllm, sglang, tgi, triton",
+                ))
+            }
+        };
+        let mut models = Vec::new();
+        for m in &raw.models {
+            let m = m.trim();
+            if m.is_empty() {
+                return Err(invalid("model", m, "a non-empty model name"));
+            }
+            models.push(m.to_string());
+        }
+        let queue_capacity = match raw.queue_capacity.as_deref() {
+            None => None,
+            Some(v) => match v.trim().parse::<u32>() {
+                Ok(n) if n > 0 => Some(n),
+                _ => return Err(invalid("queue-capacity", v, "a positive integer")),
+            },
+        };
+        let ms = Duration::from_millis;
+        let sample_interval = duration_in(
+            "sample-interval",
+            raw.sample_interval.as_deref(),
+            "100ms",
+            ms(1),
+            ms(60_000),
+        )?;
+        let window = duration_in(
+            "window",
+            raw.window.as_deref(),
+            "10s",
+            ms(100),
+            ms(3_600_000),
+        )?;
+        if window < sample_interval {
+            return Err(invalid(
+                "window",
+                raw.window.as_deref().unwrap_or("10s"),
+                "a duration at least as long as --sample-interval",
+            ));
+        }
+        let watch_min_interval = duration_in(
+            "watch-min-interval",
+            raw.watch_min_interval.as_deref(),
+            "50ms",
+            Duration::ZERO,
+            ms(60_000),
+        )?;
+        let heartbeat = duration_in(
+            "heartbeat",
+            raw.heartbeat.as_deref(),
+            "1s",
+            ms(10),
+            ms(3_600_000),
+        )?;
+        let mut peers = Vec::new();
+        for p in raw.peers.iter().map(|p| p.trim()).filter(|p| !p.is_empty()) {
+            peers.push(host_port("peers", p)?);
+        }
+        let peers_dns = raw
+            .peers_dns
+            .as_deref()
+            .map(|p| host_port("peers-dns", p))
+            .transpose()?;
+        let peers_refresh = duration_in(
+            "peers-refresh",
+            raw.peers_refresh.as_deref(),
+            "5s",
+            ms(10),
+            ms(3_600_000),
+        )?;
+        let peer_stale_after = duration_in(
+            "peer-stale-after",
+            raw.peer_stale_after.as_deref(),
+            "3s",
+            ms(10),
+            ms(3_600_000),
+        )?;
+        if peer_stale_after <= heartbeat && (!peers.is_empty() || peers_dns.is_some()) {
+            return Err(invalid(
+                "peer-stale-after",
+                raw.peer_stale_after.as_deref().unwrap_or("3s"),
+                &format!(
+                    "a duration longer than --heartbeat ({heartbeat:?}), or live peers look stale"
+                ),
+            ));
+        }
+        Ok(AgentConfig {
+            grpc_listen,
+            http_listen,
+            pod_name: raw.pod_name.unwrap_or_default().trim().to_string(),
+            namespace: raw.namespace.unwrap_or_default().trim().to_string(),
+            serving_address,
+            gpu_source,
+            gpu_source_explicit,
+            model_server_url,
+            engine,
+            models,
+            queue_capacity,
+            sample_interval,
+            window,
+            watch_min_interval,
+            heartbeat,
+            peers,
+            peers_dns,
+            peers_refresh,
+            peer_stale_after,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(args: &[&str]) -> Result<AgentConfig, ConfigError> {
+        let raw =
+            RawArgs::try_parse_from(std::iter::once("ai-lb-agent").chain(args.iter().copied()))
+                .expect("clap parses");
+        AgentConfig::try_from(raw)
+    }
+
+    #[test]
+    fn defaults_apply() {
+        let c = cfg(&["--serving-address", "10.0.0.1:8000"]).unwrap();
+        assert_eq!(c.grpc_listen, "0.0.0.0:9090".parse().unwrap());
+        assert_eq!(c.http_listen, "0.0.0.0:9091".parse().unwrap());
+        assert_eq!(c.gpu_source, GpuSource::Nvml);
+        assert!(!c.gpu_source_explicit);
+        assert_eq!(c.sample_interval, Duration::from_millis(100));
+        assert_eq!(c.window, Duration::from_secs(10));
+        assert_eq!(c.watch_min_interval, Duration::from_millis(50));
+        assert_eq!(c.heartbeat, Duration::from_secs(1));
+        assert_eq!(c.peers_refresh, Duration::from_secs(5));
+        assert_eq!(c.peer_stale_after, Duration::from_secs(3));
+        assert_eq!(c.engine, EngineChoice::Auto);
+    }
+
+    #[test]
+    fn bad_duration_names_flag_and_value() {
+        let e = cfg(&[
+            "--serving-address",
+            "10.0.0.1:8000",
+            "--sample-interval",
+            "abc",
+        ])
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            r#"invalid value "abc" for --sample-interval: expected a duration like 100ms or 2s"#
+        );
+    }
+
+    #[test]
+    fn missing_serving_address_is_named() {
+        let e = cfg(&[]).unwrap_err();
+        assert!(e.to_string().contains("--serving-address"), "{e}");
+    }
+
+    #[test]
+    fn each_flag_error_names_its_flag() {
+        let cases: &[(&[&str], &str)] = &[
+            (&["--serving-address", "nope"], "--serving-address"),
+            (&["--grpc-listen", "x:y"], "--grpc-listen"),
+            (&["--http-listen", "9091"], "--http-listen"),
+            (&["--gpu-source", "cuda"], "--gpu-source"),
+            (&["--gpu-source", "sim"], "--sim-url"),
+            (
+                &["--gpu-source", "sim", "--sim-url", "ftp://x"],
+                "--sim-url",
+            ),
+            (
+                &["--model-server-url", "localhost:8000"],
+                "--model-server-url",
+            ),
+            (&["--engine", "llama.cpp"], "--engine"),
+            (&["--queue-capacity", "-3"], "--queue-capacity"),
+            (&["--window", "10"], "--window"),
+            (&["--window", "10ms", "--sample-interval", "1s"], "--window"),
+            (&["--heartbeat", "0"], "--heartbeat"),
+            (&["--peers", "a:1,b"], "--peers"),
+            (&["--peers-dns", "agents"], "--peers-dns"),
+            (
+                &["--peers", "a:1", "--peer-stale-after", "500ms"],
+                "--peer-stale-after",
+            ),
+        ];
+        for (args, flag) in cases {
+            let mut full: Vec<&str> = if args.contains(&"--serving-address") {
+                vec![]
+            } else {
+                vec!["--serving-address", "10.0.0.1:8000"]
+            };
+            full.extend_from_slice(args);
+            let e = cfg(&full).expect_err(&format!("{args:?} must be rejected"));
+            assert!(e.to_string().contains(flag), "{args:?} -> {e}");
+        }
+    }
+
+    #[test]
+    fn durations_parse() {
+        let d = |s| parse_duration("x", s);
+        assert_eq!(d("100ms").unwrap(), Duration::from_millis(100));
+        assert_eq!(d("2s").unwrap(), Duration::from_secs(2));
+        assert_eq!(d("1.5s").unwrap(), Duration::from_millis(1500));
+        assert_eq!(d("1m").unwrap(), Duration::from_secs(60));
+        assert_eq!(d("0").unwrap(), Duration::ZERO);
+        for bad in ["", "ms", "10", "-1s", "1x", "NaNs"] {
+            assert!(d(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn file_fills_and_flags_override() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.yaml");
+        std::fs::write(
+            &path,
+            "serving-address: 10.0.0.2:8000\nsample-interval: 250ms\nheartbeat: 2s\npeers: [a:1, b:2]\nqueue-capacity: 64\n",
+        )
+        .unwrap();
+        let c = AgentConfig::from_args([
+            "ai-lb-agent",
+            "--config",
+            path.to_str().unwrap(),
+            "--heartbeat",
+            "500ms",
+            "--gpu-source",
+            "none",
+        ])
+        .unwrap();
+        assert_eq!(c.serving_address, "10.0.0.2:8000".parse().unwrap());
+        assert_eq!(c.sample_interval, Duration::from_millis(250));
+        assert_eq!(c.heartbeat, Duration::from_millis(500));
+        assert_eq!(c.peers, vec!["a:1".to_string(), "b:2".to_string()]);
+        assert_eq!(c.queue_capacity, Some(64));
+
+        let toml_path = dir.path().join("agent.toml");
+        std::fs::write(
+            &toml_path,
+            "serving-address = \"10.0.0.3:8000\"\nwindow = \"5s\"\n",
+        )
+        .unwrap();
+        let c = AgentConfig::from_args(["ai-lb-agent", "--config", toml_path.to_str().unwrap()])
+            .unwrap();
+        assert_eq!(c.window, Duration::from_secs(5));
+
+        std::fs::write(&path, "serving-adress: 10.0.0.2:8000\n").unwrap();
+        let e = AgentConfig::from_args(["ai-lb-agent", "--config", path.to_str().unwrap()])
+            .unwrap_err();
+        assert!(e.to_string().contains("serving-adress"), "{e}");
+    }
+}

@@ -1,1 +1,504 @@
-//! (being written)
+//! The gRPC face of the agent: `MetricsService` (`Snapshot`, `Watch`, `WatchPool`) plus
+//! `grpc.health.v1` and server reflection, and the wiring that starts sampler, pool, gRPC and
+//! HTTP servers together and stops them gracefully (open streams end with `UNAVAILABLE
+//! "agent shutting down"` in trailers, never a connection reset).
+
+use crate::config::AgentConfig;
+use crate::pool::{run_pool, PoolConfig, PoolView};
+use crate::sampler::{stopped, Clock, Hub, IdentityConfig, Sampler};
+use crate::sources::Source;
+use ai_lb_proto::v1::metrics_service_server::{MetricsService, MetricsServiceServer};
+use ai_lb_proto::v1::{
+    watch_event, Heartbeat, PeerState, PeerStatus, PodSnapshot, PoolEvent, SnapshotRequest,
+    WatchEvent, WatchPoolRequest, WatchRequest,
+};
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+/// A full pool event is sent every this many heartbeat periods.
+pub const FULL_EVERY_HEARTBEATS: u32 = 10;
+
+/// Stream and event counters for `/metrics`.
+#[derive(Debug, Default)]
+pub struct StreamStats {
+    pub watch_open: AtomicU64,
+    pub pool_open: AtomicU64,
+    pub watch_events: AtomicU64,
+    pub pool_events: AtomicU64,
+}
+
+struct OpenGuard<'a>(&'a AtomicU64);
+impl Drop for OpenGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// The `MetricsService` implementation over a [`Hub`] and a [`PoolView`].
+#[derive(Clone)]
+pub struct MetricsSvc {
+    pub hub: Arc<Hub>,
+    pub pool: Arc<PoolView>,
+    /// How this agent names itself in pool events (its gRPC `host:port`).
+    pub self_peer: String,
+    pub min_interval: Duration,
+    pub heartbeat: Duration,
+    pub shutdown: watch::Receiver<bool>,
+    pub stats: Arc<StreamStats>,
+    pub clock: Arc<dyn Clock>,
+}
+
+fn shutting_down() -> Status {
+    Status::unavailable("agent shutting down")
+}
+
+fn ms_or(v: u32, default: Duration) -> Duration {
+    if v == 0 {
+        default
+    } else {
+        Duration::from_millis(u64::from(v))
+    }
+}
+
+/// Waits until `deadline`; `false` if shutdown came first.
+async fn wait_until(deadline: Instant, shutdown: &mut watch::Receiver<bool>) -> bool {
+    if *shutdown.borrow() {
+        return false;
+    }
+    tokio::select! {
+        _ = tokio::time::sleep_until(deadline) => true,
+        _ = stopped(shutdown) => false,
+    }
+}
+
+impl MetricsSvc {
+    fn self_state(&self, now: std::time::Instant) -> PeerState {
+        match self.hub.latest() {
+            Some(p) => PeerState {
+                peer: self.self_peer.clone(),
+                status: PeerStatus::Live as i32,
+                snapshot: Some(p.render(now)),
+                reason: String::new(),
+            },
+            None => PeerState {
+                peer: self.self_peer.clone(),
+                status: PeerStatus::Connecting as i32,
+                snapshot: None,
+                reason: "no sample taken yet".into(),
+            },
+        }
+    }
+
+    fn pool_event(&self, full: bool, peers: Vec<PeerState>) -> PoolEvent {
+        PoolEvent {
+            full,
+            peers,
+            time_unix_ms: self.clock.unix_ms(),
+            agent_instance: self.hub.agent_instance().to_string(),
+        }
+    }
+
+    async fn run_watch(
+        self,
+        tx: mpsc::Sender<Result<WatchEvent, Status>>,
+        min: Duration,
+        hb: Duration,
+    ) {
+        let _open = OpenGuard(&self.stats.watch_open);
+        let mut shutdown = self.shutdown.clone();
+        let mut stop = self.shutdown.clone();
+        let mut changes = self.hub.subscribe();
+        changes.borrow_and_update();
+        let send = |ev: watch_event::Event| {
+            self.stats.watch_events.fetch_add(1, Ordering::Relaxed);
+            tx.send(Ok(WatchEvent { event: Some(ev) }))
+        };
+        // The first event is the full current snapshot (waiting for the first sample).
+        let first = loop {
+            if let Some(p) = self.hub.latest() {
+                break p;
+            }
+            tokio::select! {
+                r = changes.changed() => if r.is_err() { return },
+                _ = stopped(&mut shutdown) => { let _ = tx.send(Err(shutting_down())).await; return }
+                _ = tx.closed() => return,
+            }
+        };
+        if send(watch_event::Event::Snapshot(first.render(self.clock.now())))
+            .await
+            .is_err()
+        {
+            return;
+        }
+        let mut last_push = Instant::now();
+        let mut last_send = last_push;
+        loop {
+            tokio::select! {
+                biased;
+                _ = stopped(&mut stop) => break,
+                _ = tx.closed() => return,
+                r = changes.changed() => {
+                    if r.is_err() { return }
+                    if !wait_until(last_push + min, &mut shutdown).await { break }
+                    changes.borrow_and_update();
+                    let Some(p) = self.hub.latest() else { continue };
+                    if send(watch_event::Event::Snapshot(p.render(self.clock.now()))).await.is_err() { return }
+                    last_push = Instant::now();
+                    last_send = last_push;
+                }
+                _ = tokio::time::sleep_until(last_send + hb) => {
+                    let sequence = self.hub.latest().map(|p| p.snapshot.sequence).unwrap_or(0);
+                    let beat = Heartbeat { time_unix_ms: self.clock.unix_ms(), sequence };
+                    if send(watch_event::Event::Heartbeat(beat)).await.is_err() { return }
+                    last_send = Instant::now();
+                }
+            }
+        }
+        let _ = tx.send(Err(shutting_down())).await;
+    }
+
+    async fn run_pool_stream(
+        self,
+        tx: mpsc::Sender<Result<PoolEvent, Status>>,
+        min: Duration,
+        hb: Duration,
+    ) {
+        let _open = OpenGuard(&self.stats.pool_open);
+        let mut shutdown = self.shutdown.clone();
+        let mut stop = self.shutdown.clone();
+        let mut pool_rx = self.pool.subscribe();
+        let mut hub_rx = self.hub.subscribe();
+        pool_rx.borrow_and_update();
+        hub_rx.borrow_and_update();
+        let full_every = hb * FULL_EVERY_HEARTBEATS;
+        let send = |ev: PoolEvent| {
+            self.stats.pool_events.fetch_add(1, Ordering::Relaxed);
+            tx.send(Ok(ev))
+        };
+        let full = |svc: &MetricsSvc| {
+            let now = svc.clock.now();
+            let (version, peers) = svc.pool.render(now, None);
+            let mut all = vec![svc.self_state(now)];
+            all.extend(peers);
+            (version, svc.pool_event(true, all))
+        };
+        let (mut seen_version, first) = full(&self);
+        if send(first).await.is_err() {
+            return;
+        }
+        let mut last_push = Instant::now();
+        let mut last_send = last_push;
+        let mut last_full = last_push;
+        loop {
+            tokio::select! {
+                biased;
+                _ = stopped(&mut stop) => break,
+                _ = tx.closed() => return,
+                r = pool_rx.changed() => {
+                    if r.is_err() { return }
+                    if !wait_until(last_push + min, &mut shutdown).await { break }
+                    pool_rx.borrow_and_update();
+                    let self_changed = hub_rx.has_changed().unwrap_or(false);
+                    hub_rx.borrow_and_update();
+                    let now = self.clock.now();
+                    let (version, mut peers) = self.pool.render(now, Some(seen_version));
+                    seen_version = version;
+                    if self_changed { peers.insert(0, self.self_state(now)); }
+                    if peers.is_empty() { continue }
+                    if send(self.pool_event(false, peers)).await.is_err() { return }
+                    last_push = Instant::now();
+                    last_send = last_push;
+                }
+                r = hub_rx.changed() => {
+                    if r.is_err() { return }
+                    if !wait_until(last_push + min, &mut shutdown).await { break }
+                    hub_rx.borrow_and_update();
+                    let pool_changed = pool_rx.has_changed().unwrap_or(false);
+                    pool_rx.borrow_and_update();
+                    let now = self.clock.now();
+                    let mut peers = vec![self.self_state(now)];
+                    if pool_changed {
+                        let (version, changed) = self.pool.render(now, Some(seen_version));
+                        seen_version = version;
+                        peers.extend(changed);
+                    }
+                    if send(self.pool_event(false, peers)).await.is_err() { return }
+                    last_push = Instant::now();
+                    last_send = last_push;
+                }
+                _ = tokio::time::sleep_until(last_full + full_every) => {
+                    pool_rx.borrow_and_update();
+                    hub_rx.borrow_and_update();
+                    let (version, ev) = full(&self);
+                    seen_version = version;
+                    if send(ev).await.is_err() { return }
+                    last_full = Instant::now();
+                    last_send = last_full;
+                }
+                _ = tokio::time::sleep_until(last_send + hb) => {
+                    if send(self.pool_event(false, Vec::new())).await.is_err() { return }
+                    last_send = Instant::now();
+                }
+            }
+        }
+        let _ = tx.send(Err(shutting_down())).await;
+    }
+}
+
+type EventStream<T> = Pin<Box<dyn tokio_stream::Stream<Item = Result<T, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl MetricsService for MetricsSvc {
+    async fn snapshot(
+        &self,
+        _req: Request<SnapshotRequest>,
+    ) -> Result<Response<PodSnapshot>, Status> {
+        match self.hub.latest() {
+            Some(p) => Ok(Response::new(p.render(self.clock.now()))),
+            None => Err(Status::unavailable("no sample taken yet")),
+        }
+    }
+
+    type WatchStream = EventStream<WatchEvent>;
+
+    async fn watch(
+        &self,
+        req: Request<WatchRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        if *self.shutdown.borrow() {
+            return Err(shutting_down());
+        }
+        let r = req.into_inner();
+        let min = ms_or(r.min_interval_ms, self.min_interval);
+        let hb = ms_or(r.heartbeat_ms, self.heartbeat).max(Duration::from_millis(10));
+        let (tx, rx) = mpsc::channel(4);
+        self.stats.watch_open.fetch_add(1, Ordering::Relaxed);
+        tokio::spawn(self.clone().run_watch(tx, min, hb));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    type WatchPoolStream = EventStream<PoolEvent>;
+
+    async fn watch_pool(
+        &self,
+        req: Request<WatchPoolRequest>,
+    ) -> Result<Response<Self::WatchPoolStream>, Status> {
+        if *self.shutdown.borrow() {
+            return Err(shutting_down());
+        }
+        let r = req.into_inner();
+        let min = ms_or(r.min_interval_ms, self.min_interval);
+        let hb = ms_or(r.heartbeat_ms, self.heartbeat).max(Duration::from_millis(10));
+        let (tx, rx) = mpsc::channel(4);
+        self.stats.pool_open.fetch_add(1, Ordering::Relaxed);
+        tokio::spawn(self.clone().run_pool_stream(tx, min, hb));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+/// How this agent names itself in pool events: its gRPC address, with an unspecified bind IP
+/// replaced by the serving IP (the pod's IP).
+pub fn self_peer_name(grpc_bound: SocketAddr, serving: SocketAddr) -> String {
+    if grpc_bound.ip().is_unspecified() {
+        SocketAddr::new(serving.ip(), grpc_bound.port()).to_string()
+    } else {
+        grpc_bound.to_string()
+    }
+}
+
+/// A running agent: sampler, pool discovery, gRPC and HTTP servers.
+pub struct RunningAgent {
+    pub grpc_addr: SocketAddr,
+    pub http_addr: SocketAddr,
+    pub hub: Arc<Hub>,
+    pub pool: Arc<PoolView>,
+    shutdown: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for RunningAgent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunningAgent")
+            .field("grpc_addr", &self.grpc_addr)
+            .field("http_addr", &self.http_addr)
+            .finish()
+    }
+}
+
+impl RunningAgent {
+    /// Ends every open stream with `UNAVAILABLE "agent shutting down"`, stops accepting and
+    /// waits (at most `grace`) for the servers to finish.
+    pub async fn shutdown(mut self, grace: Duration) {
+        self.shutdown.send_replace(true);
+        let all = futures::future::join_all(std::mem::take(&mut self.tasks));
+        if tokio::time::timeout(grace, all).await.is_err() {
+            tracing::warn!("servers did not stop within {grace:?}");
+        }
+    }
+}
+
+impl Drop for RunningAgent {
+    fn drop(&mut self) {
+        self.shutdown.send_replace(true);
+    }
+}
+
+/// What `start` needs besides the config.
+pub struct StartArgs {
+    pub sources: Vec<Box<dyn Source>>,
+    /// Source names not configured (reported ABSENT).
+    pub absent: Vec<&'static str>,
+    pub grpc_listener: TcpListener,
+    pub http_listener: TcpListener,
+    pub clock: Arc<dyn Clock>,
+    pub agent_instance: String,
+}
+
+/// Starts every part of the agent on already-bound listeners (so port 0 works and the caller
+/// can print the bound addresses first).
+pub fn start(cfg: &AgentConfig, args: StartArgs) -> std::io::Result<RunningAgent> {
+    let grpc_addr = args.grpc_listener.local_addr()?;
+    let http_addr = args.http_listener.local_addr()?;
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let hub = Hub::new(args.agent_instance.clone());
+    let pool = PoolView::new();
+    let stats = Arc::new(StreamStats::default());
+    let self_peer = self_peer_name(grpc_addr, cfg.serving_address);
+    let mut tasks = Vec::new();
+
+    let identity = IdentityConfig {
+        pod_name: cfg.pod_name.clone(),
+        namespace: cfg.namespace.clone(),
+        address: cfg.serving_address.to_string(),
+        engine: cfg.engine.to_proto(),
+        models: cfg.models.clone(),
+        queue_capacity: cfg.queue_capacity,
+    };
+    let sampler = Sampler::new(
+        args.sources,
+        args.absent,
+        identity,
+        hub.clone(),
+        args.clock.clone(),
+        cfg.sample_interval,
+    );
+    tasks.push(tokio::spawn(
+        sampler.run(cfg.sample_interval, shutdown_rx.clone()),
+    ));
+
+    if !cfg.peers.is_empty() || cfg.peers_dns.is_some() {
+        let mut self_addresses = vec![self_peer.clone(), grpc_addr.to_string()];
+        if grpc_addr.ip().is_unspecified() || grpc_addr.ip().is_loopback() {
+            self_addresses.push(format!("localhost:{}", grpc_addr.port()));
+            self_addresses.push(format!("127.0.0.1:{}", grpc_addr.port()));
+        }
+        let pcfg = PoolConfig {
+            static_peers: cfg.peers.clone(),
+            dns: cfg.peers_dns.clone(),
+            refresh: cfg.peers_refresh,
+            stale_after: cfg.peer_stale_after,
+            min_interval: cfg.watch_min_interval,
+            heartbeat: cfg.heartbeat,
+            self_addresses,
+            self_instance: args.agent_instance.clone(),
+        };
+        tasks.push(tokio::spawn(run_pool(
+            pcfg,
+            pool.clone(),
+            shutdown_rx.clone(),
+        )));
+    }
+
+    let (health, health_svc) = tonic_health::server::health_reporter();
+    {
+        let hub = hub.clone();
+        let health = health.clone();
+        let mut shutdown = shutdown_rx.clone();
+        tasks.push(tokio::spawn(async move {
+            health
+                .set_not_serving::<MetricsServiceServer<MetricsSvc>>()
+                .await;
+            health
+                .set_service_status("", tonic_health::ServingStatus::NotServing)
+                .await;
+            tokio::select! {
+                _ = hub.first_sample() => {}
+                _ = stopped(&mut shutdown) => return,
+            }
+            health
+                .set_serving::<MetricsServiceServer<MetricsSvc>>()
+                .await;
+            health
+                .set_service_status("", tonic_health::ServingStatus::Serving)
+                .await;
+            stopped(&mut shutdown).await;
+            health
+                .set_not_serving::<MetricsServiceServer<MetricsSvc>>()
+                .await;
+            health
+                .set_service_status("", tonic_health::ServingStatus::NotServing)
+                .await;
+        }));
+    }
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(ai_lb_proto::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(std::io::Error::other)?;
+    let svc = MetricsSvc {
+        hub: hub.clone(),
+        pool: pool.clone(),
+        self_peer,
+        min_interval: cfg.watch_min_interval,
+        heartbeat: cfg.heartbeat,
+        shutdown: shutdown_rx.clone(),
+        stats: stats.clone(),
+        clock: args.clock.clone(),
+    };
+    let grpc_server = tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .add_service(health_svc)
+        .add_service(reflection)
+        .add_service(MetricsServiceServer::new(svc));
+    {
+        let mut shutdown = shutdown_rx.clone();
+        let incoming = tonic::transport::server::TcpIncoming::from(args.grpc_listener)
+            .with_nodelay(Some(true));
+        tasks.push(tokio::spawn(async move {
+            let signal = async move { stopped(&mut shutdown).await };
+            if let Err(e) = grpc_server
+                .serve_with_incoming_shutdown(incoming, signal)
+                .await
+            {
+                tracing::error!(error = %e, "gRPC server failed");
+            }
+        }));
+    }
+    let http_state = crate::http::HttpState {
+        hub: hub.clone(),
+        pool: pool.clone(),
+        stats,
+        clock: args.clock,
+    };
+    tasks.push(tokio::spawn(crate::http::serve(
+        args.http_listener,
+        http_state,
+        shutdown_rx,
+    )));
+    Ok(RunningAgent {
+        grpc_addr,
+        http_addr,
+        hub,
+        pool,
+        shutdown: shutdown_tx,
+        tasks,
+    })
+}

@@ -1,1 +1,401 @@
-//! (being written)
+//! The agent's HTTP face: `/metrics` (Prometheus text: the agent's own health and the latest
+//! snapshot's values with pod labels), `/healthz` (process up) and `/readyz` (first sample taken
+//! and at least one source fresh).
+
+use crate::grpc::StreamStats;
+use crate::pool::PoolView;
+use crate::sampler::{Clock, Hub};
+use ai_lb_proto::v1::{LatencyQuantiles, PodSnapshot, SourceState};
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::Router;
+use std::fmt::Write;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+/// What the HTTP handlers read.
+#[derive(Clone)]
+pub struct HttpState {
+    pub hub: Arc<Hub>,
+    pub pool: Arc<PoolView>,
+    pub stats: Arc<StreamStats>,
+    pub clock: Arc<dyn Clock>,
+}
+
+/// The router (exposed for tests).
+pub fn router(state: HttpState) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .with_state(state)
+}
+
+/// Serves until `shutdown` turns true.
+pub async fn serve(listener: TcpListener, state: HttpState, mut shutdown: watch::Receiver<bool>) {
+    let signal = async move { crate::sampler::stopped(&mut shutdown).await };
+    if let Err(e) = axum::serve(listener, router(state))
+        .with_graceful_shutdown(signal)
+        .await
+    {
+        tracing::error!(error = %e, "HTTP server failed");
+    }
+}
+
+/// Ready = a sample was taken and at least one source is fresh; otherwise the reason.
+pub fn readiness(snapshot: Option<&PodSnapshot>) -> Result<(), String> {
+    let Some(s) = snapshot else {
+        return Err("no sample taken yet".into());
+    };
+    if s.sources
+        .iter()
+        .any(|x| x.state == SourceState::Fresh as i32)
+    {
+        return Ok(());
+    }
+    let why: Vec<String> = s
+        .sources
+        .iter()
+        .map(|x| format!("{}: {}", x.name, x.reason))
+        .collect();
+    Err(format!("no source is fresh ({})", why.join("; ")))
+}
+
+async fn readyz(State(st): State<HttpState>) -> impl IntoResponse {
+    let latest = st.hub.latest();
+    match readiness(latest.as_ref().map(|p| &p.snapshot)) {
+        Ok(()) => (StatusCode::OK, "ready\n".to_string()),
+        Err(why) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {why}\n"),
+        ),
+    }
+}
+
+async fn metrics(State(st): State<HttpState>) -> impl IntoResponse {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        render_metrics(&st),
+    )
+}
+
+/// Escapes a Prometheus label value.
+pub fn escape_label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+fn state_label(s: i32) -> &'static str {
+    match SourceState::try_from(s) {
+        Ok(SourceState::Fresh) => "fresh",
+        Ok(SourceState::Failing) => "failing",
+        Ok(SourceState::Absent) => "absent",
+        _ => "unspecified",
+    }
+}
+
+struct Out(String);
+
+impl Out {
+    fn head(&mut self, name: &str, kind: &str, help: &str) {
+        let _ = writeln!(self.0, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    }
+    fn line(&mut self, name: &str, labels: &str, v: f64) {
+        if labels.is_empty() {
+            let _ = writeln!(self.0, "{name} {v}");
+        } else {
+            let _ = writeln!(self.0, "{name}{{{labels}}} {v}");
+        }
+    }
+}
+
+/// The whole `/metrics` page.
+pub fn render_metrics(st: &HttpState) -> String {
+    let mut o = Out(String::with_capacity(4096));
+    let latest = st.hub.latest();
+    let now = st.clock.now();
+    let snap = latest.as_ref().map(|p| p.render(now));
+
+    o.head("ai_lb_agent_up", "gauge", "1 while the agent process runs.");
+    o.line("ai_lb_agent_up", "", 1.0);
+    o.head("ai_lb_agent_samples_total", "counter", "Samples taken.");
+    o.line(
+        "ai_lb_agent_samples_total",
+        "",
+        st.hub.samples_taken() as f64,
+    );
+
+    if let Some(s) = &snap {
+        o.head(
+            "ai_lb_agent_source_state",
+            "gauge",
+            "1 for the current state of each source.",
+        );
+        for src in &s.sources {
+            for state in ["fresh", "failing", "absent"] {
+                let v = if state_label(src.state) == state {
+                    1.0
+                } else {
+                    0.0
+                };
+                let l = format!("source=\"{}\",state=\"{state}\"", escape_label(&src.name));
+                o.line("ai_lb_agent_source_state", &l, v);
+            }
+        }
+        o.head(
+            "ai_lb_agent_source_consecutive_failures",
+            "gauge",
+            "Failed samples in a row per source.",
+        );
+        for src in &s.sources {
+            let l = format!("source=\"{}\"", escape_label(&src.name));
+            o.line(
+                "ai_lb_agent_source_consecutive_failures",
+                &l,
+                src.consecutive_failures as f64,
+            );
+        }
+        o.head(
+            "ai_lb_agent_source_last_success_age_seconds",
+            "gauge",
+            "Age of each source's last successful read.",
+        );
+        for src in &s.sources {
+            if let Some(a) = src.last_success_age_ms {
+                let l = format!("source=\"{}\"", escape_label(&src.name));
+                o.line(
+                    "ai_lb_agent_source_last_success_age_seconds",
+                    &l,
+                    a as f64 / 1000.0,
+                );
+            }
+        }
+    }
+
+    o.head(
+        "ai_lb_agent_rejected_values_total",
+        "counter",
+        "Values dropped as NaN, negative, out of range or malformed, by source and field.",
+    );
+    for ((source, field), n) in st.hub.rejected_counts() {
+        let l = format!(
+            "source=\"{}\",field=\"{}\"",
+            escape_label(&source),
+            escape_label(&field)
+        );
+        o.line("ai_lb_agent_rejected_values_total", &l, n as f64);
+    }
+
+    o.head("ai_lb_agent_peers", "gauge", "Pool peers by status.");
+    for (status, n) in st.pool.counts() {
+        o.line(
+            "ai_lb_agent_peers",
+            &format!("status=\"{status}\""),
+            n as f64,
+        );
+    }
+    o.head(
+        "ai_lb_agent_streams_open",
+        "gauge",
+        "Open gRPC streams by RPC.",
+    );
+    o.line(
+        "ai_lb_agent_streams_open",
+        "rpc=\"Watch\"",
+        st.stats.watch_open.load(Ordering::Relaxed) as f64,
+    );
+    o.line(
+        "ai_lb_agent_streams_open",
+        "rpc=\"WatchPool\"",
+        st.stats.pool_open.load(Ordering::Relaxed) as f64,
+    );
+    o.head(
+        "ai_lb_agent_stream_events_total",
+        "counter",
+        "Events sent by RPC.",
+    );
+    o.line(
+        "ai_lb_agent_stream_events_total",
+        "rpc=\"Watch\"",
+        st.stats.watch_events.load(Ordering::Relaxed) as f64,
+    );
+    o.line(
+        "ai_lb_agent_stream_events_total",
+        "rpc=\"WatchPool\"",
+        st.stats.pool_events.load(Ordering::Relaxed) as f64,
+    );
+
+    if let Some(s) = &snap {
+        render_snapshot(&mut o, s);
+    }
+    o.0
+}
+
+fn render_snapshot(o: &mut Out, s: &PodSnapshot) {
+    let id = s.identity.clone().unwrap_or_default();
+    let pod = format!(
+        "pod=\"{}\",namespace=\"{}\",address=\"{}\"",
+        escape_label(&id.pod_name),
+        escape_label(&id.namespace),
+        escape_label(&id.address)
+    );
+    o.head(
+        "ai_lb_agent_snapshot_sequence",
+        "counter",
+        "Sequence of the latest snapshot.",
+    );
+    o.line("ai_lb_agent_snapshot_sequence", &pod, s.sequence as f64);
+    o.head(
+        "ai_lb_agent_snapshot_age_seconds",
+        "gauge",
+        "Age of the latest snapshot.",
+    );
+    o.line(
+        "ai_lb_agent_snapshot_age_seconds",
+        &pod,
+        s.age_ms as f64 / 1000.0,
+    );
+
+    type GpuField = fn(&ai_lb_proto::v1::GpuStats) -> Option<f64>;
+    let gpu_metrics: [(&str, &str, GpuField); 5] = [
+        (
+            "ai_lb_agent_gpu_utilization_ratio",
+            "GPU utilisation 0..1.",
+            |g| g.utilization,
+        ),
+        (
+            "ai_lb_agent_gpu_memory_used_bytes",
+            "GPU memory used.",
+            |g| g.memory_used_bytes.map(|v| v as f64),
+        ),
+        (
+            "ai_lb_agent_gpu_memory_total_bytes",
+            "GPU memory total.",
+            |g| g.memory_total_bytes.map(|v| v as f64),
+        ),
+        (
+            "ai_lb_agent_gpu_temperature_celsius",
+            "GPU temperature.",
+            |g| g.temperature_celsius,
+        ),
+        ("ai_lb_agent_gpu_power_watts", "GPU power draw.", |g| {
+            g.power_watts
+        }),
+    ];
+    for (name, help, f) in gpu_metrics {
+        if s.gpus.iter().all(|g| f(g).is_none()) {
+            continue;
+        }
+        o.head(name, "gauge", help);
+        for g in &s.gpus {
+            if let Some(v) = f(g) {
+                let l = format!(
+                    "{pod},gpu=\"{}\",uuid=\"{}\"",
+                    g.index,
+                    escape_label(&g.uuid)
+                );
+                o.line(name, &l, v);
+            }
+        }
+    }
+
+    let Some(inf) = &s.inference else { return };
+    let scalars: [(&str, &str, Option<f64>); 6] = [
+        (
+            "ai_lb_agent_queue_waiting",
+            "Requests waiting.",
+            inf.waiting.map(f64::from),
+        ),
+        (
+            "ai_lb_agent_queue_running",
+            "Requests running.",
+            inf.running.map(f64::from),
+        ),
+        (
+            "ai_lb_agent_queue_capacity",
+            "Maximum concurrently running sequences.",
+            inf.queue_capacity.map(f64::from),
+        ),
+        (
+            "ai_lb_agent_kv_cache_usage_ratio",
+            "KV-cache use 0..1.",
+            inf.kv_cache_usage,
+        ),
+        (
+            "ai_lb_agent_request_rate",
+            "Requests finished per second.",
+            inf.request_rate,
+        ),
+        (
+            "ai_lb_agent_error_ratio",
+            "Fraction of finished requests that failed.",
+            inf.error_rate,
+        ),
+    ];
+    for (name, help, v) in scalars {
+        if let Some(v) = v {
+            o.head(name, "gauge", help);
+            o.line(name, &pod, v);
+        }
+    }
+    let lat: [(&str, &Option<LatencyQuantiles>); 3] = [
+        ("ttft", &inf.ttft),
+        ("e2e", &inf.e2e),
+        ("inter_token", &inf.inter_token),
+    ];
+    let mut headed = false;
+    for (kind, q) in lat {
+        let Some(q) = q else { continue };
+        for (quantile, v) in [("0.5", q.p50_ms), ("0.99", q.p99_ms)] {
+            if let Some(v) = v {
+                if !headed {
+                    o.head(
+                        "ai_lb_agent_latency_ms",
+                        "gauge",
+                        "Windowed latency quantiles from histogram deltas.",
+                    );
+                    headed = true;
+                }
+                let l = format!("{pod},kind=\"{kind}\",quantile=\"{quantile}\"");
+                o.line("ai_lb_agent_latency_ms", &l, v);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ai_lb_proto::v1::SourceStatus;
+
+    #[test]
+    fn readiness_needs_a_fresh_source() {
+        assert!(readiness(None).unwrap_err().contains("no sample"));
+        let mut s = PodSnapshot {
+            sources: vec![SourceStatus {
+                name: "sim".into(),
+                state: SourceState::Failing as i32,
+                reason: "sim: HTTP 500".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let e = readiness(Some(&s)).unwrap_err();
+        assert!(e.contains("sim: HTTP 500"), "{e}");
+        s.sources[0].state = SourceState::Fresh as i32;
+        assert!(readiness(Some(&s)).is_ok());
+    }
+
+    #[test]
+    fn labels_are_escaped() {
+        assert_eq!(escape_label("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
+}

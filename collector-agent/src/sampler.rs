@@ -1,1 +1,658 @@
-//! (being written)
+//! The sampler decides what the pod's current snapshot is: it runs every configured source at the
+//! sample interval (time from an injected clock), merges their readings into one `PodSnapshot`
+//! with per-source health, publishes it by swapping an `Arc` (readers never block the sampler),
+//! and wakes watchers only when the change is meaningful (a pure function, [`meaningful_change`]).
+
+use crate::sources::{Reading, Source};
+use ai_lb_proto::v1::{
+    Engine, GpuStats, InferenceStats, ModelInfo, PodIdentity, PodSnapshot, SourceState,
+    SourceStatus,
+};
+use arc_swap::ArcSwapOption;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::watch;
+
+/// Time as the agent sees it: monotonic for ages and windows, wall clock for display only.
+pub trait Clock: Send + Sync + 'static {
+    fn now(&self) -> Instant;
+    fn unix_ms(&self) -> u64;
+}
+
+/// The process clocks.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> Instant {
+        Instant::now()
+    }
+    fn unix_ms(&self) -> u64 {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0)
+    }
+}
+
+/// A random id for this agent process, so receivers can tell restarts apart.
+pub fn new_agent_instance() -> String {
+    format!("{:016x}", rand::random::<u64>())
+}
+
+/// Who the pod is, from configuration; the model server's reading may refine engine and models.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct IdentityConfig {
+    pub pod_name: String,
+    pub namespace: String,
+    /// `IP:PORT` Envoy routes to.
+    pub address: String,
+    /// Configured engine; `Unspecified` when auto-detected.
+    pub engine: Engine,
+    pub models: Vec<String>,
+    /// Configured queue capacity; wins over the model server's when set.
+    pub queue_capacity: Option<u32>,
+}
+
+/// One published sample. `snapshot.age_ms` is 0 and `last_success_age_ms` are relative to
+/// `taken`; [`Published::render`] turns them into ages at send time.
+#[derive(Debug, Clone)]
+pub struct Published {
+    pub snapshot: PodSnapshot,
+    pub taken: Instant,
+}
+
+impl Published {
+    /// The snapshot as sent at `now`: every age grown by the time since the sample.
+    pub fn render(&self, now: Instant) -> PodSnapshot {
+        let since = now.saturating_duration_since(self.taken).as_millis() as u64;
+        let mut s = self.snapshot.clone();
+        s.age_ms = s.age_ms.saturating_add(since);
+        for src in &mut s.sources {
+            if let Some(a) = src.last_success_age_ms.as_mut() {
+                *a = a.saturating_add(since);
+            }
+        }
+        s
+    }
+}
+
+/// Where the latest snapshot lives, with its change notifications and counters.
+#[derive(Debug)]
+pub struct Hub {
+    latest: ArcSwapOption<Published>,
+    /// Bumped on every meaningful change (and on the first sample).
+    changes: watch::Sender<u64>,
+    samples: AtomicU64,
+    rejected: Mutex<BTreeMap<(String, String), u64>>,
+    instance: String,
+}
+
+impl Hub {
+    pub fn new(instance: String) -> Arc<Hub> {
+        Arc::new(Hub {
+            latest: ArcSwapOption::const_empty(),
+            changes: watch::channel(0).0,
+            samples: AtomicU64::new(0),
+            rejected: Mutex::new(BTreeMap::new()),
+            instance,
+        })
+    }
+
+    pub fn agent_instance(&self) -> &str {
+        &self.instance
+    }
+
+    /// The latest sample, if one was taken.
+    pub fn latest(&self) -> Option<Arc<Published>> {
+        self.latest.load_full()
+    }
+
+    /// A receiver that wakes on every meaningful change.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    pub fn samples_taken(&self) -> u64 {
+        self.samples.load(Ordering::Relaxed)
+    }
+
+    /// Rejected values so far, by (source, field).
+    pub fn rejected_counts(&self) -> Vec<((String, String), u64)> {
+        match self.rejected.lock() {
+            Ok(m) => m.iter().map(|(k, v)| (k.clone(), *v)).collect(),
+            Err(p) => p.get_ref().iter().map(|(k, v)| (k.clone(), *v)).collect(),
+        }
+    }
+
+    /// Stores a sample; watchers are woken only when `meaningful`.
+    pub fn publish(&self, p: Arc<Published>, meaningful: bool) {
+        self.latest.store(Some(p));
+        self.samples.fetch_add(1, Ordering::Relaxed);
+        if meaningful {
+            self.changes.send_modify(|v| *v += 1);
+        }
+    }
+
+    fn count_rejected(&self, source: &str, field: &str) {
+        let mut m = match self.rejected.lock() {
+            Ok(m) => m,
+            Err(p) => p.into_inner(),
+        };
+        *m.entry((source.to_string(), field.to_string()))
+            .or_insert(0) += 1;
+    }
+
+    /// Waits until the first sample is published.
+    pub async fn first_sample(&self) {
+        let mut rx = self.subscribe();
+        while self.latest().is_none() {
+            if rx.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// The health record of one configured source.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SourceTrack {
+    pub name: &'static str,
+    pub last_success: Option<Instant>,
+    pub consecutive_failures: u64,
+    /// Last error text while failing; empty when fresh.
+    pub reason: String,
+    /// Never sampled yet.
+    pub pending: bool,
+}
+
+impl SourceTrack {
+    pub fn new(name: &'static str) -> SourceTrack {
+        SourceTrack {
+            name,
+            last_success: None,
+            consecutive_failures: 0,
+            reason: String::new(),
+            pending: true,
+        }
+    }
+
+    /// Applies one sample outcome at `now`.
+    pub fn record(&mut self, outcome: &Result<Reading, String>, now: Instant) {
+        self.pending = false;
+        match outcome {
+            Ok(_) => {
+                self.last_success = Some(now);
+                self.consecutive_failures = 0;
+                self.reason.clear();
+            }
+            Err(e) => {
+                self.consecutive_failures += 1;
+                self.reason = e.clone();
+            }
+        }
+    }
+
+    fn status(&self, now: Instant) -> SourceStatus {
+        let state = if self.pending || self.consecutive_failures > 0 {
+            SourceState::Failing
+        } else {
+            SourceState::Fresh
+        };
+        SourceStatus {
+            name: self.name.to_string(),
+            state: state as i32,
+            reason: if self.pending {
+                "not sampled yet".into()
+            } else {
+                self.reason.clone()
+            },
+            last_success_age_ms: self
+                .last_success
+                .map(|t| now.saturating_duration_since(t).as_millis() as u64),
+            consecutive_failures: self.consecutive_failures,
+        }
+    }
+}
+
+/// Merges one round of source outcomes into a snapshot (pure). `outcomes[i]` belongs to
+/// `tracks[i]` (already updated with it); a failed source contributes nothing but its status.
+#[allow(clippy::too_many_arguments)]
+pub fn merge(
+    identity: &IdentityConfig,
+    tracks: &[SourceTrack],
+    outcomes: &[Result<Reading, String>],
+    absent: &[&'static str],
+    now: Instant,
+    unix_ms: u64,
+    sequence: u64,
+    agent_instance: &str,
+) -> PodSnapshot {
+    let mut gpus: Vec<GpuStats> = Vec::new();
+    let mut inference: Option<InferenceStats> = None;
+    let mut engine = identity.engine;
+    let mut models: Vec<ModelInfo> = identity
+        .models
+        .iter()
+        .map(|m| ModelInfo {
+            name: m.clone(),
+            ..ModelInfo::default()
+        })
+        .collect();
+    for r in outcomes.iter().flatten() {
+        if let Some(g) = &r.gpus {
+            gpus.extend(g.iter().cloned());
+        }
+        if let Some(i) = &r.inference {
+            inference = Some(*i);
+        }
+        if let Some(e) = r.engine {
+            if e != Engine::Unspecified {
+                engine = e;
+            }
+        }
+        if let Some(m) = &r.models {
+            if !m.is_empty() {
+                models = m.clone();
+            }
+        }
+    }
+    if let (Some(cap), Some(inf)) = (identity.queue_capacity, inference.as_mut()) {
+        inf.queue_capacity = Some(cap);
+    }
+    let mut sources: Vec<SourceStatus> = tracks.iter().map(|t| t.status(now)).collect();
+    sources.extend(absent.iter().map(|n| SourceStatus {
+        name: n.to_string(),
+        state: SourceState::Absent as i32,
+        reason: "not configured".into(),
+        last_success_age_ms: None,
+        consecutive_failures: 0,
+    }));
+    PodSnapshot {
+        identity: Some(PodIdentity {
+            pod_name: identity.pod_name.clone(),
+            namespace: identity.namespace.clone(),
+            address: identity.address.clone(),
+            engine: engine as i32,
+            models,
+        }),
+        gpus,
+        inference,
+        sources,
+        sample_time_unix_ms: unix_ms,
+        sequence,
+        agent_instance: agent_instance.to_string(),
+        age_ms: 0,
+    }
+}
+
+/// How much a signal must move before watchers are woken.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Thresholds {
+    /// Absolute change of a 0..1 ratio (GPU util, KV cache, error rate).
+    pub ratio: f64,
+    /// Relative change of a queue length (at least one request).
+    pub queue_rel: f64,
+    /// Relative change of a latency quantile.
+    pub latency_rel: f64,
+}
+
+impl Default for Thresholds {
+    fn default() -> Thresholds {
+        Thresholds {
+            ratio: 0.02,
+            queue_rel: 0.05,
+            latency_rel: 0.10,
+        }
+    }
+}
+
+fn moved_ratio(a: Option<f64>, b: Option<f64>, th: f64) -> bool {
+    match (a, b) {
+        (Some(a), Some(b)) => (a - b).abs() > th,
+        (None, None) => false,
+        _ => true,
+    }
+}
+
+fn moved_rel(a: Option<f64>, b: Option<f64>, rel: f64, min_abs: f64) -> bool {
+    match (a, b) {
+        (Some(a), Some(b)) => (a - b).abs() >= (a.abs() * rel).max(min_abs),
+        (None, None) => false,
+        _ => true,
+    }
+}
+
+/// Whether `next` differs from `prev` (the last snapshot watchers were woken for) enough to push:
+/// any source state/reason change, identity/engine/model change, GPU set or error counters,
+/// GPU utilisation / memory / KV / error rate beyond `th.ratio`, queue or P99s beyond their
+/// relative thresholds.
+pub fn meaningful_change(prev: &PodSnapshot, next: &PodSnapshot, th: &Thresholds) -> bool {
+    if prev.identity != next.identity || prev.agent_instance != next.agent_instance {
+        return true;
+    }
+    if prev.sources.len() != next.sources.len()
+        || prev.sources.iter().zip(&next.sources).any(|(a, b)| {
+            a.name != b.name
+                || a.state != b.state
+                || a.reason != b.reason
+                || a.last_success_age_ms.is_some() != b.last_success_age_ms.is_some()
+        })
+    {
+        return true;
+    }
+    if prev.gpus.len() != next.gpus.len() {
+        return true;
+    }
+    for (a, b) in prev.gpus.iter().zip(&next.gpus) {
+        let mem_frac = |g: &GpuStats| match (g.memory_used_bytes, g.memory_total_bytes) {
+            (Some(u), Some(t)) if t > 0 => Some(u as f64 / t as f64),
+            (Some(u), _) => Some(u as f64 / 1e12),
+            _ => None,
+        };
+        if a.index != b.index
+            || a.uuid != b.uuid
+            || moved_ratio(a.utilization, b.utilization, th.ratio)
+            || moved_ratio(mem_frac(a), mem_frac(b), th.ratio)
+            || a.throttle_reasons != b.throttle_reasons
+            || a.ecc_uncorrected_errors != b.ecc_uncorrected_errors
+            || a.xid_errors != b.xid_errors
+            || a.last_xid != b.last_xid
+        {
+            return true;
+        }
+    }
+    match (&prev.inference, &next.inference) {
+        (None, None) => false,
+        (Some(a), Some(b)) => {
+            let f = |v: Option<u32>| v.map(f64::from);
+            let p99 =
+                |q: &Option<ai_lb_proto::v1::LatencyQuantiles>| q.as_ref().and_then(|q| q.p99_ms);
+            moved_rel(f(a.waiting), f(b.waiting), th.queue_rel, 1.0)
+                || moved_rel(f(a.running), f(b.running), th.queue_rel, 1.0)
+                || a.queue_capacity != b.queue_capacity
+                || moved_ratio(a.kv_cache_usage, b.kv_cache_usage, th.ratio)
+                || moved_ratio(a.error_rate, b.error_rate, th.ratio)
+                || moved_rel(p99(&a.ttft), p99(&b.ttft), th.latency_rel, 1.0)
+                || moved_rel(p99(&a.e2e), p99(&b.e2e), th.latency_rel, 1.0)
+                || moved_rel(
+                    p99(&a.inter_token),
+                    p99(&b.inter_token),
+                    th.latency_rel,
+                    1.0,
+                )
+        }
+        _ => true,
+    }
+}
+
+/// Resolves once `shutdown` turns true (or its sender is gone).
+pub async fn stopped(shutdown: &mut watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|s| *s).await;
+}
+
+/// Runs the sources and publishes snapshots into a [`Hub`].
+pub struct Sampler {
+    sources: Vec<Box<dyn Source>>,
+    tracks: Vec<SourceTrack>,
+    absent: Vec<&'static str>,
+    identity: IdentityConfig,
+    hub: Arc<Hub>,
+    clock: Arc<dyn Clock>,
+    sequence: u64,
+    /// The snapshot watchers were last woken for.
+    baseline: Option<PodSnapshot>,
+    thresholds: Thresholds,
+    source_timeout: Duration,
+}
+
+impl std::fmt::Debug for Sampler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sampler")
+            .field("tracks", &self.tracks)
+            .field("absent", &self.absent)
+            .field("sequence", &self.sequence)
+            .finish()
+    }
+}
+
+impl Sampler {
+    /// `absent` names sources that are not configured (reported `SOURCE_STATE_ABSENT`).
+    pub fn new(
+        sources: Vec<Box<dyn Source>>,
+        absent: Vec<&'static str>,
+        identity: IdentityConfig,
+        hub: Arc<Hub>,
+        clock: Arc<dyn Clock>,
+        sample_interval: Duration,
+    ) -> Sampler {
+        let tracks = sources.iter().map(|s| SourceTrack::new(s.name())).collect();
+        Sampler {
+            sources,
+            tracks,
+            absent,
+            identity,
+            hub,
+            clock,
+            sequence: 0,
+            baseline: None,
+            thresholds: Thresholds::default(),
+            source_timeout: sample_interval
+                .clamp(Duration::from_millis(500), Duration::from_secs(5)),
+        }
+    }
+
+    pub fn with_thresholds(mut self, thresholds: Thresholds) -> Sampler {
+        self.thresholds = thresholds;
+        self
+    }
+
+    /// Samples every source once, publishes the merged snapshot and returns it.
+    pub async fn step(&mut self) -> Arc<Published> {
+        let now = self.clock.now();
+        let timeout = self.source_timeout;
+        let outcomes: Vec<Result<Reading, String>> =
+            futures::future::join_all(self.sources.iter_mut().map(|s| async move {
+                match tokio::time::timeout(timeout, s.sample(now)).await {
+                    Ok(Ok(r)) => Ok(r),
+                    Ok(Err(e)) => Err(e.to_string()),
+                    Err(_) => Err(format!("{}: no answer within {timeout:?}", s.name())),
+                }
+            }))
+            .await;
+        for (track, outcome) in self.tracks.iter_mut().zip(&outcomes) {
+            track.record(outcome, now);
+            if let Ok(r) = outcome {
+                for rej in &r.rejected {
+                    self.hub.count_rejected(track.name, &rej.field);
+                    tracing::debug!(source = track.name, field = %rej.field, value = %rej.value, reason = %rej.reason, "rejected value");
+                }
+            } else if let Err(e) = outcome {
+                if track.consecutive_failures == 1 {
+                    tracing::warn!(source = track.name, error = %e, "source failing");
+                }
+            }
+        }
+        self.sequence += 1;
+        let snapshot = merge(
+            &self.identity,
+            &self.tracks,
+            &outcomes,
+            &self.absent,
+            now,
+            self.clock.unix_ms(),
+            self.sequence,
+            self.hub.agent_instance(),
+        );
+        let meaningful = match &self.baseline {
+            None => true,
+            Some(b) => meaningful_change(b, &snapshot, &self.thresholds),
+        };
+        if meaningful {
+            self.baseline = Some(snapshot.clone());
+        }
+        let published = Arc::new(Published {
+            snapshot,
+            taken: now,
+        });
+        self.hub.publish(published.clone(), meaningful);
+        published
+    }
+
+    /// Samples at `interval` until `shutdown` turns true.
+    pub async fn run(mut self, interval: Duration, mut shutdown: watch::Receiver<bool>) {
+        let mut ticker = tokio::time::interval(interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = ticker.tick() => { self.step().await; }
+                _ = stopped(&mut shutdown) => return,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ai_lb_proto::v1::LatencyQuantiles;
+
+    fn snap(util: f64, waiting: u32) -> PodSnapshot {
+        PodSnapshot {
+            identity: Some(PodIdentity {
+                address: "10.0.0.1:8000".into(),
+                ..Default::default()
+            }),
+            gpus: vec![GpuStats {
+                index: 0,
+                utilization: Some(util),
+                ..Default::default()
+            }],
+            inference: Some(InferenceStats {
+                waiting: Some(waiting),
+                kv_cache_usage: Some(0.5),
+                ttft: Some(LatencyQuantiles {
+                    p99_ms: Some(100.0),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            sources: vec![SourceStatus {
+                name: "sim".into(),
+                state: SourceState::Fresh as i32,
+                ..Default::default()
+            }],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn small_moves_are_not_meaningful() {
+        let th = Thresholds::default();
+        let a = snap(0.50, 10);
+        let mut b = snap(0.51, 10);
+        b.sequence = 7;
+        b.sample_time_unix_ms = 123;
+        assert!(!meaningful_change(&a, &b, &th));
+    }
+
+    #[test]
+    fn signal_moves_are_meaningful() {
+        let th = Thresholds::default();
+        let a = snap(0.50, 10);
+        assert!(meaningful_change(&a, &snap(0.60, 10), &th));
+        assert!(meaningful_change(&a, &snap(0.50, 11), &th));
+        let mut kv = snap(0.50, 10);
+        kv.inference.as_mut().unwrap().kv_cache_usage = Some(0.9);
+        assert!(meaningful_change(&a, &kv, &th));
+        let mut p99 = snap(0.50, 10);
+        p99.inference
+            .as_mut()
+            .unwrap()
+            .ttft
+            .as_mut()
+            .unwrap()
+            .p99_ms = Some(150.0);
+        assert!(meaningful_change(&a, &p99, &th));
+        let mut gone = snap(0.50, 10);
+        gone.gpus[0].utilization = None;
+        assert!(meaningful_change(&a, &gone, &th));
+    }
+
+    #[test]
+    fn source_state_and_errors_are_meaningful() {
+        let th = Thresholds::default();
+        let a = snap(0.5, 1);
+        let mut b = snap(0.5, 1);
+        b.sources[0].state = SourceState::Failing as i32;
+        b.sources[0].reason = "sim: HTTP 500".into();
+        assert!(meaningful_change(&a, &b, &th));
+        let mut c = b.clone();
+        c.sources[0].reason = "sim: cannot connect".into();
+        assert!(meaningful_change(&b, &c, &th));
+        let mut x = snap(0.5, 1);
+        x.gpus[0].xid_errors = Some(1);
+        assert!(meaningful_change(&a, &x, &th));
+        let mut m = snap(0.5, 1);
+        m.identity.as_mut().unwrap().models = vec![ModelInfo {
+            name: "llama".into(),
+            ..Default::default()
+        }];
+        assert!(meaningful_change(&a, &m, &th));
+    }
+
+    #[test]
+    fn merge_reports_health_and_drops_failed_data() {
+        let t0 = Instant::now();
+        let t1 = t0 + Duration::from_millis(300);
+        let mut ok = SourceTrack::new("sim");
+        let mut bad = SourceTrack::new("model-server");
+        let good = Ok(Reading {
+            gpus: Some(vec![GpuStats {
+                utilization: Some(0.4),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        });
+        ok.record(&good, t0);
+        ok.record(&good, t1);
+        bad.record(&Ok(Reading::default()), t0);
+        let err = Err("model-server: HTTP 503 from x".to_string());
+        bad.record(&err, t1);
+        let id = IdentityConfig {
+            address: "10.0.0.1:8000".into(),
+            models: vec!["m".into()],
+            queue_capacity: Some(32),
+            ..Default::default()
+        };
+        let s = merge(&id, &[ok, bad], &[good, err], &["nvml"], t1, 5, 9, "abc");
+        assert_eq!(s.gpus.len(), 1);
+        assert!(s.inference.is_none());
+        assert_eq!(s.sequence, 9);
+        assert_eq!(s.agent_instance, "abc");
+        assert_eq!(s.identity.as_ref().unwrap().models[0].name, "m");
+        assert_eq!(s.sources[0].state, SourceState::Fresh as i32);
+        assert_eq!(s.sources[0].last_success_age_ms, Some(0));
+        assert_eq!(s.sources[1].state, SourceState::Failing as i32);
+        assert_eq!(s.sources[1].consecutive_failures, 1);
+        assert_eq!(s.sources[1].last_success_age_ms, Some(300));
+        assert!(s.sources[1].reason.contains("503"));
+        assert_eq!(s.sources[2].state, SourceState::Absent as i32);
+    }
+
+    #[test]
+    fn render_grows_ages() {
+        let t0 = Instant::now();
+        let mut s = snap(0.5, 1);
+        s.sources[0].last_success_age_ms = Some(20);
+        let p = Published {
+            snapshot: s,
+            taken: t0,
+        };
+        let r = p.render(t0 + Duration::from_millis(250));
+        assert_eq!(r.age_ms, 250);
+        assert_eq!(r.sources[0].last_success_age_ms, Some(270));
+    }
+}
