@@ -1,0 +1,953 @@
+//! Admission configuration: decides which plugin-JSON values under `admission` are accepted, in
+//! three steps (raw serde structs, validation into domain types naming field + value, use).
+#![deny(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::priority::PriorityClass;
+use crate::error::ConfigError;
+
+const PREFIX: &str = "admission";
+
+/// Weight of one unit of each modality, in weighted tokens. A text token weighs `text`; one
+/// image patch (one visual token) weighs `image_patch`; one audio frame weighs `audio_frame`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CostWeights {
+    pub text: f64,
+    pub image_patch: f64,
+    pub audio_frame: f64,
+}
+
+impl Default for CostWeights {
+    fn default() -> Self {
+        Self {
+            text: 1.0,
+            image_patch: 3.2,
+            audio_frame: 4.8,
+        }
+    }
+}
+
+/// What to do with a JSON request body that does not parse.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum MalformedJsonPolicy {
+    /// Answer 400 with an OpenAI-style error body.
+    Reject,
+    /// Let it through without charging the tenant (the model server will answer it).
+    PassUncosted,
+}
+
+/// How a request body is turned into a weighted cost.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CostConfig {
+    pub weights: CostWeights,
+    /// Output reservation when the request sets neither `max_completion_tokens` nor `max_tokens`.
+    pub default_output_tokens: u32,
+    /// Bodies larger than this are not buffered or parsed; they are costed from `content-length`.
+    pub max_body_bytes: u64,
+    /// Visual tokens assumed for an image whose size cannot be read (a URL, an unknown format).
+    pub default_image_patches: u32,
+    /// Duration assumed for audio whose length cannot be read from its header.
+    pub default_audio_seconds: f64,
+    /// Audio encoder frames per second of audio (Whisper/Qwen2-Audio after pooling: 25).
+    pub audio_frames_per_second: f64,
+    /// Bytes per text token assumed when costing from `content-length`.
+    pub content_length_bytes_per_token: f64,
+    /// Upper bound of a `content-length` based cost, in weighted tokens.
+    pub content_length_cost_cap: u64,
+    pub malformed_json: MalformedJsonPolicy,
+}
+
+impl Default for CostConfig {
+    fn default() -> Self {
+        Self {
+            weights: CostWeights::default(),
+            default_output_tokens: 256,
+            max_body_bytes: 1 << 20,
+            default_image_patches: 765,
+            default_audio_seconds: 30.0,
+            audio_frames_per_second: 25.0,
+            content_length_bytes_per_token: 4.0,
+            content_length_cost_cap: 32_768,
+            malformed_json: MalformedJsonPolicy::Reject,
+        }
+    }
+}
+
+/// Where the tenant key of a request comes from; sources are tried in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TenantKeySource {
+    /// The value of this request header (name stored lower-case).
+    Header(String),
+    /// A SHA-256 of the API key (`authorization: Bearer <key>` or `x-api-key`), never the key.
+    ApiKeyHash,
+    /// The mTLS peer principal (SPIFFE id) of the calling workload.
+    PeerPrincipal,
+}
+
+impl TenantKeySource {
+    fn parse(s: &str) -> Option<Self> {
+        match s {
+            "apiKeyHash" => Some(Self::ApiKeyHash),
+            "peerPrincipal" => Some(Self::PeerPrincipal),
+            _ => {
+                let name = s.strip_prefix("header:")?;
+                if is_header_name(name) {
+                    Some(Self::Header(name.to_ascii_lowercase()))
+                } else {
+                    None
+                }
+            }
+        }
+    }
+
+    fn render(&self) -> String {
+        match self {
+            Self::Header(h) => format!("header:{h}"),
+            Self::ApiKeyHash => "apiKeyHash".to_string(),
+            Self::PeerPrincipal => "peerPrincipal".to_string(),
+        }
+    }
+}
+
+/// A token bucket's refill rate and size, in weighted tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BucketParams {
+    /// Refill rate in weighted tokens per second.
+    pub tokens_per_second: u64,
+    /// Bucket capacity: the most a tenant can spend at once after being idle.
+    pub burst: u64,
+}
+
+impl Default for BucketParams {
+    fn default() -> Self {
+        Self {
+            tokens_per_second: 2_000,
+            burst: 64_000,
+        }
+    }
+}
+
+/// Bucket parameters per tenant; tenants without an entry get `default` (each its own bucket).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct TenantLimits {
+    pub default: BucketParams,
+    pub named: BTreeMap<String, BucketParams>,
+}
+
+impl TenantLimits {
+    pub fn params_for(&self, tenant: &str) -> BucketParams {
+        self.named.get(tenant).copied().unwrap_or(self.default)
+    }
+}
+
+/// A path-prefix route whose requests always get `class`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouteClass {
+    pub path_prefix: String,
+    pub class: PriorityClass,
+}
+
+/// How a request's priority class is chosen.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PriorityConfig {
+    /// Request header carrying `critical`, `standard` or `sheddable` (lower-case name).
+    pub header: String,
+    pub default_class: PriorityClass,
+    /// Route overrides; the longest matching prefix wins and beats the header.
+    pub routes: Vec<RouteClass>,
+}
+
+impl Default for PriorityConfig {
+    fn default() -> Self {
+        Self {
+            header: "x-ai-lb-priority".to_string(),
+            default_class: PriorityClass::Standard,
+            routes: Vec::new(),
+        }
+    }
+}
+
+/// What saturation means and how long standard requests may wait through it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SaturationConfig {
+    /// A pod above this normalised load counts as saturated (0..=1).
+    pub soft_threshold: f64,
+    /// How long a standard request is held before it gets 503.
+    pub max_wait_standard_ms: u64,
+    /// Most requests held per worker; beyond it standard requests get 503 at once.
+    pub max_held: usize,
+    /// `retry-after` given to shed (429) and timed-out (503) requests.
+    pub retry_after_seconds: u32,
+}
+
+impl Default for SaturationConfig {
+    fn default() -> Self {
+        Self {
+            soft_threshold: 0.85,
+            max_wait_standard_ms: 2_000,
+            max_held: 256,
+            retry_after_seconds: 1,
+        }
+    }
+}
+
+/// The inbound guard of the inference pod's own sidecar.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GuardConfig {
+    pub enabled: bool,
+    /// GPU utilisation (0..=1) at or above which, with requests already waiting, the pod rejects.
+    pub gpu_util_cutoff: f64,
+    /// The queue is full when waiting >= capacity * this ratio.
+    pub queue_full_ratio: f64,
+    pub retry_after_seconds: u32,
+    /// Local metrics older than this are stale and the guard admits (fail-open).
+    pub max_staleness_ms: u64,
+}
+
+impl Default for GuardConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            gpu_util_cutoff: 0.90,
+            queue_full_ratio: 1.0,
+            retry_after_seconds: 1,
+            max_staleness_ms: 5_000,
+        }
+    }
+}
+
+/// The validated `admission` section.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdmissionConfig {
+    pub enabled: bool,
+    pub cost: CostConfig,
+    /// Tenant key sources, tried in order; none matching puts the request in tenant `default`.
+    pub tenant_key: Vec<TenantKeySource>,
+    pub tenants: TenantLimits,
+    pub priority: PriorityConfig,
+    pub saturation: SaturationConfig,
+    pub guard: GuardConfig,
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            cost: CostConfig::default(),
+            tenant_key: vec![
+                TenantKeySource::Header("x-tenant-id".to_string()),
+                TenantKeySource::ApiKeyHash,
+                TenantKeySource::PeerPrincipal,
+            ],
+            tenants: TenantLimits::default(),
+            priority: PriorityConfig::default(),
+            saturation: SaturationConfig::default(),
+            guard: GuardConfig::default(),
+        }
+    }
+}
+
+// ---------------------------------------------------------------- raw serde layer
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawAdmission {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    enabled: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    cost: Option<RawCost>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    tenant_key: Option<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    tenants: Option<BTreeMap<String, RawBucket>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    priority: Option<RawPriority>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    saturation: Option<RawSaturation>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    guard: Option<RawGuard>,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawCost {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    weights: Option<RawWeights>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    default_output_tokens: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    max_body_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    default_image_patches: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    default_audio_seconds: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    audio_frames_per_second: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    content_length_bytes_per_token: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    content_length_cost_cap: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    malformed_json: Option<MalformedJsonPolicy>,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawWeights {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    text: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    image_patch: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    audio_frame: Option<f64>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawBucket {
+    tokens_per_second: u64,
+    burst: u64,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawPriority {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    header: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    default_class: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    routes: Option<Vec<RawRoute>>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawRoute {
+    path_prefix: String,
+    class: String,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawSaturation {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    soft_threshold: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    max_wait_standard_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    max_held: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    retry_after_seconds: Option<u32>,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawGuard {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    enabled: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    gpu_util_cutoff: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    queue_full_ratio: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    retry_after_seconds: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    max_staleness_ms: Option<u64>,
+}
+
+// ---------------------------------------------------------------- validation
+
+fn err(path: &str, value: impl std::fmt::Display, reason: &str) -> ConfigError {
+    ConfigError::new(format!("{PREFIX}.{path}"), value, reason)
+}
+
+fn json_str(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_else(|_| s.to_string())
+}
+
+fn is_header_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 256
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.!#$%&'*+^`|~".contains(&b))
+}
+
+fn finite_in(
+    path: &str,
+    v: f64,
+    lo: f64,
+    hi: f64,
+    lo_open: bool,
+    what: &str,
+) -> Result<f64, ConfigError> {
+    let ok = v.is_finite() && (if lo_open { v > lo } else { v >= lo }) && v <= hi;
+    if ok {
+        Ok(v)
+    } else {
+        Err(err(path, v, what))
+    }
+}
+
+fn int_in<T: Copy + PartialOrd + std::fmt::Display>(
+    path: &str,
+    v: T,
+    lo: T,
+    hi: T,
+    what: &str,
+) -> Result<T, ConfigError> {
+    if v >= lo && v <= hi {
+        Ok(v)
+    } else {
+        Err(err(path, v, what))
+    }
+}
+
+fn class_from(path: &str, s: &str) -> Result<PriorityClass, ConfigError> {
+    PriorityClass::parse(s).ok_or_else(|| {
+        err(
+            path,
+            json_str(s),
+            "must be one of \"critical\", \"standard\", \"sheddable\"",
+        )
+    })
+}
+
+impl TryFrom<RawAdmission> for AdmissionConfig {
+    type Error = ConfigError;
+
+    fn try_from(raw: RawAdmission) -> Result<Self, ConfigError> {
+        let d = AdmissionConfig::default();
+        let rc = raw.cost.unwrap_or_default();
+        let rw = rc.weights.unwrap_or_default();
+        let dw = d.cost.weights;
+        let weights = CostWeights {
+            text: finite_in(
+                "cost.weights.text",
+                rw.text.unwrap_or(dw.text),
+                0.0,
+                1000.0,
+                true,
+                "must be a number in (0, 1000]",
+            )?,
+            image_patch: finite_in(
+                "cost.weights.imagePatch",
+                rw.image_patch.unwrap_or(dw.image_patch),
+                0.0,
+                1000.0,
+                false,
+                "must be a number in [0, 1000]",
+            )?,
+            audio_frame: finite_in(
+                "cost.weights.audioFrame",
+                rw.audio_frame.unwrap_or(dw.audio_frame),
+                0.0,
+                1000.0,
+                false,
+                "must be a number in [0, 1000]",
+            )?,
+        };
+        let dc = &d.cost;
+        let cost = CostConfig {
+            weights,
+            default_output_tokens: int_in(
+                "cost.defaultOutputTokens",
+                rc.default_output_tokens.unwrap_or(dc.default_output_tokens),
+                0,
+                1_000_000,
+                "must be within 0..=1000000",
+            )?,
+            max_body_bytes: int_in(
+                "cost.maxBodyBytes",
+                rc.max_body_bytes.unwrap_or(dc.max_body_bytes),
+                1,
+                64 << 20,
+                "must be within 1..=67108864 (64 MiB)",
+            )?,
+            default_image_patches: int_in(
+                "cost.defaultImagePatches",
+                rc.default_image_patches.unwrap_or(dc.default_image_patches),
+                0,
+                100_000,
+                "must be within 0..=100000",
+            )?,
+            default_audio_seconds: finite_in(
+                "cost.defaultAudioSeconds",
+                rc.default_audio_seconds.unwrap_or(dc.default_audio_seconds),
+                0.0,
+                3600.0,
+                false,
+                "must be a number of seconds in [0, 3600]",
+            )?,
+            audio_frames_per_second: finite_in(
+                "cost.audioFramesPerSecond",
+                rc.audio_frames_per_second
+                    .unwrap_or(dc.audio_frames_per_second),
+                0.0,
+                1000.0,
+                true,
+                "must be a number in (0, 1000]",
+            )?,
+            content_length_bytes_per_token: finite_in(
+                "cost.contentLengthBytesPerToken",
+                rc.content_length_bytes_per_token
+                    .unwrap_or(dc.content_length_bytes_per_token),
+                0.5,
+                64.0,
+                false,
+                "must be a number in [0.5, 64]",
+            )?,
+            content_length_cost_cap: int_in(
+                "cost.contentLengthCostCap",
+                rc.content_length_cost_cap
+                    .unwrap_or(dc.content_length_cost_cap),
+                1,
+                1_000_000_000,
+                "must be within 1..=1000000000",
+            )?,
+            malformed_json: rc.malformed_json.unwrap_or(dc.malformed_json),
+        };
+
+        let tenant_key = match raw.tenant_key {
+            None => d.tenant_key,
+            Some(list) => {
+                let mut out: Vec<TenantKeySource> = Vec::with_capacity(list.len());
+                for (i, s) in list.iter().enumerate() {
+                    let path = format!("tenantKey[{i}]");
+                    let src = TenantKeySource::parse(s).ok_or_else(|| {
+                        err(
+                            &path,
+                            json_str(s),
+                            "must be \"header:<name>\", \"apiKeyHash\" or \"peerPrincipal\"",
+                        )
+                    })?;
+                    if out.contains(&src) {
+                        return Err(err(&path, json_str(s), "is listed twice"));
+                    }
+                    out.push(src);
+                }
+                out
+            }
+        };
+
+        let mut tenants = TenantLimits::default();
+        for (name, b) in raw.tenants.unwrap_or_default() {
+            let base = format!("tenants.{name}");
+            if name.is_empty() || name.len() > 128 {
+                return Err(err(
+                    "tenants",
+                    json_str(&name),
+                    "tenant names must be 1..=128 characters",
+                ));
+            }
+            let params = BucketParams {
+                tokens_per_second: int_in(
+                    &format!("{base}.tokensPerSecond"),
+                    b.tokens_per_second,
+                    1,
+                    1_000_000_000,
+                    "must be an integer within 1..=1000000000 weighted tokens per second",
+                )?,
+                burst: int_in(
+                    &format!("{base}.burst"),
+                    b.burst,
+                    1,
+                    1_000_000_000_000,
+                    "must be an integer within 1..=1000000000000 weighted tokens",
+                )?,
+            };
+            if name == "default" {
+                tenants.default = params;
+            } else {
+                tenants.named.insert(name, params);
+            }
+        }
+
+        let rp = raw.priority.unwrap_or_default();
+        let header = match rp.header {
+            None => d.priority.header,
+            Some(h) if is_header_name(&h) => h.to_ascii_lowercase(),
+            Some(h) => {
+                return Err(err(
+                    "priority.header",
+                    json_str(&h),
+                    "must be a non-empty HTTP header name",
+                ))
+            }
+        };
+        let default_class = match rp.default_class {
+            None => d.priority.default_class,
+            Some(c) => class_from("priority.defaultClass", &c)?,
+        };
+        let mut routes = Vec::new();
+        for (i, r) in rp.routes.unwrap_or_default().into_iter().enumerate() {
+            if !r.path_prefix.starts_with('/') {
+                return Err(err(
+                    &format!("priority.routes[{i}].pathPrefix"),
+                    json_str(&r.path_prefix),
+                    "must start with '/'",
+                ));
+            }
+            let class = class_from(&format!("priority.routes[{i}].class"), &r.class)?;
+            routes.push(RouteClass {
+                path_prefix: r.path_prefix,
+                class,
+            });
+        }
+        let priority = PriorityConfig {
+            header,
+            default_class,
+            routes,
+        };
+
+        let rs = raw.saturation.unwrap_or_default();
+        let ds = d.saturation;
+        let saturation = SaturationConfig {
+            soft_threshold: finite_in(
+                "saturation.softThreshold",
+                rs.soft_threshold.unwrap_or(ds.soft_threshold),
+                0.0,
+                1.0,
+                true,
+                "must be a number in (0, 1]",
+            )?,
+            max_wait_standard_ms: int_in(
+                "saturation.maxWaitStandardMs",
+                rs.max_wait_standard_ms.unwrap_or(ds.max_wait_standard_ms),
+                0,
+                300_000,
+                "must be within 0..=300000 ms",
+            )?,
+            max_held: int_in(
+                "saturation.maxHeld",
+                rs.max_held.unwrap_or(ds.max_held),
+                0,
+                100_000,
+                "must be within 0..=100000",
+            )?,
+            retry_after_seconds: int_in(
+                "saturation.retryAfterSeconds",
+                rs.retry_after_seconds.unwrap_or(ds.retry_after_seconds),
+                1,
+                3600,
+                "must be within 1..=3600 seconds",
+            )?,
+        };
+
+        let rg = raw.guard.unwrap_or_default();
+        let dg = d.guard;
+        let guard = GuardConfig {
+            enabled: rg.enabled.unwrap_or(dg.enabled),
+            gpu_util_cutoff: finite_in(
+                "guard.gpuUtilCutoff",
+                rg.gpu_util_cutoff.unwrap_or(dg.gpu_util_cutoff),
+                0.0,
+                1.0,
+                true,
+                "must be a utilisation in (0, 1]",
+            )?,
+            queue_full_ratio: finite_in(
+                "guard.queueFullRatio",
+                rg.queue_full_ratio.unwrap_or(dg.queue_full_ratio),
+                0.0,
+                100.0,
+                true,
+                "must be a number in (0, 100]",
+            )?,
+            retry_after_seconds: int_in(
+                "guard.retryAfterSeconds",
+                rg.retry_after_seconds.unwrap_or(dg.retry_after_seconds),
+                1,
+                3600,
+                "must be within 1..=3600 seconds",
+            )?,
+            max_staleness_ms: int_in(
+                "guard.maxStalenessMs",
+                rg.max_staleness_ms.unwrap_or(dg.max_staleness_ms),
+                1,
+                600_000,
+                "must be within 1..=600000 ms",
+            )?,
+        };
+
+        Ok(AdmissionConfig {
+            enabled: raw.enabled.unwrap_or(d.enabled),
+            cost,
+            tenant_key,
+            tenants,
+            priority,
+            saturation,
+            guard,
+        })
+    }
+}
+
+impl From<&AdmissionConfig> for RawAdmission {
+    fn from(c: &AdmissionConfig) -> Self {
+        let mut tenants: BTreeMap<String, RawBucket> = c
+            .tenants
+            .named
+            .iter()
+            .map(|(k, p)| {
+                (
+                    k.clone(),
+                    RawBucket {
+                        tokens_per_second: p.tokens_per_second,
+                        burst: p.burst,
+                    },
+                )
+            })
+            .collect();
+        tenants.insert(
+            "default".to_string(),
+            RawBucket {
+                tokens_per_second: c.tenants.default.tokens_per_second,
+                burst: c.tenants.default.burst,
+            },
+        );
+        RawAdmission {
+            enabled: Some(c.enabled),
+            cost: Some(RawCost {
+                weights: Some(RawWeights {
+                    text: Some(c.cost.weights.text),
+                    image_patch: Some(c.cost.weights.image_patch),
+                    audio_frame: Some(c.cost.weights.audio_frame),
+                }),
+                default_output_tokens: Some(c.cost.default_output_tokens),
+                max_body_bytes: Some(c.cost.max_body_bytes),
+                default_image_patches: Some(c.cost.default_image_patches),
+                default_audio_seconds: Some(c.cost.default_audio_seconds),
+                audio_frames_per_second: Some(c.cost.audio_frames_per_second),
+                content_length_bytes_per_token: Some(c.cost.content_length_bytes_per_token),
+                content_length_cost_cap: Some(c.cost.content_length_cost_cap),
+                malformed_json: Some(c.cost.malformed_json),
+            }),
+            tenant_key: Some(c.tenant_key.iter().map(TenantKeySource::render).collect()),
+            tenants: Some(tenants),
+            priority: Some(RawPriority {
+                header: Some(c.priority.header.clone()),
+                default_class: Some(c.priority.default_class.as_str().to_string()),
+                routes: Some(
+                    c.priority
+                        .routes
+                        .iter()
+                        .map(|r| RawRoute {
+                            path_prefix: r.path_prefix.clone(),
+                            class: r.class.as_str().to_string(),
+                        })
+                        .collect(),
+                ),
+            }),
+            saturation: Some(RawSaturation {
+                soft_threshold: Some(c.saturation.soft_threshold),
+                max_wait_standard_ms: Some(c.saturation.max_wait_standard_ms),
+                max_held: Some(c.saturation.max_held),
+                retry_after_seconds: Some(c.saturation.retry_after_seconds),
+            }),
+            guard: Some(RawGuard {
+                enabled: Some(c.guard.enabled),
+                gpu_util_cutoff: Some(c.guard.gpu_util_cutoff),
+                queue_full_ratio: Some(c.guard.queue_full_ratio),
+                retry_after_seconds: Some(c.guard.retry_after_seconds),
+                max_staleness_ms: Some(c.guard.max_staleness_ms),
+            }),
+        }
+    }
+}
+
+/// Looks up the value at a serde path, to quote it in the error.
+fn value_at<'v>(root: &'v Value, path: &serde_path_to_error::Path) -> Option<&'v Value> {
+    let mut cur = root;
+    for seg in path.iter() {
+        cur = match seg {
+            serde_path_to_error::Segment::Seq { index } => cur.get(*index)?,
+            serde_path_to_error::Segment::Map { key } => cur.get(key.as_str())?,
+            serde_path_to_error::Segment::Enum { .. } | serde_path_to_error::Segment::Unknown => {
+                return None
+            }
+        };
+    }
+    Some(cur)
+}
+
+impl AdmissionConfig {
+    /// Parses and validates the `admission` object of the plugin JSON. `null` means defaults.
+    pub fn from_value(v: &Value) -> Result<Self, ConfigError> {
+        if v.is_null() {
+            return Ok(Self::default());
+        }
+        if !v.is_object() {
+            return Err(ConfigError::new(PREFIX, v, "must be a JSON object"));
+        }
+        let raw: RawAdmission = serde_path_to_error::deserialize(v).map_err(|e| {
+            let p = e.path();
+            let shown = if p.iter().next().is_none() {
+                String::new()
+            } else {
+                p.to_string()
+            };
+            let path = if shown.is_empty() {
+                PREFIX.to_string()
+            } else {
+                format!("{PREFIX}.{shown}")
+            };
+            let value = value_at(v, p).map(|x| x.to_string()).unwrap_or_default();
+            ConfigError::new(path, value, e.inner().to_string())
+        })?;
+        Self::try_from(raw)
+    }
+
+    /// The config written back as plugin JSON (every field explicit); `from_value` of it yields
+    /// an equal config.
+    pub fn to_value(&self) -> Value {
+        serde_json::to_value(RawAdmission::from(self)).unwrap_or(Value::Null)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::indexing_slicing)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn empty_object_gives_defaults() {
+        assert_eq!(
+            AdmissionConfig::from_value(&json!({})),
+            Ok(AdmissionConfig::default())
+        );
+        assert_eq!(
+            AdmissionConfig::from_value(&Value::Null),
+            Ok(AdmissionConfig::default())
+        );
+    }
+
+    #[test]
+    fn full_config_parses() {
+        let c = AdmissionConfig::from_value(&json!({
+            "cost": {"weights": {"text": 1.0, "imagePatch": 2.0, "audioFrame": 3.0}, "malformedJson": "passUncosted"},
+            "tenantKey": ["header:X-Team", "peerPrincipal"],
+            "tenants": {"default": {"tokensPerSecond": 100, "burst": 1000}, "gold": {"tokensPerSecond": 9000, "burst": 90000}},
+            "priority": {"header": "x-prio", "defaultClass": "sheddable", "routes": [{"pathPrefix": "/v1/embeddings", "class": "critical"}]},
+            "saturation": {"softThreshold": 0.7, "maxWaitStandardMs": 500},
+            "guard": {"gpuUtilCutoff": 0.95}
+        }))
+        .unwrap();
+        assert_eq!(c.cost.weights.image_patch, 2.0);
+        assert_eq!(c.cost.malformed_json, MalformedJsonPolicy::PassUncosted);
+        assert_eq!(
+            c.tenant_key,
+            vec![
+                TenantKeySource::Header("x-team".into()),
+                TenantKeySource::PeerPrincipal
+            ]
+        );
+        assert_eq!(
+            c.tenants.params_for("nobody"),
+            BucketParams {
+                tokens_per_second: 100,
+                burst: 1000
+            }
+        );
+        assert_eq!(c.tenants.params_for("gold").burst, 90000);
+        assert_eq!(c.priority.routes[0].class, PriorityClass::Critical);
+        assert_eq!(c.priority.default_class, PriorityClass::Sheddable);
+        assert_eq!(c.saturation.max_wait_standard_ms, 500);
+        assert_eq!(c.guard.gpu_util_cutoff, 0.95);
+    }
+
+    #[test]
+    fn zero_rate_names_the_field_and_value() {
+        let e = AdmissionConfig::from_value(
+            &json!({"tenants": {"default": {"tokensPerSecond": 0, "burst": 10}}}),
+        )
+        .unwrap_err();
+        assert_eq!(e.path, "admission.tenants.default.tokensPerSecond");
+        assert_eq!(e.value, "0");
+    }
+
+    #[test]
+    fn type_error_names_the_field_and_value() {
+        let e = AdmissionConfig::from_value(
+            &json!({"tenants": {"default": {"tokensPerSecond": 1.5, "burst": 10}}}),
+        )
+        .unwrap_err();
+        assert_eq!(e.path, "admission.tenants.default.tokensPerSecond");
+        assert_eq!(e.value, "1.5");
+    }
+
+    #[test]
+    fn unknown_field_is_rejected() {
+        let e = AdmissionConfig::from_value(&json!({"guard": {"gpuUtil": 0.9}})).unwrap_err();
+        assert!(e.path.starts_with("admission.guard"), "{e}");
+        assert!(e.reason.contains("gpuUtil"), "{e}");
+    }
+
+    #[test]
+    fn bad_values_are_rejected_with_paths() {
+        let cases = [
+            (
+                json!({"cost": {"weights": {"text": 0.0}}}),
+                "admission.cost.weights.text",
+            ),
+            (
+                json!({"cost": {"malformedJson": "drop"}}),
+                "admission.cost.malformedJson",
+            ),
+            (json!({"tenantKey": ["cookie:x"]}), "admission.tenantKey[0]"),
+            (
+                json!({"tenantKey": ["apiKeyHash", "apiKeyHash"]}),
+                "admission.tenantKey[1]",
+            ),
+            (
+                json!({"priority": {"defaultClass": "gold"}}),
+                "admission.priority.defaultClass",
+            ),
+            (
+                json!({"priority": {"routes": [{"pathPrefix": "v1", "class": "critical"}]}}),
+                "admission.priority.routes[0].pathPrefix",
+            ),
+            (
+                json!({"saturation": {"softThreshold": 1.5}}),
+                "admission.saturation.softThreshold",
+            ),
+            (
+                json!({"guard": {"retryAfterSeconds": 0}}),
+                "admission.guard.retryAfterSeconds",
+            ),
+        ];
+        for (v, path) in cases {
+            let e = AdmissionConfig::from_value(&v).unwrap_err();
+            assert_eq!(e.path, path, "{v}: {e}");
+        }
+        let e = AdmissionConfig::from_value(&json!([1])).unwrap_err();
+        assert_eq!(e.path, "admission");
+    }
+
+    #[test]
+    fn round_trips_through_json() {
+        let mut c = AdmissionConfig::default();
+        c.tenants.named.insert(
+            "a".into(),
+            BucketParams {
+                tokens_per_second: 5,
+                burst: 7,
+            },
+        );
+        c.priority.routes.push(RouteClass {
+            path_prefix: "/x".into(),
+            class: PriorityClass::Sheddable,
+        });
+        assert_eq!(AdmissionConfig::from_value(&c.to_value()), Ok(c));
+    }
+}
