@@ -26,7 +26,7 @@ async fn chat(State(c): State<Arc<Cfg>>, _body: Bytes) -> Response<Body> {
         .unwrap_or_default()
 }
 
-#[tokio::main(flavor = "current_thread")]
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let port: u16 = args.get(1).map_or(Ok(18080), |s| s.parse())?;
@@ -50,7 +50,11 @@ async fn main() -> anyhow::Result<()> {
     let app = Router::new()
         .route("/v1/chat/completions", post(chat))
         .with_state(cfg);
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+    // A deep accept backlog: a full one drops SYNs, which clients retry only after 1 s.
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    socket.set_reuseaddr(true)?;
+    socket.bind(std::net::SocketAddr::from(([127, 0, 0, 1], port)))?;
+    let listener = socket.listen(8192)?;
     eprintln!("sink on {}", listener.local_addr()?);
     axum::serve(listener, app).await?;
     Ok(())

@@ -92,12 +92,27 @@ fn describe(trace: &[TraceEntry]) -> String {
     )
 }
 
+/// Every request in flight holds a socket: lift the soft open-file limit (often 1024) toward
+/// `--max-in-flight`, and warn when the hard limit is lower.
+fn raise_fd_limit(max_in_flight: usize) {
+    let want = max_in_flight as u64 + 256;
+    match rlimit::increase_nofile_limit(want) {
+        Ok(got) if got < want => eprintln!(
+            "warning: open-file limit is {got}; more than ~{} requests in flight will fail to connect (lower '--max-in-flight' or raise 'ulimit -n')",
+            got.saturating_sub(256)
+        ),
+        Ok(_) => {}
+        Err(e) => eprintln!("warning: could not raise the open-file limit: {e}"),
+    }
+}
+
 fn real_main(cli: Cli) -> Result<(), Failure> {
     let trace = load_trace(&cli)?;
     println!("{}", describe(&trace));
     if cli.dry_run {
         return Ok(());
     }
+    raise_fd_limit(cli.max_in_flight);
     let max_prompt = trace.iter().map(|e| e.prompt_tokens).max().unwrap_or(1);
     let client = Client::new(cli.target(), max_prompt);
     let opts = RunOptions {

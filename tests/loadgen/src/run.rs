@@ -113,6 +113,7 @@ async fn collect(
     let mut last = Tally::default();
     let mut cum = Tally::default();
     let mut tick = tokio::time::interval_at(start + Duration::from_secs(1), Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let tty = std::io::stdout().is_terminal();
     loop {
         tokio::select! {
