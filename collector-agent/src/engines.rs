@@ -162,6 +162,12 @@ struct EngineSpec {
     /// Whether a missing error series means 0 errors while `finished` is present (the engine
     /// creates the series only on the first failure) rather than "unknown".
     errors_zero_when_missing: bool,
+    /// How series of a count (waiting, running) combine: summed over models, or the largest
+    /// (Triton repeats a request in the ensemble and in each composing model).
+    counts: Combine,
+    /// Take finished/error counters from the busiest model only, not their sum (Triton
+    /// ensembles count one request once per composing model).
+    counters_from_busiest_model: bool,
     /// The label naming the model, and the one naming its version.
     model_label: Option<&'static str>,
     version_label: Option<&'static str>,
@@ -202,6 +208,8 @@ static VLLM: EngineSpec = EngineSpec {
         &["abort", "error"],
     )],
     errors_zero_when_missing: true,
+    counts: Combine::Sum,
+    counters_from_busiest_model: false,
     model_label: Some("model_name"),
     version_label: None,
 };
@@ -232,6 +240,8 @@ static SGLANG: EngineSpec = EngineSpec {
     finished: &[Sel::name("sglang:num_requests_total")],
     errors: &[Sel::name("sglang:num_aborted_requests_total")],
     errors_zero_when_missing: false,
+    counts: Combine::Sum,
+    counters_from_busiest_model: false,
     model_label: Some("model_name"),
     version_label: None,
 };
@@ -256,6 +266,8 @@ static TGI: EngineSpec = EngineSpec {
     ],
     errors: &[Sel::name("tgi_request_failure")],
     errors_zero_when_missing: true,
+    counts: Combine::Sum,
+    counters_from_busiest_model: false,
     model_label: None,
     version_label: None,
 };
@@ -297,6 +309,8 @@ static TRITON: EngineSpec = EngineSpec {
     ],
     errors: &[Sel::name("nv_inference_request_failure")],
     errors_zero_when_missing: true,
+    counts: Combine::Max,
+    counters_from_busiest_model: true,
     model_label: Some("model"),
     version_label: Some("version"),
 };
@@ -328,9 +342,9 @@ pub fn extract(kind: EngineKind, page: &Exposition<'_>) -> Extracted {
     let spec = kind.spec();
     let mut x = Extracted::default();
 
-    let waiting = sum_gauge(page, spec.waiting, Combine::Sum);
-    let running = sum_gauge(page, spec.running, Combine::Sum);
-    let capacity = sum_gauge(page, spec.queue_capacity, Combine::Sum);
+    let waiting = sum_gauge(page, spec.waiting, spec.counts);
+    let running = sum_gauge(page, spec.running, spec.counts);
+    let capacity = sum_gauge(page, spec.queue_capacity, spec.counts);
     let had_counts = waiting.is_some() || running.is_some();
     x.waiting = count_value(waiting, &mut x.rejected);
     x.running = count_value(running, &mut x.rejected);
@@ -347,8 +361,16 @@ pub fn extract(kind: EngineKind, page: &Exposition<'_>) -> Extracted {
     x.e2e = histogram(page, spec.e2e, &mut x.rejected);
     x.inter_token = histogram(page, spec.inter_token, &mut x.rejected);
 
-    x.finished_total = sum_counter(page, spec.finished);
-    x.errors_total = sum_counter(page, spec.errors);
+    let busiest = match (spec.counters_from_busiest_model, spec.model_label) {
+        (true, Some(ml)) => busiest_model(page, spec.finished, ml),
+        _ => None,
+    };
+    let keep = |s: &Sample<'_>| match (&busiest, spec.model_label) {
+        (Some(m), Some(ml)) => s.label(ml) == Some(m.as_str()),
+        _ => true,
+    };
+    x.finished_total = sum_counter(page, spec.finished, &keep);
+    x.errors_total = sum_counter(page, spec.errors, &keep);
     if x.errors_total.is_none() && x.finished_total.is_some() && spec.errors_zero_when_missing {
         x.errors_total = Some(0.0);
     }
@@ -388,7 +410,7 @@ fn reject(field: String, v: f64, reason: &str) -> Rejected {
     }
 }
 
-#[derive(Clone, Copy)]
+#[derive(Debug, Clone, Copy)]
 enum Combine {
     Sum,
     Max,
@@ -426,10 +448,33 @@ fn count_value(v: Option<(String, f64)>, rejected: &mut Vec<Rejected>) -> Option
     }
 }
 
-fn sum_counter(page: &Exposition<'_>, sels: &[Sel]) -> Option<f64> {
+/// The model (label `ml`) with the most finished requests; ties go to the first name.
+fn busiest_model(page: &Exposition<'_>, finished: &[Sel], ml: &str) -> Option<String> {
+    let mut per: BTreeMap<&str, f64> = BTreeMap::new();
+    for sel in finished {
+        for s in page.samples.iter().filter(|s| sel.matches(s)) {
+            if let Some(m) = s.label(ml) {
+                *per.entry(m).or_default() += s.value;
+            }
+        }
+    }
+    let mut best: Option<(&str, f64)> = None;
+    for (m, v) in per {
+        if best.is_none_or(|(_, b)| v > b) {
+            best = Some((m, v));
+        }
+    }
+    best.map(|(m, _)| m.to_string())
+}
+
+fn sum_counter(
+    page: &Exposition<'_>,
+    sels: &[Sel],
+    keep: &dyn Fn(&Sample<'_>) -> bool,
+) -> Option<f64> {
     let mut acc: Option<f64> = None;
     for sel in sels {
-        for s in page.samples.iter().filter(|s| sel.matches(s)) {
+        for s in page.samples.iter().filter(|s| sel.matches(s) && keep(s)) {
             acc = Some(acc.unwrap_or(0.0) + s.value);
         }
     }
