@@ -33,7 +33,7 @@ pub struct Cli {
     #[arg(long, default_value = "http://127.0.0.1:10000", value_parser = parse_url)]
     pub url: Uri,
     /// `model` field of every request.
-    #[arg(long, default_value = "fake-model")]
+    #[arg(long, default_value = "meta-llama/Llama-3.1-8B-Instruct")]
     pub model: String,
     /// Mean arrival rate, requests per second.
     #[arg(long, default_value_t = 10.0, value_parser = positive_f64, allow_negative_numbers = true)]
