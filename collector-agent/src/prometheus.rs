@@ -132,6 +132,7 @@ fn family_of(name: &str, known: impl Fn(&str) -> bool) -> Option<(&str, &'static
 /// Parses a page. Syntax errors fail the page; bad values are listed in `issues`.
 pub fn parse(text: &str) -> Result<Exposition<'_>, ParseError> {
     let mut out = Exposition::default();
+    let mut last_kind: Option<(&str, (MetricType, &'static str))> = None;
     for (i, raw) in text.split('\n').enumerate() {
         let line_no = i + 1;
         let line = raw
@@ -146,7 +147,16 @@ pub fn parse(text: &str) -> Result<Exposition<'_>, ParseError> {
             continue;
         }
         let sample = parse_sample(line, line_no)?;
-        match check_value(&sample, &out.types) {
+        // Samples of a family are contiguous: resolve the type once per run of equal names.
+        let kind = match last_kind {
+            Some((name, kind)) if name == sample.name => kind,
+            _ => {
+                let kind = sample_kind(sample.name, &out.types);
+                last_kind = Some((sample.name, kind));
+                kind
+            }
+        };
+        match check_value(sample.value, kind) {
             None => out.samples.push(sample),
             Some(reason) => out.issues.push(ValueIssue {
                 line: line_no,
@@ -171,14 +181,16 @@ fn format_value(v: f64) -> String {
     }
 }
 
-/// Why a sample's value may not be forwarded, given the family's declared type.
-fn check_value(s: &Sample<'_>, types: &HashMap<&str, MetricType>) -> Option<&'static str> {
-    let fam = family_of(s.name, |f| types.contains_key(f));
-    let (mtype, suffix) = match fam {
+/// The declared type of the family a sample name belongs to, and the suffix that joined them.
+fn sample_kind(name: &str, types: &HashMap<&str, MetricType>) -> (MetricType, &'static str) {
+    match family_of(name, |f| types.contains_key(f)) {
         Some((f, suf)) => (types.get(f).copied().unwrap_or(MetricType::Untyped), suf),
         None => (MetricType::Untyped, ""),
-    };
-    let v = s.value;
+    }
+}
+
+/// Why a value may not be forwarded, given its family's type and suffix.
+fn check_value(v: f64, (mtype, suffix): (MetricType, &'static str)) -> Option<&'static str> {
     let non_negative = match mtype {
         MetricType::Counter => true,
         MetricType::Histogram => suffix == "_bucket" || suffix == "_count",
@@ -335,12 +347,6 @@ fn parse_sample(line: &str, line_no: usize) -> Result<Sample<'_>, ParseError> {
                     b'"' => break,
                     _ => i += 1,
                 }
-            }
-            if i > b.len() {
-                return Err(err(
-                    line_no,
-                    format!("{name}: unterminated value of label {lname}"),
-                ));
             }
             let rawv = &line[vstart..i];
             i += 1; // closing quote
