@@ -783,6 +783,10 @@ impl Router {
     }
 
     /// Installs a breaker state read from shared data (another VM's view).
+    ///
+    /// One exception keeps a local verdict: a pod-level breaker this router opened for a
+    /// hardware fault (seen in the pool state, which every VM reads) stays Open until its own
+    /// cooldown ends, unless `breaker` is Open too; the shared breaker may not know the fault.
     pub fn set_breaker(
         &mut self,
         pool_idx: usize,
@@ -800,7 +804,14 @@ impl Router {
             return;
         };
         match model {
-            None => rt.breaker = breaker,
+            None => {
+                let keep_fault = rt.breaker.state() == BreakerState::Open
+                    && rt.breaker.reason() == Some(TripReason::HardwareFault)
+                    && breaker.state() != BreakerState::Open;
+                if !keep_fault {
+                    rt.breaker = breaker;
+                }
+            }
             Some(m) => match rt.model_breakers.iter_mut().find(|(n, _)| n == m) {
                 Some((_, b)) => *b = breaker,
                 None => rt.model_breakers.push((m.to_string(), breaker)),

@@ -364,6 +364,24 @@ fn hardware_fault_trips_breaker_and_cuts() {
     assert_eq!(events.len(), 1);
     assert_eq!(r.counters().hardware_faults, 1);
     assert_eq!(counts(&mut r, 2, 200, 4, 1200), vec![0, 200]);
+    // A shared (closed) breaker from another VM does not undo the local fault trip...
+    r.set_breaker(0, &addr(0), None, Breaker::default());
+    assert_eq!(
+        r.breaker(0, &addr(0), None).unwrap().state(),
+        BreakerState::Open
+    );
+    // ...and the next snapshot without a new fault lifts the cut; the breaker still holds
+    // the pod out for its cooldown (1000 ms), then admits probes.
+    let mut ev = event(&[pod(0.1), pod(0.1)], 3);
+    ev.peers[0].snapshot.as_mut().unwrap().gpus[0].xid_errors = Some(2);
+    r.apply_pool_event(0, &ev, 1300);
+    assert_eq!(counts(&mut r, 2, 200, 4, 1300), vec![0, 200]);
+    r.apply_pool_event(0, &PoolEvent::default(), 2200);
+    assert_eq!(
+        r.breaker(0, &addr(0), None).unwrap().state(),
+        BreakerState::HalfOpen
+    );
+    assert_eq!(counts(&mut r, 2, 200, 4, 2200)[0], 2, "probe budget");
 }
 
 #[test]
