@@ -993,3 +993,59 @@ fn build_view(v: &mut View, p: &PoolRt, cfg: &FilterConfig) {
         Verdict::Pick
     };
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(weights: &[f64]) -> View {
+        let mut v = View::new(None);
+        v.slots = (0..weights.len() as u32).collect();
+        v.w = vec![0.0; weights.len()];
+        v.tree = vec![0.0; weights.len() + 1];
+        for (i, w) in weights.iter().enumerate() {
+            v.set(i, *w);
+        }
+        v
+    }
+
+    #[test]
+    fn fenwick_find_matches_a_linear_scan() {
+        let weights = [0.0, 0.5, 0.0, 0.25, 1.0, 0.0, 0.125];
+        let v = view(&weights);
+        assert!((v.total() - 1.875).abs() < 1e-12);
+        for k in 0..1875 {
+            let u = k as f64 / 1000.0;
+            let mut acc = 0.0;
+            let want = weights
+                .iter()
+                .position(|w| {
+                    acc += w;
+                    acc > u
+                })
+                .unwrap();
+            assert_eq!(v.find(u), want, "u={u}");
+            assert!(weights[v.find(u)] > 0.0);
+        }
+    }
+
+    #[test]
+    fn fenwick_updates_move_the_total() {
+        let mut v = view(&[1.0, 1.0, 1.0]);
+        v.set(1, 0.0);
+        assert!((v.total() - 2.0).abs() < 1e-12);
+        assert_eq!(v.find(0.99), 0);
+        assert_eq!(v.find(1.0), 2);
+    }
+
+    #[test]
+    fn ranked_is_bounded_and_ordered() {
+        let mut r = Ranked::new(7);
+        for i in 0..(MAX_RANKED as u32 + 3) {
+            r.push(i);
+        }
+        assert_eq!(r.len(), MAX_RANKED);
+        assert_eq!(r.first(), Some(PodId(0)));
+        assert!(r.contains(3) && !r.contains(MAX_RANKED as u32));
+    }
+}

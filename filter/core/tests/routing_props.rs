@@ -353,6 +353,37 @@ fn open_breaker_excludes_pod_then_half_open_admits_probe_budget() {
 }
 
 #[test]
+fn per_model_breaker_opens_only_for_the_failing_model() {
+    let mut r = Router::new(config(""));
+    let pods = [pod(0.1), pod(0.1)];
+    let mut ev = event(&pods, 1);
+    ev.peers[0].snapshot = Some(snapshot(0, &pods[0], 1, &["llm", "vision"]));
+    ev.peers[1].snapshot = Some(snapshot(1, &pods[1], 1, &["llm", "vision"]));
+    r.apply_pool_event(0, &ev, 1000);
+    let err = Outcome {
+        status: Some(500),
+        ..Default::default()
+    };
+    r.on_outcome(0, &addr(0), Some("vision"), &err, 1000);
+    let t = r.on_outcome(0, &addr(0), Some("vision"), &err, 1000);
+    assert_eq!(t[0].model.as_deref(), Some("vision"));
+    assert_eq!(
+        r.breaker(0, &addr(0), None).unwrap().state(),
+        BreakerState::Closed
+    );
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    let (mut vision0, mut llm0) = (0, 0);
+    for _ in 0..400 {
+        let d = r.decide(0, Some("vision"), 1000, &mut rng);
+        vision0 += usize::from(chosen(&r, &d).unwrap() == addr(0));
+        let d = r.decide(0, Some("llm"), 1000, &mut rng);
+        llm0 += usize::from(chosen(&r, &d).unwrap() == addr(0));
+    }
+    assert_eq!(vision0, 0);
+    assert!(llm0 > 150, "{llm0}");
+}
+
+#[test]
 fn hardware_fault_trips_breaker_and_cuts() {
     let mut r = router(&[pod(0.1), pod(0.1)], "");
     let mut ev = event(&[pod(0.1), pod(0.1)], 1);
@@ -499,6 +530,37 @@ proptest! {
                 }
             }
         }
+    }
+
+    #[test]
+    fn cold_start_pod_gets_mean_of_scored_uncut_pods(pods in prop::collection::vec(arb_pod(), 1..10)) {
+        let mut all = pods.clone();
+        all.push(Pod { gpu: None, waiting: 0, age_ms: 0 });
+        let r = router(&all, "");
+        let st = r.pod_status(0, 1000);
+        let scored: Vec<f64> = st.iter().filter(|s| !s.cold && s.cut.is_none()).map(|s| s.score).collect();
+        let cold = st.last().unwrap();
+        prop_assert!(cold.cold);
+        if !scored.is_empty() && cold.cut.is_none() {
+            let mean = scored.iter().sum::<f64>() / scored.len() as f64;
+            prop_assert!((cold.score - mean).abs() < 1e-9, "{} vs {}", cold.score, mean);
+            let best = scored.iter().cloned().fold(0.0, f64::max);
+            prop_assert!(cold.score <= best);
+        }
+    }
+
+    #[test]
+    fn ema_stays_between_the_raw_scores_it_averaged(gpus in prop::collection::vec(0.0f64..0.9, 1..20), alpha in 0.01f64..=1.0) {
+        let mut r = Router::new(config(&format!(r#"{{"emaAlpha":{alpha}}}"#)));
+        let mut want: Option<f64> = None;
+        for (k, g) in gpus.iter().enumerate() {
+            r.apply_pool_event(0, &event(&[pod(*g)], k as u64 + 1), 1000 + k as u64);
+            let raw = 0.35 * (1.0 - g) + 0.65;
+            want = Some(want.map_or(raw, |e| alpha * raw + (1.0 - alpha) * e));
+        }
+        let got = r.pod_status(0, 1000 + gpus.len() as u64)[0].score;
+        prop_assert!((got - want.unwrap()).abs() < 1e-9);
+        prop_assert!((0.0..=1.0).contains(&got));
     }
 
     #[test]
