@@ -42,10 +42,15 @@ pub struct ModelServerOptions {
 impl ModelServerOptions {
     /// Defaults for a server at `base_url` (e.g. `http://127.0.0.1:8000`): `/metrics` and
     /// `/v1/models` on it, engine detected, 10 s window, 2 s timeout, models re-read every 60 s.
+    /// A URL that already ends in `/metrics` is taken as the page itself.
     pub fn new(base_url: &str) -> Self {
-        let base = base_url.trim_end_matches('/');
+        let trimmed = base_url.trim_end_matches('/');
+        let (base, metrics_url) = match trimmed.strip_suffix("/metrics") {
+            Some(base) => (base, trimmed.to_string()),
+            None => (trimmed, format!("{trimmed}/metrics")),
+        };
         Self {
-            metrics_url: format!("{base}/metrics"),
+            metrics_url,
             models_url: Some(format!("{base}/v1/models")),
             engine: None,
             window: crate::window::DEFAULT_WINDOW,
@@ -434,6 +439,19 @@ mod tests {
         assert_eq!(m[0].name, "meta-llama/Llama-3.1-8B");
         assert_eq!(m[0].adapters, vec!["sql-lora".to_string()]);
         assert_eq!(parse_models(b"not json"), None);
+    }
+
+    #[test]
+    fn options_accept_a_base_or_the_metrics_url() {
+        for url in ["http://h:8000", "http://h:8000/", "http://h:8000/metrics"] {
+            let o = ModelServerOptions::new(url);
+            assert_eq!(o.metrics_url, "http://h:8000/metrics", "{url}");
+            assert_eq!(
+                o.models_url.as_deref(),
+                Some("http://h:8000/v1/models"),
+                "{url}"
+            );
+        }
     }
 
     #[test]

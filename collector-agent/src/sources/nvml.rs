@@ -343,6 +343,9 @@ impl NvmlSource {
             all.push((i, uuid));
         }
         let (visible, warnings) = select_visible(env, &all).map_err(other)?;
+        for w in &warnings {
+            tracing::warn!(source = NAME, "{w}");
+        }
         let devices = visible
             .into_iter()
             .map(|(index, uuid)| Tracked {
