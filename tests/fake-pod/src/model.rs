@@ -649,4 +649,56 @@ mod tests {
         assert!(f > 0.99, "{f}");
         assert!(close(occ, 0.25));
     }
+
+    mod props {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            /// Whatever arrives, every request gets exactly max_tokens tokens in order, the
+            /// engine never exceeds its seats or KV capacity, and it ends idle and empty.
+            #[test]
+            fn every_request_completes_within_limits(
+                reqs in proptest::collection::vec((0.0f64..0.5, 1u32..3000, 1u32..60), 1..40),
+                seats in 1usize..8,
+                budget in 1u32..2048,
+            ) {
+                let mut p = params();
+                p.max_num_seqs = seats;
+                p.max_batched_tokens = budget;
+                p.kv_cache_tokens = 8_000;
+                let mut e = Engine::new(p);
+                let mut arrivals: Vec<(f64, u64, u32, u32)> = reqs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (t, pr, mt))| (*t, i as u64, *pr, *mt))
+                    .collect();
+                arrivals.sort_by(|a, b| a.0.total_cmp(&b.0));
+                let mut out = Vec::new();
+                for (t, id, pr, mt) in &arrivals {
+                    while let Some(w) = e.next_wake() {
+                        if w > *t { break; }
+                        e.advance_to(w, &mut out);
+                        prop_assert!(e.stats().running <= seats);
+                        prop_assert!(e.kv_reserved <= 8_000);
+                    }
+                    e.advance_to(*t, &mut out);
+                    e.submit(req(*id, *pr, *mt), *t).unwrap();
+                    e.advance_to(*t, &mut out);
+                }
+                while let Some(w) = e.next_wake() {
+                    e.advance_to(w, &mut out);
+                    prop_assert!(e.stats().running <= seats);
+                    prop_assert!(e.kv_reserved <= 8_000);
+                }
+                for (_, id, _, mt) in &arrivals {
+                    let idx: Vec<u32> = out.iter().filter(|ev| ev.id == *id).map(|ev| ev.index).collect();
+                    prop_assert_eq!(idx, (0..*mt).collect::<Vec<_>>());
+                }
+                prop_assert!(out.windows(2).all(|w| w[0].at <= w[1].at));
+                prop_assert_eq!(e.stats().running + e.stats().waiting, 0);
+                prop_assert_eq!(e.kv_reserved, 0);
+            }
+        }
+    }
 }

@@ -409,6 +409,24 @@ async fn outputs_are_deterministic_under_a_seed() {
     );
     assert_eq!(ta, tb);
     assert_ne!(ta, tc);
+
+    // injected errors follow the seeded RNG: same seed, same request order, same failures
+    let mut seq = Vec::new();
+    for pod in [&a, &b] {
+        pod.control(json!({"error_rate": 0.5})).await;
+        let mut statuses = Vec::new();
+        for _ in 0..24 {
+            statuses.push(
+                pod.post("/v1/chat/completions", chat("x", 1))
+                    .await
+                    .status(),
+            );
+        }
+        seq.push(statuses);
+    }
+    assert_eq!(seq[0], seq[1]);
+    assert!(seq[0].contains(&reqwest::StatusCode::OK));
+    assert!(seq[0].contains(&reqwest::StatusCode::INTERNAL_SERVER_ERROR));
 }
 
 #[tokio::test]
