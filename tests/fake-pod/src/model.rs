@@ -373,6 +373,11 @@ impl Engine {
             end: it.end,
             occupancy: it.occupancy,
         });
+        // Keep only the utilisation window, whether or not anyone reads it.
+        let from = it.end - UTILIZATION_WINDOW_S;
+        while self.busy.front().is_some_and(|b| b.end < from) {
+            self.busy.pop_front();
+        }
         let mut i = 0;
         while i < self.running.len() {
             let s = &mut self.running[i];
@@ -648,6 +653,12 @@ mod tests {
         let (f, occ) = e.busy_window(2.0);
         assert!(f > 0.99, "{f}");
         assert!(close(occ, 0.25));
+        // history is bounded by the window even if nobody reads it
+        let mut e2 = Engine::new(params());
+        e2.submit(req(2, 10, 5000), 0.0).unwrap();
+        e2.advance_to(30.0, &mut out);
+        let span = e2.busy.back().unwrap().end - e2.busy.front().unwrap().end;
+        assert!(span <= UTILIZATION_WINDOW_S, "{span}");
     }
 
     mod props {
