@@ -151,14 +151,13 @@ impl Request {
             return;
         };
         let model = self.model.as_deref();
-        // The chosen pod was counted in flight: close that (its local breaker also records).
+        // The chosen pod was counted in flight: close that (its local breaker also records;
+        // the shared breaker below is authoritative). A cancelled request teaches nothing and
+        // its in-flight count lapses with the pod's next snapshot.
         if let Some(c) = chosen.as_deref() {
-            let o = pairs
-                .iter()
-                .find(|(p, _)| *p == c)
-                .map(|(_, o)| *o)
-                .unwrap_or_default();
-            let _ = router.on_outcome(pool, c, model, &o, now);
+            if let Some((_, o)) = pairs.iter().find(|(p, _)| *p == c) {
+                let _ = router.on_outcome(pool, c, model, o, now);
+            }
         }
         for (pod, o) in &pairs {
             let failure = o.failure(&cfg);

@@ -88,7 +88,7 @@ impl Metrics {
     }
 
     /// Exports the core's monotonic counters as `ailb.<name>` deltas since the last call;
-    /// returns the fallback requests counted in this call.
+    /// returns the requests not steered by score (fallbacks and fail-opens) in this call.
     pub fn export_core(&mut self, counters: &[(&'static str, u64)]) -> u64 {
         let mut fallbacks = 0;
         for (name, value) in counters {
@@ -99,7 +99,7 @@ impl Metrics {
             let last = self.last_core.insert(name, *value).unwrap_or(0);
             let delta = value.saturating_sub(last);
             if delta > 0 {
-                if name.starts_with("fallback.") {
+                if name.starts_with("fallback.") || *name == "fail_open" {
                     fallbacks += delta;
                 }
                 self.inc(&format!("ailb.{name}"), delta);

@@ -288,9 +288,11 @@ impl Root {
             host::log(
                 LogLevel::Warn,
                 &format!(
-                    "ai-lb: {} requests not steered since the last report (no fresh pod \
-                     metrics: agent stream {}); Envoy's fallback policy balanced them",
+                    "ai-lb: {} requests not steered by score since the last report \
+                     (totals in this VM: fallback {}, fail-open {}; agent stream {}); Envoy's fallback policy balanced the fallbacks",
                     self.unsteered,
+                    fallback_total(&counters),
+                    counters.iter().find(|(k, _)| *k == "fail_open").map_or(0, |(_, v)| *v),
                     if live {
                         "live"
                     } else {
@@ -508,17 +510,28 @@ impl RootContext for Root {
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        match &self.state {
-            Some(s) if s.borrow().router.config().mode == Mode::Route => {
-                Some(Box::new(Request::new(s.clone())))
-            }
-            _ => Some(Box::new(PassThrough)),
+        let route = self.state.as_ref().filter(|s| {
+            s.try_borrow()
+                .is_ok_and(|s| s.router.config().mode == Mode::Route)
+        });
+        match route {
+            Some(s) => Some(Box::new(Request::new(s.clone()))),
+            None => Some(Box::new(PassThrough)),
         }
     }
 
     fn get_type(&self) -> Option<ContextType> {
         Some(ContextType::HttpContext)
     }
+}
+
+/// Total fallbacks so far (every reason) in the core's counters.
+fn fallback_total(counters: &[(&'static str, u64)]) -> u64 {
+    counters
+        .iter()
+        .filter(|(k, _)| k.starts_with("fallback."))
+        .map(|(_, v)| v)
+        .sum()
 }
 
 /// Counts breaker transitions that happened on the shared breaker state.

@@ -241,6 +241,9 @@ fn envoy_command(config: &Path, dir: &Path, concurrency: u32) -> Command {
         .arg(dir.join("admin.addr"))
         .arg("--log-path")
         .arg(dir.join("envoy.log"))
+        // Tests read the log while Envoy runs: flush it often.
+        .arg("--file-flush-interval-msec")
+        .arg("200")
         .arg("-l")
         .arg("info")
         .stdin(Stdio::null())
@@ -765,6 +768,279 @@ fn serve_stub(s: TcpStream, addr: SocketAddr, seen: SeenHeaders, stop: Arc<Atomi
         );
         if w.write_all(resp.as_bytes()).is_err() {
             return;
+        }
+    }
+}
+
+/// A free loopback port: bound to port 0 and released (a small race with other binders is
+/// accepted; used only where a process must know its peers' ports before they start).
+pub fn free_port() -> Result<u16, Error> {
+    let l = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("bind 127.0.0.1:0: {e}"))?;
+    l.local_addr()
+        .map(|a| a.port())
+        .map_err(|e| format!("local_addr: {e}"))
+}
+
+/// A child process of this workspace (fake pod, agent) that announced `LISTENING <kind> <addr>`
+/// on stdout. Its stderr goes to a file; it is killed on drop.
+pub struct Proc {
+    pub name: String,
+    child: Child,
+    pub listening: Vec<(String, SocketAddr)>,
+    stderr: PathBuf,
+    dir: PathBuf,
+}
+
+impl std::fmt::Debug for Proc {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Proc")
+            .field("name", &self.name)
+            .field("listening", &self.listening)
+            .finish()
+    }
+}
+
+impl Proc {
+    /// Spawns `bin args` and waits until it announced every kind in `expect`.
+    pub fn spawn(
+        name: &str,
+        bin: &Path,
+        args: &[String],
+        expect: &[&str],
+        timeout: Duration,
+    ) -> Result<Proc, Error> {
+        let dir = scratch_dir(name)?;
+        let stderr = dir.join("stderr.log");
+        let err_file = std::fs::File::create(&stderr).map_err(|e| e.to_string())?;
+        let mut child = Command::new(bin)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(err_file))
+            .spawn()
+            .map_err(|e| format!("spawning {}: {e}", bin.display()))?;
+        let stdout = child
+            .stdout
+            .take()
+            .ok_or_else(|| "no stdout pipe".to_string())?;
+        let (tx, rx) = std::sync::mpsc::channel::<String>();
+        thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    // Keep draining so the child never blocks on a full pipe.
+                    continue;
+                }
+            }
+        });
+        let mut proc = Proc {
+            name: name.to_string(),
+            child,
+            listening: Vec::new(),
+            stderr,
+            dir,
+        };
+        let deadline = Instant::now() + timeout;
+        while !expect
+            .iter()
+            .all(|k| proc.listening.iter().any(|(kind, _)| kind == k))
+        {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left.min(Duration::from_millis(100))) {
+                Ok(line) => {
+                    let mut parts = line.split_whitespace();
+                    if parts.next() == Some("LISTENING") {
+                        if let (Some(kind), Some(addr)) = (parts.next(), parts.next()) {
+                            if let Ok(a) = addr.parse() {
+                                proc.listening.push((kind.to_string(), a));
+                            }
+                        }
+                    }
+                }
+                Err(_) => {
+                    if let Ok(Some(status)) = proc.child.try_wait() {
+                        return Err(format!(
+                            "{name} exited ({status}) before announcing {expect:?}; stderr:\n{}",
+                            proc.stderr_tail(30)
+                        ));
+                    }
+                    if Instant::now() >= deadline {
+                        return Err(format!(
+                            "{name} did not announce {expect:?} within {timeout:?}; stderr:\n{}",
+                            proc.stderr_tail(30)
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(proc)
+    }
+
+    /// The address announced for `kind`.
+    pub fn addr(&self, kind: &str) -> Option<SocketAddr> {
+        self.listening
+            .iter()
+            .find(|(k, _)| k == kind)
+            .map(|(_, a)| *a)
+    }
+
+    pub fn stderr_tail(&self, n: usize) -> String {
+        let text = std::fs::read_to_string(&self.stderr).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    }
+
+    /// Kills the process (SIGKILL) and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+        if !thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// Agent timing for tests: fast sampling, pushes and heartbeats.
+pub const AGENT_FAST_ARGS: &[&str] = &[
+    "--sample-interval",
+    "50ms",
+    "--watch-min-interval",
+    "50ms",
+    "--heartbeat",
+    "300ms",
+    "--peer-stale-after",
+    "1500ms",
+    "--window",
+    "2s",
+];
+
+/// Fake GPU pods, each with its collector agent; every agent lists all the others as peers,
+/// so any agent's `WatchPool` covers the whole pool.
+#[derive(Debug)]
+pub struct PodPool {
+    /// `pod0`, `pod1`, ... (also the `x-fake-pod` response header value).
+    pub names: Vec<String>,
+    pub pods: Vec<Proc>,
+    pub pod_addrs: Vec<SocketAddr>,
+    pub agents: Vec<Option<Proc>>,
+    pub agent_addrs: Vec<SocketAddr>,
+}
+
+impl PodPool {
+    /// Starts `n` fake pods (`--time-scale time_scale`) and their agents.
+    pub fn start(n: usize, time_scale: f64) -> Result<PodPool, Error> {
+        let pod_bin = workspace_bin("ai-lb-fake-pod")?;
+        let agent_bin = workspace_bin("ai-lb-agent")?;
+        let mut names = Vec::new();
+        let mut pods = Vec::new();
+        let mut pod_addrs = Vec::new();
+        for i in 0..n {
+            let name = format!("pod{i}");
+            let args: Vec<String> = [
+                "--listen",
+                "127.0.0.1:0",
+                "--pod-name",
+                &name,
+                "--seed",
+                &(i + 1).to_string(),
+                "--time-scale",
+                &time_scale.to_string(),
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+            let p = Proc::spawn(&name, &pod_bin, &args, &["http"], Duration::from_secs(20))?;
+            let addr = p
+                .addr("http")
+                .ok_or_else(|| format!("{name} announced no http address"))?;
+            names.push(name);
+            pod_addrs.push(addr);
+            pods.push(p);
+        }
+        let agent_addrs: Vec<SocketAddr> = (0..n)
+            .map(|_| free_port().map(|p| SocketAddr::from(([127, 0, 0, 1], p))))
+            .collect::<Result<_, _>>()?;
+        let mut agents = Vec::new();
+        for i in 0..n {
+            let peers: Vec<String> = agent_addrs
+                .iter()
+                .enumerate()
+                .filter(|(j, _)| *j != i)
+                .map(|(_, a)| a.to_string())
+                .collect();
+            let pod = pod_addrs[i];
+            let mut args: Vec<String> = vec![
+                "--grpc-listen".into(),
+                agent_addrs[i].to_string(),
+                "--http-listen".into(),
+                "127.0.0.1:0".into(),
+                "--pod-name".into(),
+                names[i].clone(),
+                "--serving-address".into(),
+                pod.to_string(),
+                "--gpu-source".into(),
+                "sim".into(),
+                "--sim-url".into(),
+                format!("http://{pod}"),
+                "--model-server-url".into(),
+                format!("http://{pod}"),
+                "--engine".into(),
+                "vllm".into(),
+            ];
+            if !peers.is_empty() {
+                args.push("--peers".into());
+                args.push(peers.join(","));
+            }
+            args.extend(AGENT_FAST_ARGS.iter().map(|s| s.to_string()));
+            let name = format!("agent{i}");
+            let a = Proc::spawn(&name, &agent_bin, &args, &["grpc"], Duration::from_secs(20))?;
+            agents.push(Some(a));
+        }
+        Ok(PodPool {
+            names,
+            pods,
+            pod_addrs,
+            agents,
+            agent_addrs,
+        })
+    }
+
+    /// The pod name of a serving address.
+    pub fn name_of(&self, addr: &str) -> Option<&str> {
+        self.pod_addrs
+            .iter()
+            .position(|a| a.to_string() == addr)
+            .and_then(|i| self.names.get(i))
+            .map(String::as_str)
+    }
+
+    /// `POST /control` on pod `i` (fault injection, e.g. `{"gpu_utilization":0.97}`).
+    pub fn control(&self, i: usize, json: &str) -> Result<(), Error> {
+        let addr = *self.pod_addrs.get(i).ok_or_else(|| format!("no pod {i}"))?;
+        let r = HttpClient::new(addr).post_json("/control", &[("connection", "close")], json)?;
+        if r.status == 200 {
+            Ok(())
+        } else {
+            Err(format!(
+                "POST /control {json} on pod{i}: {} {}",
+                r.status,
+                r.text()
+            ))
+        }
+    }
+
+    /// Kills every agent.
+    pub fn kill_agents(&mut self) {
+        for a in self.agents.iter_mut() {
+            if let Some(mut p) = a.take() {
+                p.kill();
+            }
         }
     }
 }

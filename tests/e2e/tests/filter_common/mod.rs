@@ -1,0 +1,137 @@
+//! Shared pieces of the filter's end-to-end tests: the plugin config they run with, the
+//! scoreboard (status path) reader, and request loops that count which pod served.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use ai_lb_e2e::envoy::{Envoy, EnvoyOptions, HttpClient, PodPool};
+use serde_json::Value;
+
+pub const STATUS_PATH: &str = "/ai-lb/status";
+
+/// The plugin config: one pool on the `inference` cluster, GPU-only weights unless `extra`
+/// overrides them, fast refresh, small breaker; `extra` is merged at the top level.
+pub fn config(extra: Value) -> String {
+    let mut base = serde_json::json!({
+        "pools": [{
+            "name": "default",
+            "cluster": "inference",
+            "agentCluster": "ai_lb_agents",
+            "weights": {"gpu": 1.0}
+        }],
+        "minPods": 1,
+        "emaAlpha": 1.0,
+        "floorWeight": 0.0,
+        "statusPath": STATUS_PATH,
+        "debugHeader": "x-ai-lb-debug",
+        "cutoffs": {"stalenessMs": 5000},
+        "breaker": {"consecutiveFailures": 3, "baseCooldownMs": 1500, "halfOpenProbes": 2},
+        "watch": {"refreshMs": 20, "minIntervalMs": 50, "heartbeatMs": 300, "reconnectBaseMs": 100, "reconnectMaxMs": 1000}
+    });
+    if let (Some(b), Value::Object(e)) = (base.as_object_mut(), extra) {
+        for (k, v) in e {
+            b.insert(k, v);
+        }
+    }
+    base.to_string()
+}
+
+/// Starts Envoy in front of `pool` with `config`.
+pub fn envoy_for(pool: &PodPool, config: String) -> Envoy {
+    let mut opts = EnvoyOptions::new(config);
+    opts.inference = pool.pod_addrs.clone();
+    opts.agents = pool.agent_addrs.clone();
+    Envoy::start(&opts).unwrap()
+}
+
+/// The scoreboard JSON served on the status path.
+pub fn scoreboard(envoy: &Envoy) -> Value {
+    let r = HttpClient::new(envoy.listener)
+        .get(STATUS_PATH, &[("connection", "close")])
+        .unwrap();
+    assert_eq!(r.status, 200, "status path: {}", r.text());
+    serde_json::from_slice(&r.body).unwrap_or_else(|e| panic!("status JSON: {e}: {}", r.text()))
+}
+
+/// The scoreboard row of the pod serving at `addr` (first pool).
+pub fn row(sb: &Value, addr: &str) -> Option<Value> {
+    sb["pools"][0]["pods"]
+        .as_array()?
+        .iter()
+        .find(|p| p["address"] == addr)
+        .cloned()
+}
+
+/// Polls the scoreboard until `ok` holds for it.
+pub fn wait_scoreboard(
+    envoy: &Envoy,
+    what: &str,
+    timeout_s: u64,
+    ok: impl Fn(&Value) -> bool,
+) -> Value {
+    let mut last = Value::Null;
+    let got = envoy.poll(Duration::from_secs(timeout_s), what, || {
+        let sb = scoreboard(envoy);
+        if ok(&sb) {
+            Some(sb)
+        } else {
+            last = sb;
+            None
+        }
+    });
+    got.unwrap_or_else(|e| panic!("{e}\nlast scoreboard: {last:#}"))
+}
+
+/// True when every pod of `pool` has fresh metrics on the scoreboard.
+pub fn all_fresh(sb: &Value, pool: &PodPool) -> bool {
+    pool.pod_addrs.iter().all(|a| {
+        row(sb, &a.to_string())
+            .is_some_and(|r| r["metricsAgeMs"].as_u64().is_some_and(|age| age < 1000))
+    })
+}
+
+/// The filter's decision counters (steered, fallbacks, fail-opens), for failure messages.
+pub fn decision_stats(envoy: &Envoy) -> String {
+    envoy
+        .stats()
+        .map(|s| {
+            s.iter()
+                .filter(|(k, _)| {
+                    k.starts_with("wasmcustom.ailb.") && !k.starts_with("wasmcustom.ailb.endpoint.")
+                })
+                .map(|(k, v)| format!("{k}: {v}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        })
+        .unwrap_or_default()
+}
+
+/// Sends `n` sequential GETs and counts the `x-fake-pod` of the answers; every answer must be 200.
+pub fn count_served(envoy: &Envoy, n: usize, headers: &[(&str, &str)]) -> BTreeMap<String, usize> {
+    let mut client = HttpClient::new(envoy.listener);
+    let mut served = BTreeMap::new();
+    for i in 0..n {
+        let r = client.get("/v1/models", headers).unwrap();
+        assert_eq!(r.status, 200, "request {i}: {} {}", r.status, r.text());
+        *served
+            .entry(r.header("x-fake-pod").unwrap_or("none").to_string())
+            .or_insert(0) += 1;
+    }
+    served
+}
+
+/// One completion request (small, fast); returns status and the serving pod.
+pub fn complete(client: &mut HttpClient) -> (u16, String) {
+    let r = client
+        .post_json(
+            "/v1/completions",
+            &[],
+            r#"{"prompt":"hello there","max_tokens":4}"#,
+        )
+        .unwrap();
+    (
+        r.status,
+        r.header("x-fake-pod").unwrap_or("none").to_string(),
+    )
+}
