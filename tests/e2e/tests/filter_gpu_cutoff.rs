@@ -21,6 +21,15 @@ fn a_pod_at_97_percent_gpu_receives_none_of_1000_requests() {
         all_fresh(sb, &pool) && row(sb, &hot).is_some_and(|r| r["cut"] == "gpu_hard_limit")
     });
 
+    // One WatchPool stream for the whole Envoy (2 workers + main thread VMs): lease election.
+    envoy
+        .poll(
+            std::time::Duration::from_secs(5),
+            "exactly one agent stream",
+            || (envoy.stat("cluster.ai_lb_agents.upstream_rq_active").ok()? == 1).then_some(()),
+        )
+        .unwrap();
+
     let served = count_served(&envoy, 1000, &[("x-gateway-destination-endpoint", &hot)]);
     assert_eq!(
         served.get("pod0"),
