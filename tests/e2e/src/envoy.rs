@@ -890,6 +890,20 @@ impl Proc {
         lines[lines.len().saturating_sub(n)..].join("\n")
     }
 
+    /// Sends a signal by name (`STOP`, `CONT`, `TERM`) with `kill(1)`.
+    pub fn signal(&self, sig: &str) -> Result<(), Error> {
+        let status = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .map_err(|e| format!("kill -{sig}: {e}"))?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(format!("kill -{sig} {} failed: {status}", self.child.id()))
+        }
+    }
+
     /// Kills the process (SIGKILL) and reaps it.
     pub fn kill(&mut self) {
         let _ = self.child.kill();
@@ -1033,6 +1047,14 @@ impl PodPool {
                 r.text()
             ))
         }
+    }
+
+    /// Sends a signal to every live agent (e.g. `STOP` to hang them, `CONT` to resume).
+    pub fn signal_agents(&self, sig: &str) -> Result<(), Error> {
+        for a in self.agents.iter().flatten() {
+            a.signal(sig)?;
+        }
+        Ok(())
     }
 
     /// Kills every agent.
