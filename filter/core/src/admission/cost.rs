@@ -580,89 +580,131 @@ fn is_cjk(c: char) -> bool {
 
 #[inline]
 fn is_word_char(c: char) -> bool {
-    c.is_ascii_alphabetic() || (!c.is_ascii() && c.is_alphabetic() && !is_cjk(c))
+    c.is_ascii_alphabetic() || (!c.is_ascii() && !is_cjk(c) && c.is_alphabetic())
 }
 
+/// The char starting at byte `i` of `s` (`i` is always a char boundary here).
 #[inline]
-fn is_newline(c: char) -> bool {
-    matches!(c, '\n' | '\r')
+fn char_at(s: &str, i: usize) -> Option<char> {
+    s.get(i..).and_then(|x| x.chars().next())
+}
+
+/// Whether the text at byte `i` starts a word.
+#[inline]
+fn word_at(s: &str, b: &[u8], i: usize) -> bool {
+    match b.get(i) {
+        Some(c) if c.is_ascii() => c.is_ascii_alphabetic(),
+        Some(_) => char_at(s, i).is_some_and(is_word_char),
+        None => false,
+    }
 }
 
 /// Estimated BPE tokens of `s` (see the module doc for the rule and its measured error).
+/// One pass over the bytes; only non-ASCII characters are decoded.
 pub fn estimate_text_tokens(s: &str) -> u32 {
+    let b = s.as_bytes();
     let mut t = 0.0f64;
-    let mut it = s.chars().peekable();
-    while let Some(c) = it.next() {
-        if is_word_char(c) {
+    let mut i = 0usize;
+    while let Some(&c) = b.get(i) {
+        if c.is_ascii_alphabetic() || (c >= 0x80 && word_at(s, b, i)) {
             // One word (any alphabetic script but CJK), split at lower->upper humps.
-            let (mut seg, mut non_ascii, mut prev_lower, mut cur) = (0usize, 0usize, false, c);
-            loop {
-                if cur.is_ascii() {
-                    if cur.is_ascii_uppercase() && prev_lower {
+            let (mut seg, mut non_ascii, mut prev_lower) = (0usize, 0usize, false);
+            while let Some(&x) = b.get(i) {
+                if x.is_ascii_alphabetic() {
+                    let upper = x.is_ascii_uppercase();
+                    if upper && prev_lower {
                         t += word_tokens(seg);
                         seg = 0;
                     }
-                    prev_lower = cur.is_ascii_lowercase();
+                    prev_lower = !upper;
                     seg += 1;
+                    i += 1;
+                } else if x >= 0x80 {
+                    match char_at(s, i) {
+                        Some(ch) if is_word_char(ch) => {
+                            // A non-ASCII letter inside a Latin word breaks BPE merges: it ends
+                            // the ASCII segment (`p|ê|cheurs`).
+                            if seg > 0 {
+                                t += word_tokens(seg);
+                                seg = 0;
+                            }
+                            prev_lower = ch.is_lowercase();
+                            non_ascii += 1;
+                            i += ch.len_utf8();
+                        }
+                        _ => break,
+                    }
                 } else {
-                    // A non-ASCII letter inside a Latin word breaks BPE merges: it ends the
-                    // ASCII segment (`p|ê|cheurs`).
-                    if seg > 0 {
-                        t += word_tokens(seg);
-                        seg = 0;
-                    }
-                    prev_lower = cur.is_lowercase();
-                    non_ascii += 1;
-                }
-                match it.peek() {
-                    Some(&n) if is_word_char(n) => {
-                        cur = n;
-                        it.next();
-                    }
-                    _ => break,
+                    break;
                 }
             }
             let w =
                 if seg > 0 { word_tokens(seg) } else { 0.0 } + NON_ASCII_LETTER * non_ascii as f64;
             t += w.max(1.0);
         } else if c.is_ascii_digit() {
-            let mut run = 1usize;
-            while it.next_if(char::is_ascii_digit).is_some() {
-                run += 1;
+            let start = i;
+            while b.get(i).is_some_and(u8::is_ascii_digit) {
+                i += 1;
             }
-            t += run.div_ceil(3) as f64;
-        } else if c == ' ' {
-            let mut run = 1usize;
-            while it.next_if_eq(&' ').is_some() {
-                run += 1;
+            t += (i - start).div_ceil(3) as f64;
+        } else if c == b' ' {
+            let start = i;
+            while b.get(i) == Some(&b' ') {
+                i += 1;
             }
             // A single space merges into a following word or punctuation, not into digits.
-            let merges = it
-                .peek()
-                .is_some_and(|&n| !n.is_ascii_digit() && !n.is_whitespace());
-            if run >= 2 || !merges {
+            let merges = match b.get(i) {
+                Some(&x) if x.is_ascii() => !x.is_ascii_digit() && !x.is_ascii_whitespace(),
+                Some(_) => char_at(s, i).is_some_and(|ch| !ch.is_whitespace()),
+                None => false,
+            };
+            if i - start >= 2 || !merges {
                 t += 1.0;
             }
-        } else if c.is_whitespace() {
-            while it.next_if(|n| n.is_whitespace() && *n != ' ').is_some() {}
-            t += 1.0;
-        } else if c.is_ascii() {
-            let mut run = 1usize;
-            while it.next_if(|n| n.is_ascii_punctuation()).is_some() {
-                run += 1;
+        } else if c.is_ascii_whitespace()
+            || (c >= 0x80 && char_at(s, i).is_some_and(char::is_whitespace))
+        {
+            // A run of line breaks, tabs and other non-space whitespace.
+            while let Some(&x) = b.get(i) {
+                if x.is_ascii_whitespace() && x != b' ' {
+                    i += 1;
+                } else if x >= 0x80 {
+                    match char_at(s, i) {
+                        Some(ch) if ch.is_whitespace() => i += ch.len_utf8(),
+                        _ => break,
+                    }
+                } else {
+                    break;
+                }
             }
-            if run == 1 && it.peek().is_some_and(|&n| is_word_char(n)) {
+            t += 1.0;
+        } else if c < 0x80 {
+            let start = i;
+            i += 1;
+            while b.get(i).is_some_and(u8::is_ascii_punctuation) {
+                i += 1;
+            }
+            let run = i - start;
+            if run == 1 && word_at(s, b, i) {
                 t += PUNCT_BEFORE_WORD;
             } else {
                 t += run.div_ceil(3) as f64;
                 // Line breaks right after punctuation join it (`;\n`, `{\n`).
-                while it.next_if(|&n| is_newline(n)).is_some() {}
+                while matches!(b.get(i), Some(b'\n' | b'\r')) {
+                    i += 1;
+                }
             }
-        } else if is_cjk(c) {
-            t += CJK_CHAR;
         } else {
-            // Symbols: dashes and quotes are one token, emoji and rarer ones about two.
-            t += if c.len_utf8() >= 4 { 2.0 } else { 1.0 };
+            let Some(ch) = char_at(s, i) else { break };
+            i += ch.len_utf8();
+            t += if is_cjk(ch) {
+                CJK_CHAR
+            } else if ch.len_utf8() >= 4 {
+                // Symbols: emoji and rarer ones about two tokens, dashes and quotes one.
+                2.0
+            } else {
+                1.0
+            };
         }
     }
     let t = t.ceil();

@@ -275,4 +275,79 @@ mod tests {
         s.record_estimate(90, 100);
         assert_eq!(s.estimate_error_pct.counts[2], 1);
     }
+
+    #[test]
+    fn held_queue_and_settlement_counters() {
+        use crate::admission::bucket::{try_admit, MemoryStore};
+        use crate::admission::config::BucketParams;
+        use crate::admission::priority::HeldQueue;
+        let mut s = Stats::new();
+        let mut q = HeldQueue::new(4);
+        q.push(1, PriorityClass::Standard, 0, 100).unwrap();
+        q.push(2, PriorityClass::Standard, 10, 110).unwrap();
+        s.set_held_depth(q.depth());
+        for l in q.release(1, 40) {
+            s.record_released(&l);
+        }
+        for l in q.expire(200) {
+            s.record_expired("t", &l);
+        }
+        s.set_held_depth(q.depth());
+        assert_eq!(
+            (
+                s.held_depth,
+                s.held_depth_max,
+                s.held_released,
+                s.held_expired
+            ),
+            (0, 2, 1, 1)
+        );
+        assert_eq!(s.held_wait_ms.count, 2);
+        assert_eq!(s.held_wait_ms.sum, 40.0 + 190.0);
+        assert_eq!(
+            s.per_tenant[&("t".to_string(), PriorityClass::Standard)].held_rejected,
+            1
+        );
+
+        let store = MemoryStore::new();
+        let p = BucketParams {
+            tokens_per_second: 1,
+            burst: 10,
+        };
+        s.record_admission(
+            "t",
+            PriorityClass::Critical,
+            &try_admit(&store, "t", &p, 8, 0),
+        );
+        s.record_admission(
+            "t",
+            PriorityClass::Critical,
+            &try_admit(&store, "t", &p, 8, 0),
+        );
+        s.record_admission(
+            "t",
+            PriorityClass::Critical,
+            &try_admit(&store, "t", &p, 11, 0),
+        );
+        let c = s.per_tenant[&("t".to_string(), PriorityClass::Critical)];
+        assert_eq!(
+            (
+                c.admitted,
+                c.rate_limited,
+                s.tokens_reserved,
+                s.rejected_cost_exceeds_burst
+            ),
+            (1, 2, 8, 1)
+        );
+        s.record_settlement(&crate::admission::bucket::Settlement {
+            charged: 3,
+            refunded: 0,
+            cas_retries: 1,
+        });
+        s.record_kept_reservation();
+        assert_eq!(
+            (s.tokens_charged, s.cas_retries, s.reservations_kept),
+            (3, 1, 1)
+        );
+    }
 }
