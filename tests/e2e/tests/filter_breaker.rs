@@ -51,6 +51,7 @@ fn a_pod_returning_500s_is_cut_then_readmitted_through_half_open() {
         );
     }
     let picked_while_failing = picks(&envoy) - before;
+    eprintln!("breaker opened after {sent} requests; pod0 picked {picked_while_failing} times while failing");
     assert!(
         picked_while_failing <= FAILURES,
         "pod0 was picked {picked_while_failing} times before its breaker opened (limit {FAILURES})"
