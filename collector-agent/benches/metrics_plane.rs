@@ -74,6 +74,7 @@ async fn agent(
             http_listener: TcpListener::bind("127.0.0.1:0").await.expect("bind"),
             clock: Arc::new(SystemClock),
             agent_instance: new_agent_instance(),
+            resolver: None,
         },
     )
     .expect("agent starts")

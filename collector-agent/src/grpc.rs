@@ -4,7 +4,7 @@
 //! "agent shutting down"` in trailers, never a connection reset).
 
 use crate::config::AgentConfig;
-use crate::pool::{run_pool, PoolConfig, PoolView};
+use crate::pool::{run_pool, DnsResolver, PoolConfig, PoolView, Resolve};
 use crate::sampler::{stopped, Clock, Hub, IdentityConfig, Sampler};
 use crate::sources::Source;
 use ai_lb_proto::v1::metrics_service_server::{MetricsService, MetricsServiceServer};
@@ -361,6 +361,8 @@ pub struct StartArgs {
     pub http_listener: TcpListener,
     pub clock: Arc<dyn Clock>,
     pub agent_instance: String,
+    /// Resolves `--peers-dns`; `None` = the system resolver.
+    pub resolver: Option<Arc<dyn Resolve>>,
 }
 
 /// Starts every part of the agent on already-bound listeners (so port 0 works and the caller
@@ -411,9 +413,11 @@ pub fn start(cfg: &AgentConfig, args: StartArgs) -> std::io::Result<RunningAgent
             self_addresses,
             self_instance: args.agent_instance.clone(),
         };
+        let resolver = args.resolver.unwrap_or_else(|| Arc::new(DnsResolver));
         tasks.push(tokio::spawn(run_pool(
             pcfg,
             pool.clone(),
+            resolver,
             shutdown_rx.clone(),
         )));
     }

@@ -143,6 +143,7 @@ async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
             http_listener,
             clock: Arc::new(SystemClock),
             agent_instance: instance,
+            resolver: None,
         },
     )?;
     wait_for_signal().await?;

@@ -7,7 +7,9 @@
 use crate::sampler::Published;
 use ai_lb_proto::v1::metrics_service_client::MetricsServiceClient;
 use ai_lb_proto::v1::{watch_event, PeerState, PeerStatus, PodSnapshot, WatchRequest};
+use futures::future::BoxFuture;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
@@ -193,6 +195,22 @@ pub fn peer_state(peer: &str, e: &PeerEntry, now: Instant) -> PeerState {
     }
 }
 
+/// Resolves the peer DNS name (`name:port`) to addresses; injected so tests can change the answer.
+pub trait Resolve: Send + Sync + 'static {
+    fn resolve(&self, name: &str) -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>>;
+}
+
+/// The system resolver (`tokio::net::lookup_host`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DnsResolver;
+
+impl Resolve for DnsResolver {
+    fn resolve(&self, name: &str) -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>> {
+        let name = name.to_string();
+        Box::pin(async move { Ok(tokio::net::lookup_host(name).await?.collect()) })
+    }
+}
+
 /// How the pool is discovered and watched.
 #[derive(Debug, Clone)]
 pub struct PoolConfig {
@@ -209,7 +227,12 @@ pub struct PoolConfig {
 }
 
 /// Runs discovery until `shutdown`, starting and stopping one watcher task per peer.
-pub async fn run_pool(cfg: PoolConfig, view: Arc<PoolView>, mut shutdown: watch::Receiver<bool>) {
+pub async fn run_pool(
+    cfg: PoolConfig,
+    view: Arc<PoolView>,
+    resolver: Arc<dyn Resolve>,
+    mut shutdown: watch::Receiver<bool>,
+) {
     let mut tasks: HashMap<String, JoinHandle<()>> = HashMap::new();
     let mut dns_peers: BTreeSet<String> = BTreeSet::new();
     let mut ticker = tokio::time::interval(cfg.refresh);
@@ -220,8 +243,8 @@ pub async fn run_pool(cfg: PoolConfig, view: Arc<PoolView>, mut shutdown: watch:
             _ = crate::sampler::stopped(&mut shutdown) => break,
         }
         if let Some(name) = &cfg.dns {
-            match tokio::net::lookup_host(name.as_str()).await {
-                Ok(addrs) => dns_peers = addrs.map(|a| a.to_string()).collect(),
+            match resolver.resolve(name).await {
+                Ok(addrs) => dns_peers = addrs.iter().map(|a| a.to_string()).collect(),
                 // Keep the last answer: a resolver hiccup must not remove the whole pool.
                 Err(e) => tracing::warn!(dns = %name, error = %e, "peer DNS lookup failed"),
             }
@@ -263,7 +286,10 @@ pub async fn run_pool(cfg: PoolConfig, view: Arc<PoolView>, mut shutdown: watch:
                 );
             }
         }
-        view.prune_removed(Instant::now() - Duration::from_secs(60).min(cfg.refresh * 12));
+        let keep_removed = Duration::from_secs(60).min(cfg.refresh * 12);
+        if let Some(cutoff) = Instant::now().checked_sub(keep_removed) {
+            view.prune_removed(cutoff);
+        }
     }
     for (_, t) in tasks {
         t.abort();

@@ -7,6 +7,7 @@ mod agent_support;
 use agent_support::*;
 use ai_lb_proto::v1::{PeerState, PeerStatus, PoolEvent, WatchPoolRequest};
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tonic::Streaming;
@@ -175,6 +176,69 @@ async fn pool_marks_killed_peer_stale_and_restarted_peer_live() {
     .await;
 
     for agent in agents.into_iter().flatten() {
+        agent.shutdown(Duration::from_secs(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dns_discovery_adds_new_peers_and_removes_vanished_ones() {
+    let lb = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let lc = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let la = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let (b_addr, c_addr, a_addr) = (
+        lb.local_addr().unwrap(),
+        lc.local_addr().unwrap(),
+        la.local_addr().unwrap(),
+    );
+    let knob = Knob::default();
+    let b = start_on(&test_config("10.0.0.2:8000", vec![]), &knob, lb).await;
+    let c = start_on(&test_config("10.0.0.3:8000", vec![]), &knob, lc).await;
+    let dns = FakeDns::default();
+    // The answer includes the agent itself, as a headless Service's does.
+    dns.answer(&[a_addr, b_addr]);
+    let mut cfg = test_config("10.0.0.1:8000", vec![]);
+    cfg.peers_dns = Some("pods.test:9090".into());
+    let a = start_with(&cfg, &knob, la, Some(Arc::new(dns.clone()))).await;
+
+    let mut ca = client(a.grpc_addr).await;
+    let mut stream = ca
+        .watch_pool(WatchPoolRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    let mut view = View::default();
+    let (bs, cs) = (b_addr.to_string(), c_addr.to_string());
+    within(
+        10,
+        "B LIVE from DNS",
+        until(&mut stream, &mut view, |v| {
+            v.status(&bs) == Some(PeerStatus::Live)
+        }),
+    )
+    .await;
+    assert_eq!(view.0.len(), 2, "self + B: {:?}", view.0.keys());
+
+    dns.answer(&[a_addr, b_addr, c_addr]);
+    within(
+        10,
+        "C appears LIVE without a restart",
+        until(&mut stream, &mut view, |v| {
+            v.status(&cs) == Some(PeerStatus::Live)
+        }),
+    )
+    .await;
+
+    dns.answer(&[a_addr, c_addr]);
+    within(
+        10,
+        "B REMOVED",
+        until(&mut stream, &mut view, |v| {
+            v.status(&bs) == Some(PeerStatus::Removed)
+        }),
+    )
+    .await;
+    assert_eq!(view.status(&cs), Some(PeerStatus::Live));
+    for agent in [a, b, c] {
         agent.shutdown(Duration::from_secs(5)).await;
     }
 }

@@ -4,6 +4,7 @@
 
 use ai_lb_agent::config::AgentConfig;
 use ai_lb_agent::grpc::{start, RunningAgent, StartArgs};
+use ai_lb_agent::pool::Resolve;
 use ai_lb_agent::sampler::{new_agent_instance, SystemClock};
 use ai_lb_agent::sources::{Reading, Rejected, Source, SourceError};
 use ai_lb_proto::v1::metrics_service_client::MetricsServiceClient;
@@ -92,6 +93,15 @@ pub fn test_config(serving: &str, peers: Vec<String>) -> AgentConfig {
 }
 
 pub async fn start_on(cfg: &AgentConfig, knob: &Knob, grpc_listener: TcpListener) -> RunningAgent {
+    start_with(cfg, knob, grpc_listener, None).await
+}
+
+pub async fn start_with(
+    cfg: &AgentConfig,
+    knob: &Knob,
+    grpc_listener: TcpListener,
+    resolver: Option<Arc<dyn Resolve>>,
+) -> RunningAgent {
     let http_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     start(
         cfg,
@@ -102,6 +112,7 @@ pub async fn start_on(cfg: &AgentConfig, knob: &Knob, grpc_listener: TcpListener
             http_listener,
             clock: Arc::new(SystemClock),
             agent_instance: new_agent_instance(),
+            resolver,
         },
     )
     .unwrap()
@@ -139,5 +150,25 @@ pub async fn within<T>(secs: u64, what: &str, fut: impl std::future::Future<Outp
     match tokio::time::timeout(Duration::from_secs(secs), fut).await {
         Ok(v) => v,
         Err(_) => panic!("timed out after {secs}s waiting for {what}"),
+    }
+}
+
+/// A resolver whose answer the test sets.
+#[derive(Debug, Clone, Default)]
+pub struct FakeDns(pub Arc<Mutex<Vec<SocketAddr>>>);
+
+impl FakeDns {
+    pub fn answer(&self, addrs: &[SocketAddr]) {
+        *self.0.lock().unwrap() = addrs.to_vec();
+    }
+}
+
+impl Resolve for FakeDns {
+    fn resolve(
+        &self,
+        _name: &str,
+    ) -> futures::future::BoxFuture<'static, std::io::Result<Vec<SocketAddr>>> {
+        let v = self.0.lock().unwrap().clone();
+        Box::pin(async move { Ok(v) })
     }
 }
