@@ -68,6 +68,13 @@ pub fn request_body(size: usize) -> Option<Vec<u8>> {
         .flatten()
 }
 
+/// The current response body chunk (`size` bytes, in `on_http_response_body`).
+pub fn response_body(size: usize) -> Option<Vec<u8>> {
+    hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size)
+        .ok()
+        .flatten()
+}
+
 /// The plugin configuration bytes as given to `on_configure`.
 pub fn plugin_configuration() -> Option<Vec<u8>> {
     hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)

@@ -16,6 +16,10 @@ use ai_lb_filter_core::breaker::BreakerState;
 use ai_lb_filter_core::picker::Decision;
 use ai_lb_filter_core::status::scoreboard_json;
 
+use ai_lb_filter_core::admission::config::TenantKeySource;
+use ai_lb_filter_core::admission::cost::BodyPlan;
+
+use crate::admission::{self, AdmReq, Headers, Step};
 use crate::outcome::{self, Observed};
 use crate::root::{count_transitions, State};
 use crate::{body, host, shared};
@@ -35,6 +39,12 @@ pub struct Request {
     chosen_score: f64,
     debug: bool,
     waiting_body: bool,
+    /// The body's `model` is still needed for routing.
+    model_from_body: bool,
+    /// Admission control of this request (when configured).
+    adm: Option<AdmReq>,
+    /// Admission waits for the buffered body to cost it.
+    adm_body: bool,
     started_ms: u64,
     ttft_ms: Option<u64>,
     attempts: Option<u32>,
@@ -50,6 +60,9 @@ impl Request {
             chosen_score: 0.0,
             debug: false,
             waiting_body: false,
+            model_from_body: false,
+            adm: None,
+            adm_body: false,
             started_ms: 0,
             ttft_ms: None,
             attempts: None,
@@ -71,6 +84,7 @@ impl Request {
             metrics,
             rng,
             scratch,
+            ..
         } = &mut *guard;
         let ranked = match router.decide(pool, self.model.as_deref(), now, rng) {
             Decision::Steer {
@@ -117,6 +131,60 @@ impl Request {
                 }
             }
         }
+    }
+
+    /// Starts admission control (tenant, class, body plan). A request without a body, or one
+    /// costed by its length, is admitted here; a JSON body is costed when it has arrived.
+    fn begin_admission(&mut self, now: u64, end_of_stream: bool) -> Step {
+        let Ok(mut guard) = self.state.try_borrow_mut() else {
+            return Step::Proceed;
+        };
+        let State {
+            admission, metrics, ..
+        } = &mut *guard;
+        let Some(rt) = admission.as_mut() else {
+            return Step::Proceed;
+        };
+        let headers = Headers::fetch(admission::header_names(&rt.cfg));
+        let peer = if rt.cfg.tenant_key.contains(&TenantKeySource::PeerPrincipal) {
+            host::property_string(&["connection", "uri_san_peer_certificate"])
+                .filter(|p| !p.is_empty())
+                .or_else(|| host::property_string(&["source", "principal"]))
+        } else {
+            None
+        };
+        let (mut adm, plan) = admission::begin(rt, &headers, peer.as_deref(), metrics);
+        let step = match plan {
+            // No body at all: nothing to cost.
+            _ if end_of_stream => Step::Proceed,
+            BodyPlan::ByLength(n) => adm.admit_length(n, now, metrics),
+            BodyPlan::Buffer => {
+                self.adm_body = true;
+                Step::Proceed
+            }
+        };
+        self.adm = Some(adm);
+        step
+    }
+
+    /// The whole request body is here: model for routing, cost for admission, then route.
+    fn body_done(&mut self, body: &[u8]) -> Action {
+        let now = host::now_ms();
+        if self.model_from_body {
+            self.model = body::model_of(body);
+        }
+        if self.adm_body {
+            self.adm_body = false;
+            let step = match (self.adm.as_mut(), self.state.try_borrow_mut()) {
+                (Some(a), Ok(mut s)) => a.admit_body(body, now, &mut s.metrics),
+                _ => Step::Proceed,
+            };
+            if step == Step::Replied {
+                return Action::Pause;
+            }
+        }
+        self.route(now);
+        Action::Continue
     }
 
     fn finish(&mut self) {
@@ -244,11 +312,15 @@ impl HttpContext for Request {
         self.debug = debug_header.is_some_and(|h| host::request_header(&h).is_some());
         if let Some(h) = model_header.as_deref() {
             self.model = host::request_header(h).filter(|m| !m.is_empty());
-            if self.model.is_none() && !end_of_stream {
-                // Decide from the body's `model` (needs allow_on_headers_stop_iteration).
-                self.waiting_body = true;
-                return Action::Pause;
-            }
+            // Decide from the body's `model` (needs allow_on_headers_stop_iteration).
+            self.model_from_body = self.model.is_none() && !end_of_stream;
+        }
+        if self.begin_admission(now, end_of_stream) == Step::Replied {
+            return Action::Pause;
+        }
+        if self.model_from_body || self.adm_body {
+            self.waiting_body = true;
+            return Action::Pause;
         }
         self.route(now);
         Action::Continue
@@ -262,17 +334,16 @@ impl HttpContext for Request {
             return Action::Pause;
         }
         self.waiting_body = false;
-        if let Some(b) = host::request_body(body_size) {
-            self.model = body::model_of(&b);
-        }
-        self.route(host::now_ms());
-        Action::Continue
+        let b = host::request_body(body_size).unwrap_or_default();
+        self.body_done(&b)
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
         if self.waiting_body {
             self.waiting_body = false;
-            self.route(host::now_ms());
+            // The body ended without end_of_stream: it is all buffered now.
+            let b = host::request_body(usize::MAX).unwrap_or_default();
+            return self.body_done(&b);
         }
         Action::Continue
     }
@@ -280,6 +351,9 @@ impl HttpContext for Request {
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         if self.pool.is_none() {
             return Action::Continue;
+        }
+        if let Some(a) = self.adm.as_mut() {
+            a.on_response_headers();
         }
         self.attempts = host::response_header("x-envoy-attempt-count").and_then(|v| v.parse().ok());
         if end_of_stream && self.ttft_ms.is_none() {
@@ -305,14 +379,26 @@ impl HttpContext for Request {
         Action::Continue
     }
 
-    fn on_http_response_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
+    fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
         if self.ttft_ms.is_none() && self.pool.is_some() {
             self.ttft_ms = Some(host::now_ms().saturating_sub(self.started_ms));
+        }
+        if let Some(a) = self.adm.as_mut().filter(|a| a.scanner.is_some()) {
+            if body_size > 0 {
+                if let Some(chunk) = host::response_body(body_size) {
+                    a.on_response_body(&chunk);
+                }
+            }
         }
         Action::Continue
     }
 
     fn on_log(&mut self) {
+        if let Some(mut a) = self.adm.take() {
+            if let Ok(mut s) = self.state.try_borrow_mut() {
+                a.settle(host::now_ms(), &mut s.metrics);
+            }
+        }
         self.finish();
     }
 }

@@ -3,8 +3,10 @@
 //! pods a finished request speaks about ([`outcome`]).
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+pub mod admission;
 pub mod body;
 pub mod grpc_service;
+pub mod guard;
 pub mod host;
 pub mod http;
 pub mod lease;

@@ -55,6 +55,13 @@ impl Metrics {
         }
     }
 
+    /// Records `value` in histogram `name` (defined on first use).
+    pub fn record(&mut self, name: &str, value: u64) {
+        if let Some(id) = self.id(MetricType::Histogram, name) {
+            host::record_metric(id, value);
+        }
+    }
+
     /// The metric ids of `pod`, defined on first use.
     pub fn pod(&mut self, pod: &str) -> PodMetrics {
         if let Some(m) = self.pods.get(pod) {

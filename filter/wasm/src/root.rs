@@ -17,10 +17,14 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use ai_lb_filter_core::breaker::{BreakerState, Transition};
+use ai_lb_filter_core::admission::config::GuardConfig;
+use ai_lb_filter_core::admission::AdmissionConfig;
 use ai_lb_filter_core::config::{FilterConfig, Mode};
 use ai_lb_filter_core::picker::Router;
 use ai_lb_proto::{PoolEvent, WatchPoolRequest};
 
+use crate::admission::{AdmissionRt, AdmissionSection};
+use crate::guard::{self, Guard};
 use crate::http::{PassThrough, Request};
 use crate::metrics::Metrics;
 use crate::stream::{Backoff, Subscription};
@@ -28,6 +32,8 @@ use crate::{grpc_service, host, shared};
 
 const SERVICE: &str = "ai_lb.v1.MetricsService";
 const METHOD: &str = "WatchPool";
+/// Guard mode watches the local agent's own pod only (same request fields as WatchPool).
+const GUARD_METHOD: &str = "Watch";
 /// Agent heartbeat assumed when the config leaves it to the agent (`watch.heartbeatMs` 0).
 const DEFAULT_HEARTBEAT_MS: u64 = 5_000;
 const GAUGE_EVERY_MS: u64 = 500;
@@ -41,6 +47,8 @@ pub struct State {
     pub rng: SmallRng,
     /// Reused buffer for the routing header value.
     pub scratch: String,
+    /// Admission control, when the plugin config has an enabled `admission` section.
+    pub admission: Option<AdmissionRt>,
 }
 
 /// Per-pool bookkeeping of the root context.
@@ -57,6 +65,8 @@ struct PoolRt {
 
 pub struct Root {
     vm: u64,
+    /// Guard mode: the inbound sidecar of one inference pod.
+    guard: Option<GuardConfig>,
     state: Option<Rc<RefCell<State>>>,
     pools: Vec<PoolRt>,
     tokens: HashMap<u32, usize>,
@@ -81,6 +91,7 @@ impl Root {
     pub fn new() -> Self {
         Self {
             vm: shared::vm_id(),
+            guard: None,
             state: None,
             pools: Vec::new(),
             tokens: HashMap::new(),
@@ -98,13 +109,16 @@ impl Root {
 
     fn configure(&mut self, bytes: &[u8]) -> Result<(), String> {
         let cfg = FilterConfig::from_json(bytes).map_err(|e| e.to_string())?;
-        if cfg.mode == Mode::Guard {
-            host::log(
-                LogLevel::Warn,
-                "ai-lb: mode `guard` (admission) is not handled by this filter build; \
-                 requests pass through unchanged",
-            );
-        }
+        let admission = cfg
+            .admission
+            .admission_config()
+            .map_err(|e| e.to_string())?;
+        self.guard = (cfg.mode == Mode::Guard).then(|| {
+            admission
+                .as_ref()
+                .map(|a| a.guard)
+                .unwrap_or_else(|| AdmissionConfig::default().guard)
+        });
         let w = cfg.watch;
         let heartbeat = if w.heartbeat_ms == 0 {
             DEFAULT_HEARTBEAT_MS
@@ -151,6 +165,7 @@ impl Root {
             metrics: Metrics::default(),
             rng: SmallRng::seed_from_u64(seed),
             scratch: String::with_capacity(256),
+            admission: admission.map(AdmissionRt::new),
         })));
         if hostcalls::set_tick_period(Duration::from_millis(tick_ms)).is_err() {
             return Err("ai-lb: the host refused the tick period".to_string());
@@ -170,7 +185,12 @@ impl Root {
         let Some(p) = self.pools.get_mut(i) else {
             return;
         };
-        match hostcalls::open_grpc_stream(&p.upstream, SERVICE, METHOD, Vec::new()) {
+        let method = if self.guard.is_some() {
+            GUARD_METHOD
+        } else {
+            METHOD
+        };
+        match hostcalls::open_grpc_stream(&p.upstream, SERVICE, method, Vec::new()) {
             Ok(token) => {
                 if hostcalls::send_grpc_stream_message(token, Some(&self.watch_request), true)
                     .is_err()
@@ -186,7 +206,7 @@ impl Root {
             Err(status) => {
                 p.sub.failed(now, r);
                 let msg = format!(
-                    "ai-lb: pool `{}`: cannot open WatchPool stream ({status:?}); retrying",
+                    "ai-lb: pool `{}`: cannot open {method} stream ({status:?}); retrying",
                     p.name
                 );
                 self.inc("ailb.stream.failures");
@@ -416,6 +436,16 @@ impl Root {
     }
 
     fn on_event(&mut self, i: usize, bytes: &[u8], now: u64) {
+        if self.guard.is_some() {
+            let Some(name) = self.pools.get(i).map(|p| p.name.clone()) else {
+                return;
+            };
+            if let Err(e) = guard::on_watch_bytes(&name, bytes, now) {
+                self.inc("ailb.stream.decode_errors");
+                self.log_limited(now, &format!("ai-lb: guard: pool `{name}`: {e}"));
+            }
+            return;
+        }
         let Some(state) = self.state.clone() else {
             return;
         };
@@ -510,6 +540,9 @@ impl RootContext for Root {
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        if let (Some(cfg), Some(state), Some(p)) = (self.guard, &self.state, self.pools.first()) {
+            return Some(Box::new(Guard::new(state.clone(), &p.name, cfg)));
+        }
         let route = self.state.as_ref().filter(|s| {
             s.try_borrow()
                 .is_ok_and(|s| s.router.config().mode == Mode::Route)
