@@ -2,12 +2,13 @@
 # Agent CPU and memory at 10 Hz against a fake pod with 8 simulated GPUs (sim + model-server
 # sources), run by hand:
 #   cargo build --release -p ai-lb-agent -p ai-lb-fake-pod
-#   collector-agent/benches/agent_cpu_rss.sh [TARGET_DIR] [SECONDS]
+#   collector-agent/benches/agent_cpu_rss.sh [TARGET_DIR] [SECONDS] [PROFILE: release|debug]
 # Prints the agent's CPU use (% of one core) over the run and its RSS (current and peak).
 set -euo pipefail
 target=${1:-${CARGO_TARGET_DIR:-target}}
 secs=${2:-30}
-bin=$target/release
+profile=${3:-release}
+bin=$target/$profile
 tmp=$(mktemp -d)
 cleanup() { kill "${agent_pid:-}" "${pod_pid:-}" 2>/dev/null || true; rm -rf "$tmp"; }
 trap cleanup EXIT

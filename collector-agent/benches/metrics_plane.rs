@@ -18,8 +18,7 @@ use tokio::net::TcpListener;
 /// When each (serving address, counter) reading was produced.
 type Stamps = Arc<Mutex<HashMap<(String, u32), Instant>>>;
 
-/// A source whose queue length counts samples, so every sample is a meaningful change and
-/// identifies itself.
+/// A source whose every sample is a meaningful change and carries its own counter.
 struct Counting {
     address: String,
     n: u32,
@@ -37,8 +36,11 @@ impl Source for Counting {
             m.insert((self.address.clone(), self.n), Instant::now());
         }
         Ok(Reading {
+            // The queue flips so every sample is a meaningful change; the counter rides in a
+            // field the change detector ignores.
             inference: Some(InferenceStats {
-                waiting: Some(self.n),
+                waiting: Some(if self.n % 2 == 0 { 0 } else { 50 }),
+                request_rate: Some(f64::from(self.n)),
                 ..Default::default()
             }),
             ..Default::default()
@@ -121,7 +123,7 @@ async fn watch_latency() {
         if let Some(watch_event::Event::Snapshot(snap)) = ev.event {
             let key = (
                 snap.identity.map(|i| i.address).unwrap_or_default(),
-                snap.inference.and_then(|i| i.waiting).unwrap_or(0),
+                snap.inference.and_then(|i| i.request_rate).unwrap_or(0.0) as u32,
             );
             if let Some(t) = stamps.lock().ok().and_then(|m| m.get(&key).copied()) {
                 lat.push(now - t);
@@ -185,7 +187,7 @@ async fn pool_64() {
             let Some(snap) = p.snapshot else { continue };
             let key = (
                 snap.identity.map(|i| i.address).unwrap_or_default(),
-                snap.inference.and_then(|i| i.waiting).unwrap_or(0),
+                snap.inference.and_then(|i| i.request_rate).unwrap_or(0.0) as u32,
             );
             if let Some(t) = stamps.lock().ok().and_then(|m| m.get(&key).copied()) {
                 if t >= t0 && seen.entry(key.0.clone()).or_default().insert(key.1) {
