@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Runs the ai-lb benchmark suite: round_robin vs least_request vs ai-lb on the same seeded
+# traces through independent Envoy sidecars in front of a heterogeneous fake-GPU pool.
+#   scripts/bench.sh                       # calibrate + sharegpt-poisson-80 (the headline run)
+#   scripts/bench.sh sharegpt-bursty-80 hol-poisson-80 fault-slowdown overhead
+#   scripts/bench.sh --smoke               # short run that only proves the suite works (CI)
+# Any other flag goes to ai-lb-bench (see `ai-lb-bench --help`). Builds release binaries and
+# the wasm filter first, installs matplotlib into .venv for the plots, writes bench-results/
+# (work files: /tmp/ai-lb-bench). Set BENCH_NO_BUILD=1 to skip the builds.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$root/target/bench}"
+log() { printf '[bench.sh] %s\n' "$*" >&2; }
+
+smoke=0
+args=()
+for a in "$@"; do
+  [ "$a" = "--smoke" ] && smoke=1
+  args+=("$a")
+done
+if [ "${#args[@]}" -eq 0 ]; then args=(calibrate sharegpt-poisson-80); fi
+
+if [ "${BENCH_NO_BUILD:-0}" != "1" ]; then
+  export ENVOY_BIN="${ENVOY_BIN:-$(scripts/setup.sh | tail -n 1)}"
+  log "building release binaries and the wasm filter (CARGO_TARGET_DIR=$CARGO_TARGET_DIR)"
+  cargo build --release --bins
+  cargo build -p ai-lb-filter-wasm --target wasm32-wasip1 --release
+fi
+export ENVOY_BIN="${ENVOY_BIN:-$root/.venv/bin/envoy}"
+
+"$CARGO_TARGET_DIR/release/ai-lb-bench" "${args[@]}"
+
+# Plots (skipped in smoke mode and when matplotlib cannot be installed).
+if [ "$smoke" = "0" ]; then
+  py="$root/.venv/bin/python"
+  [ -x "$py" ] || py="$(command -v python3)"
+  if ! "$py" -c 'import matplotlib' 2>/dev/null; then
+    "$py" -m pip install --quiet --disable-pip-version-check matplotlib >&2 || true
+  fi
+  if "$py" -c 'import matplotlib' 2>/dev/null; then
+    "$py" tests/bench/plot.py /tmp/ai-lb-bench bench-results
+  else
+    log "matplotlib unavailable: no plots"
+  fi
+fi

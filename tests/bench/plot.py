@@ -1,0 +1,89 @@
+"""Plots for bench-results/: latency CDFs per policy (TTFT and e2e) and, for fault runs, the
+faulty pod's share of requests over time. Reads the merged per-request records the benchmark
+leaves in its work dir (<work>/<scenario>/<policy>.jsonl) and the summaries in <out>.
+Usage: plot.py WORK_DIR OUT_DIR"""
+import json
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+POLICIES = ["round_robin", "least_request", "ai_lb"]
+
+
+def load(path):
+    with open(path) as f:
+        return [json.loads(l) for l in f if l.strip()]
+
+
+def cdf(ax, values, label):
+    v = sorted(values)
+    if not v:
+        return
+    n = len(v)
+    ax.plot(v, [(i + 1) / n for i in range(n)], label=label)
+
+
+def main(work, out):
+    for scen in sorted(os.listdir(out)):
+        sdir = os.path.join(out, scen)
+        summ = os.path.join(sdir, "summary.json")
+        wdir = os.path.join(work, scen)
+        if not os.path.isfile(summ) or not os.path.isdir(wdir):
+            continue
+        s = json.load(open(summ))
+        if "policies" not in s:
+            continue
+        timeout = s["client_timeout_s"] * 1000.0
+        recs = {}
+        for p in POLICIES:
+            f = os.path.join(wdir, p + ".jsonl")
+            if os.path.isfile(f):
+                recs[p] = load(f)
+        if not recs:
+            continue
+        tags = ["all"] + (["short"] if s.get("workload") == "Hol" else [])
+        for tag in tags:
+            fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+            for p, rs in recs.items():
+                sel = [r for r in rs if tag == "all" or r["tag"] == tag]
+                sel = [r for r in sel if r["outcome"] in ("ok", "timeout")]
+                ttft = [r["ttft_ms"] if r.get("ttft_ms") is not None and r["outcome"] == "ok" else timeout for r in sel]
+                e2e = [r["e2e_ms"] if r["outcome"] == "ok" and r.get("e2e_ms") is not None else timeout for r in sel]
+                cdf(axes[0], ttft, p)
+                cdf(axes[1], e2e, p)
+            for ax, name in zip(axes, ["TTFT (ms)", "e2e (ms)"]):
+                ax.set_xscale("log")
+                ax.set_xlabel(name)
+                ax.set_ylabel("fraction of requests")
+                ax.grid(True, which="both", alpha=0.3)
+                ax.legend()
+            fig.suptitle(f"{scen}: latency CDF ({tag} requests; timeouts at {timeout:.0f} ms)")
+            fig.tight_layout()
+            fig.savefig(os.path.join(sdir, f"cdf_{tag}.png"), dpi=80)
+            plt.close(fig)
+        faults = [p for p in s["policies"] if p.get("fault")]
+        if faults:
+            fig, ax = plt.subplots(figsize=(9, 4))
+            for p in faults:
+                series = p["fault"]["share_per_250ms"]
+                xs = [i * 0.25 for i in range(len(series))]
+                ax.plot(xs, [v if v is not None else float("nan") for v in series], label=p["policy"])
+            t = faults[0]["fault"]["fault_at_ms"] / 1000.0
+            ax.axvline(t, color="k", linestyle="--", label="fault")
+            ax.set_xlabel("send time (s)")
+            ax.set_ylabel(f"share to {faults[0]['fault']['pod']} (250 ms windows)")
+            ax.legend()
+            ax.grid(True, alpha=0.3)
+            fig.suptitle(f"{scen}: share of new requests reaching the faulty pod")
+            fig.tight_layout()
+            fig.savefig(os.path.join(sdir, "share_over_time.png"), dpi=80)
+            plt.close(fig)
+        print(f"plots written for {scen}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

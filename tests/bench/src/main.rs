@@ -1,0 +1,232 @@
+//! `ai-lb-bench`: runs the benchmark scenarios (round_robin vs least_request vs ai-lb on the
+//! same seeded traces, faults, filter overhead) and writes `bench-results/`. `--smoke` runs a
+//! tiny version that only checks the suite still works (it asserts no numbers).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use serde_json::{json, Value};
+
+use ai_lb_bench::calibrate;
+use ai_lb_bench::scenario::{self, Env};
+use ai_lb_bench::topology::{self, PodShape, Pool};
+
+#[derive(Debug, Parser)]
+#[command(name = "ai-lb-bench", about)]
+struct Cli {
+    /// Scenarios: calibrate, overhead, <sharegpt|hol>-<poisson|bursty>-<pct>,
+    /// fault-<slowdown|errors|sigstop>. Default: sharegpt-poisson-80.
+    scenarios: Vec<String>,
+    /// Short run on a tiny pool, results under the work dir; checks that the suite works.
+    #[arg(long)]
+    smoke: bool,
+    #[arg(long, default_value = "bench-results")]
+    out: PathBuf,
+    #[arg(long, default_value = "/tmp/ai-lb-bench")]
+    work: PathBuf,
+    #[arg(long, default_value_t = 4)]
+    h100: usize,
+    #[arg(long, default_value_t = 4)]
+    a100: usize,
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    #[arg(long, default_value_t = 8)]
+    max_num_seqs: u32,
+    #[arg(long, default_value_t = 12_500)]
+    kv_cache_tokens: u64,
+    #[arg(long, default_value_t = 4)]
+    sidecars: usize,
+    /// Seconds of trace per policy.
+    #[arg(long, default_value_t = 60.0)]
+    duration: f64,
+    /// Client timeout, seconds.
+    #[arg(long, default_value_t = 30.0)]
+    timeout: f64,
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Pool capacity in req/s; default: read `<out>/calibrate/summary.json`, else calibrate.
+    #[arg(long)]
+    capacity: Option<f64>,
+    /// Overload rate per probed pod during calibration, req/s.
+    #[arg(long, default_value_t = 30.0)]
+    cal_rate: f64,
+    #[arg(long, default_value_t = 20.0)]
+    cal_secs: f64,
+    /// Offered rate for the overhead scenario's maximum-throughput probe.
+    #[arg(long, default_value_t = 1500.0)]
+    overhead_rate: f64,
+    #[arg(long, default_value_t = 16)]
+    hol_count: u32,
+}
+
+fn main() -> ExitCode {
+    let mut cli = Cli::parse();
+    let cmdline = format!(
+        "scripts/bench.sh {}",
+        std::env::args().skip(1).collect::<Vec<_>>().join(" ")
+    );
+    if cli.smoke {
+        cli.h100 = 1;
+        cli.a100 = 1;
+        cli.sidecars = 2;
+        cli.duration = 4.0;
+        cli.timeout = 10.0;
+        cli.cal_secs = 4.0;
+        cli.cal_rate = 20.0;
+        cli.overhead_rate = 200.0;
+        cli.hol_count = 2;
+        cli.out = cli.work.join("smoke-results");
+        if cli.scenarios.is_empty() {
+            cli.scenarios = vec![
+                "calibrate".into(),
+                "hol-poisson-80".into(),
+                "fault-slowdown".into(),
+                "overhead".into(),
+            ];
+        }
+    }
+    if cli.scenarios.is_empty() {
+        cli.scenarios = vec!["sharegpt-poisson-80".into()];
+    }
+    match run(&cli, &cmdline) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ai-lb-bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
+    // Validate every scenario name before starting anything.
+    for s in &cli.scenarios {
+        if s != "calibrate" && s != "overhead" {
+            scenario::parse_load(s)?;
+        }
+    }
+    for (flag, v) in [
+        ("--time-scale", cli.time_scale),
+        ("--duration", cli.duration),
+        ("--timeout", cli.timeout),
+    ] {
+        if !(v.is_finite() && v > 0.0) {
+            return Err(format!("invalid value '{v}' for '{flag}': must be > 0"));
+        }
+    }
+    if cli.sidecars == 0 || cli.h100 + cli.a100 == 0 {
+        return Err("--sidecars and --h100 + --a100 must be > 0".into());
+    }
+    std::fs::create_dir_all(&cli.work)
+        .map_err(|e| format!("creating {}: {e}", cli.work.display()))?;
+    std::fs::create_dir_all(&cli.out)
+        .map_err(|e| format!("creating {}: {e}", cli.out.display()))?;
+    let shape = PodShape {
+        h100: cli.h100,
+        a100: cli.a100,
+        time_scale: cli.time_scale,
+        max_num_seqs: cli.max_num_seqs,
+        kv_cache_tokens: cli.kv_cache_tokens,
+    };
+    let mut env = Env {
+        loadgen: topology::release_bin("ai-lb-loadgen")?,
+        work: cli.work.clone(),
+        out: cli.out.clone(),
+        sidecars: cli.sidecars,
+        duration_s: cli.duration,
+        timeout_s: cli.timeout,
+        seed: cli.seed,
+        capacity_rps: 0.0,
+        hol_count: cli.hol_count,
+        hol_at_s: cli.duration / 3.0,
+    };
+    let loads: Vec<&String> = cli
+        .scenarios
+        .iter()
+        .filter(|s| *s != "calibrate" && *s != "overhead")
+        .collect();
+    let want_cal = cli.scenarios.iter().any(|s| s == "calibrate");
+    let mut checks = Vec::new();
+    if want_cal || !loads.is_empty() {
+        eprintln!(
+            "[bench] starting {} h100 + {} a100 fake pods with agents",
+            cli.h100, cli.a100
+        );
+        let mut pool = Pool::start(&shape, true)?;
+        let cal_path = cli.out.join("calibrate/summary.json");
+        env.capacity_rps = match cli.capacity {
+            Some(c) if !want_cal => c,
+            _ => {
+                let saved = std::fs::read_to_string(&cal_path)
+                    .ok()
+                    .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+                    .and_then(|v| v["capacity_rps"].as_f64());
+                match saved {
+                    Some(c) if !want_cal => c,
+                    _ => {
+                        eprintln!("[bench] calibrating pool capacity");
+                        let mut cal =
+                            calibrate::calibrate(&env, &pool, &shape, cli.cal_rate, cli.cal_secs)?;
+                        cal["pods"] = json!(format!("{:?}", shape));
+                        cal["command"] = json!(cmdline);
+                        let dir = cli.out.join("calibrate");
+                        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+                        let text = serde_json::to_string_pretty(&cal).map_err(|e| e.to_string())?;
+                        std::fs::write(&cal_path, text).map_err(|e| e.to_string())?;
+                        eprintln!("[bench] calibration: {cal}");
+                        cal["capacity_rps"]
+                            .as_f64()
+                            .ok_or("calibration gave no capacity")?
+                    }
+                }
+            }
+        };
+        if !(env.capacity_rps.is_finite() && env.capacity_rps > 0.0) {
+            return Err(format!(
+                "measured capacity {} req/s is not usable",
+                env.capacity_rps
+            ));
+        }
+        for name in loads {
+            let load = scenario::parse_load(name)?;
+            let summary = scenario::run_load(&load, &env, &mut pool, cmdline)?;
+            let table =
+                std::fs::read_to_string(cli.out.join(name).join("table.md")).unwrap_or_default();
+            println!("{table}");
+            checks.push((name.clone(), summary));
+        }
+    }
+    if cli.scenarios.iter().any(|s| s == "overhead") {
+        eprintln!("[bench] overhead");
+        let mut o =
+            calibrate::overhead(&env, cli.overhead_rate, if cli.smoke { 2.0 } else { 10.0 })?;
+        o["command"] = json!(cmdline);
+        let dir = cli.out.join("overhead");
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        let text = serde_json::to_string_pretty(&o).map_err(|e| e.to_string())?;
+        std::fs::write(dir.join("summary.json"), &text).map_err(|e| e.to_string())?;
+        println!("overhead: {text}");
+    }
+    if cli.smoke {
+        // The suite works if every policy of every scenario answered something. No numbers.
+        for (name, s) in &checks {
+            let policies = s["policies"].as_array().cloned().unwrap_or_default();
+            if policies.len() != 3 {
+                return Err(format!(
+                    "smoke: {name} has {} policy results",
+                    policies.len()
+                ));
+            }
+            for p in policies {
+                if p["all"]["ok"].as_u64().unwrap_or(0) == 0 {
+                    return Err(format!(
+                        "smoke: {name}/{} had no successful request",
+                        p["policy"]
+                    ));
+                }
+            }
+        }
+        eprintln!("[bench] smoke OK ({} scenarios)", checks.len());
+    }
+    Ok(())
+}

@@ -1,0 +1,329 @@
+//! Decides what runs during a benchmark: a heterogeneous pool of fake GPU pods, each with its
+//! collector agent (agents peered so any one's WatchPool covers the pool), and per policy a
+//! set of independent client sidecars (one Envoy process each, as in a mesh, so least_request
+//! sees only its own in-flight requests). Reuses the e2e harness to spawn and render.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use ai_lb_e2e::envoy::{self, Envoy, EnvoyOptions};
+use ai_lb_e2e::process::{Proc, Spec};
+
+pub type Error = String;
+
+/// The routing policies compared.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Policy {
+    RoundRobin,
+    LeastRequest,
+    AiLb,
+}
+
+impl Policy {
+    pub const ALL: [Policy; 3] = [Policy::RoundRobin, Policy::LeastRequest, Policy::AiLb];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::RoundRobin => "round_robin",
+            Policy::LeastRequest => "least_request",
+            Policy::AiLb => "ai_lb",
+        }
+    }
+}
+
+/// A release binary of this workspace under `$CARGO_TARGET_DIR` (or `<repo>/target`).
+pub fn release_bin(name: &str) -> Result<PathBuf, Error> {
+    for d in ai_lb_e2e::process::target_dirs() {
+        let p = d.join("release").join(name);
+        if p.is_file() {
+            return Ok(p);
+        }
+    }
+    Err(format!(
+        "release binary {name} is not built: run `cargo build --release --bins` (scripts/bench.sh does)"
+    ))
+}
+
+fn spec(bin: &Path, name: &str, args: Vec<String>, listening: &[&str]) -> Spec {
+    Spec {
+        name: name.to_string(),
+        program: bin.to_path_buf(),
+        args,
+        env: Vec::new(),
+        listening: listening.iter().map(|s| s.to_string()).collect(),
+        deadline: Duration::from_secs(30),
+    }
+}
+
+/// How the fake pods are shaped.
+#[derive(Debug, Clone)]
+pub struct PodShape {
+    pub h100: usize,
+    pub a100: usize,
+    pub time_scale: f64,
+    pub max_num_seqs: u32,
+    pub kv_cache_tokens: u64,
+}
+
+/// One pod and its agent.
+#[derive(Debug)]
+pub struct Pod {
+    pub name: String,
+    pub preset: &'static str,
+    pub proc: Proc,
+    pub addr: SocketAddr,
+    pub agent: Option<Proc>,
+    pub agent_grpc: Option<SocketAddr>,
+}
+
+/// The pool.
+#[derive(Debug)]
+pub struct Pool {
+    pub pods: Vec<Pod>,
+}
+
+impl Pool {
+    /// Starts the pods; with `agents`, one agent per pod, all peered.
+    pub fn start(shape: &PodShape, agents: bool) -> Result<Pool, Error> {
+        let pod_bin = release_bin("ai-lb-fake-pod")?;
+        let mut pods = Vec::new();
+        let presets = std::iter::repeat_n(("h100-8b", "h100"), shape.h100)
+            .chain(std::iter::repeat_n(("a100-8b", "a100"), shape.a100));
+        let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+        for (i, (preset, short)) in presets.enumerate() {
+            let k = counts.entry(short).or_default();
+            let name = format!("{short}-{k}");
+            *k += 1;
+            let args: Vec<String> = vec![
+                "--listen".into(),
+                "127.0.0.1:0".into(),
+                "--preset".into(),
+                preset.into(),
+                "--pod-name".into(),
+                name.clone(),
+                "--seed".into(),
+                (i + 1).to_string(),
+                "--time-scale".into(),
+                shape.time_scale.to_string(),
+                "--max-num-seqs".into(),
+                shape.max_num_seqs.to_string(),
+                "--kv-cache-tokens".into(),
+                shape.kv_cache_tokens.to_string(),
+            ];
+            let proc = Proc::spawn(&spec(&pod_bin, &name, args, &["http"]))?;
+            let addr = proc.addr("http")?;
+            pods.push(Pod {
+                name,
+                preset,
+                proc,
+                addr,
+                agent: None,
+                agent_grpc: None,
+            });
+        }
+        let mut pool = Pool { pods };
+        if agents {
+            pool.start_agents(shape)?;
+        }
+        Ok(pool)
+    }
+
+    fn start_agents(&mut self, shape: &PodShape) -> Result<(), Error> {
+        let agent_bin = release_bin("ai-lb-agent")?;
+        let grpc: Vec<SocketAddr> = (0..self.pods.len())
+            .map(|_| envoy::free_port().map(|p| SocketAddr::from(([127, 0, 0, 1], p))))
+            .collect::<Result<_, _>>()?;
+        for (i, pod) in self.pods.iter_mut().enumerate() {
+            let peers: Vec<String> = grpc
+                .iter()
+                .enumerate()
+                .filter(|(j, _)| *j != i)
+                .map(|(_, a)| a.to_string())
+                .collect();
+            let url = format!("http://{}", pod.addr);
+            let mut args: Vec<String> = vec![
+                "--grpc-listen".into(),
+                grpc[i].to_string(),
+                "--http-listen".into(),
+                "127.0.0.1:0".into(),
+                "--pod-name".into(),
+                pod.name.clone(),
+                "--serving-address".into(),
+                pod.addr.to_string(),
+                "--gpu-source".into(),
+                "sim".into(),
+                "--sim-url".into(),
+                url.clone(),
+                "--model-server-url".into(),
+                url,
+                "--engine".into(),
+                "vllm".into(),
+                "--queue-capacity".into(),
+                shape.max_num_seqs.to_string(),
+                // Agent defaults except a faster sample, as a latency-sensitive deployment
+                // would run it (stated in BENCHMARKS.md).
+                "--sample-interval".into(),
+                "100ms".into(),
+            ];
+            if !peers.is_empty() {
+                args.push("--peers".into());
+                args.push(peers.join(","));
+            }
+            let name = format!("agent-{}", pod.name);
+            let p = Proc::spawn(&spec(&agent_bin, &name, args, &["grpc", "http"]))?;
+            pod.agent_grpc = Some(p.addr("grpc")?);
+            pod.agent = Some(p);
+        }
+        Ok(())
+    }
+
+    pub fn addrs(&self) -> Vec<SocketAddr> {
+        self.pods.iter().map(|p| p.addr).collect()
+    }
+
+    pub fn agent_addrs(&self) -> Vec<SocketAddr> {
+        self.pods.iter().filter_map(|p| p.agent_grpc).collect()
+    }
+
+    /// `POST /control` on pod `i` (fault injection).
+    pub fn control(&self, i: usize, json: &str) -> Result<(), Error> {
+        let pod = self.pods.get(i).ok_or_else(|| format!("no pod {i}"))?;
+        let r = envoy::HttpClient::new(pod.addr).post_json(
+            "/control",
+            &[("connection", "close")],
+            json,
+        )?;
+        if r.status == 200 {
+            Ok(())
+        } else {
+            Err(format!(
+                "POST /control {json} on {}: {} {}",
+                pod.name,
+                r.status,
+                r.text()
+            ))
+        }
+    }
+
+    /// Running + waiting requests summed over the pool (from each pod's `/metrics`).
+    pub fn busy(&self) -> Result<f64, Error> {
+        let mut total = 0.0;
+        for p in &self.pods {
+            let text = envoy::http_get(p.addr, "/metrics")?.text();
+            total += gauge(&text, "vllm:num_requests_running")
+                + gauge(&text, "vllm:num_requests_waiting");
+        }
+        Ok(total)
+    }
+
+    /// `vllm:generation_tokens_total` of pod `i`.
+    pub fn generated_tokens(&self, i: usize) -> Result<f64, Error> {
+        let pod = self.pods.get(i).ok_or_else(|| format!("no pod {i}"))?;
+        let text = envoy::http_get(pod.addr, "/metrics")?.text();
+        Ok(gauge(&text, "vllm:generation_tokens_total"))
+    }
+
+    /// Waits until no pod runs or queues anything (after a run's stragglers were cut off).
+    pub fn wait_idle(&self, deadline: Duration) -> Result<(), Error> {
+        let end = Instant::now() + deadline;
+        loop {
+            if self.busy()? == 0.0 {
+                return Ok(());
+            }
+            if Instant::now() > end {
+                return Err(format!("pool still busy after {deadline:?}"));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+/// Sum of the samples of a Prometheus metric (any labels) in `text`.
+pub fn gauge(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// The baseline template with its load balancer filled in.
+pub fn plain_template(policy: Policy) -> Result<String, Error> {
+    let p = ai_lb_e2e::process::workspace_root().join("tests/bench/envoy-plain.yaml");
+    let t = std::fs::read_to_string(&p).map_err(|e| format!("reading {}: {e}", p.display()))?;
+    let lb = match policy {
+        Policy::RoundRobin => "ROUND_ROBIN",
+        Policy::LeastRequest => "LEAST_REQUEST",
+        Policy::AiLb => return Err("ai_lb uses envoy-config/envoy.yaml".into()),
+    };
+    Ok(t.replace("${LB_POLICY}", lb))
+}
+
+/// The filter config the benchmark uses for ai-lb: `envoy-config/filter-config.json` as is
+/// (default weights).
+pub fn ailb_filter_config() -> Result<String, Error> {
+    let p = ai_lb_e2e::process::workspace_root().join("envoy-config/filter-config.json");
+    std::fs::read_to_string(&p).map_err(|e| format!("reading {}: {e}", p.display()))
+}
+
+/// Starts one sidecar for `policy` in front of `upstreams`.
+pub fn start_sidecar(
+    policy: Policy,
+    upstreams: &[SocketAddr],
+    agents: &[SocketAddr],
+    concurrency: u32,
+) -> Result<Envoy, Error> {
+    let mut opts = match policy {
+        Policy::AiLb => EnvoyOptions::new(ailb_filter_config()?),
+        p => {
+            let mut o = EnvoyOptions::new("{}");
+            o.template = Some(plain_template(p)?);
+            o
+        }
+    };
+    opts.inference = upstreams.to_vec();
+    opts.agents = agents.to_vec();
+    opts.concurrency = concurrency;
+    Envoy::start(&opts)
+}
+
+/// Waits until an ai-lb sidecar's status page lists every pod (the filter has pool data), up to
+/// `deadline`. Returns whether it did.
+pub fn wait_ailb_ready(sidecar: &Envoy, pods: &[SocketAddr], deadline: Duration) -> bool {
+    let end = Instant::now() + deadline;
+    while Instant::now() < end {
+        if let Ok(r) = envoy::http_get(sidecar.listener, "/ai-lb/status") {
+            let text = r.text();
+            if r.status == 200 && pods.iter().all(|a| text.contains(&a.to_string())) {
+                return true;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gauge_sums_labelled_samples_and_ignores_prefix_matches() {
+        let text = "# HELP x\nvllm:num_requests_running{model_name=\"m\"} 3\n\
+                    vllm:num_requests_running_other 9\nvllm:num_requests_running 2\n";
+        assert_eq!(gauge(text, "vllm:num_requests_running"), 5.0);
+        assert_eq!(gauge(text, "absent"), 0.0);
+    }
+
+    #[test]
+    fn plain_template_names_the_policy() {
+        let t = plain_template(Policy::LeastRequest).unwrap();
+        assert!(t.contains("lb_policy: LEAST_REQUEST"));
+        assert!(!t.contains("${LB_POLICY}"));
+        assert!(plain_template(Policy::AiLb).is_err());
+    }
+}
