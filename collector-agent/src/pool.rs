@@ -91,6 +91,10 @@ impl PoolView {
     /// A peer answered with a snapshot: LIVE.
     pub fn set_live(&self, peer: &str, snapshot: PodSnapshot, now: Instant) {
         self.update(peer, |e| {
+            // A watcher aborted by discovery may still finish one step: REMOVED stays removed.
+            if e.status == PeerStatus::Removed {
+                return false;
+            }
             e.status = PeerStatus::Live;
             e.reason.clear();
             e.removed_at = None;
@@ -105,6 +109,9 @@ impl PoolView {
     /// A peer failed: STALE if it ever answered, else CONNECTING; `reason` says why.
     pub fn set_failed(&self, peer: &str, reason: String) {
         self.update(peer, |e| {
+            if e.status == PeerStatus::Removed {
+                return false;
+            }
             let status = if e.last.is_some() {
                 PeerStatus::Stale
             } else {
@@ -432,6 +439,18 @@ mod tests {
         let (ver2, changed) = v.render(Instant::now(), Some(ver));
         assert_eq!(ver, ver2);
         assert!(changed.is_empty());
+    }
+
+    #[test]
+    fn removed_peer_ignores_late_watcher_updates() {
+        let v = PoolView::new();
+        let t0 = Instant::now();
+        v.set_live("a:1", PodSnapshot::default(), t0);
+        v.set_removed("a:1", t0);
+        v.set_live("a:1", PodSnapshot::default(), t0);
+        v.set_failed("a:1", "late".into());
+        let (_, peers) = v.render(t0, None);
+        assert_eq!(peers[0].status, PeerStatus::Removed as i32);
     }
 
     #[test]
