@@ -9,6 +9,7 @@ use std::net::SocketAddr;
 use serde::Deserialize;
 use serde_json::Value;
 
+use crate::admission::AdmissionConfig;
 use crate::error::ConfigError;
 
 /// Upper bound for `fallbackEndpoints` (the ranked list has at most this many + 1 entries).
@@ -177,8 +178,9 @@ pub struct FilterConfig {
     /// Path answered locally with the scoreboard JSON.
     pub status_path: Option<String>,
     pub watch: WatchConfig,
-    /// Admission control settings, validated by [`crate::admission`] (opaque here).
-    pub admission: Option<Value>,
+    /// Admission control, validated by [`AdmissionConfig::from_value`] (error paths start with
+    /// `admission.`). None (absent or null in the JSON) = admission off.
+    pub admission: Option<AdmissionConfig>,
 }
 
 impl FilterConfig {
@@ -202,11 +204,32 @@ impl FilterConfig {
     }
 }
 
+/// The JSON Schema (draft 2020-12) of the plugin configuration, generated from the raw serde
+/// types the parser uses. Committed as `filter/core/plugin-config.schema.json`.
+#[cfg(feature = "schema")]
+pub fn plugin_config_schema() -> Value {
+    let mut schema = serde_json::to_value(schemars::schema_for!(RawConfig)).unwrap_or(Value::Null);
+    if let Some(obj) = schema.as_object_mut() {
+        obj.insert(
+            "$id".to_string(),
+            Value::String(
+                "https://github.com/ai-lb/ai-lb/filter/core/plugin-config.schema.json".to_string(),
+            ),
+        );
+    }
+    schema
+}
+
 fn serde_error(e: serde_path_to_error::Error<serde_json::Error>) -> ConfigError {
     let mut path = e.path().to_string();
-    if path == "." {
+    // `.` is the root; `?` is where serde_path_to_error lost track (e.g. at end of input).
+    if path == "." || path == "?" {
         path.clear();
     }
+    let syntax = matches!(
+        e.inner().classify(),
+        serde_json::error::Category::Syntax | serde_json::error::Category::Eof
+    );
     let msg = e.inner().to_string();
     // `unknown field `foo`, expected one of ...`: put the field itself in the path.
     if let Some(rest) = msg.strip_prefix("unknown field `") {
@@ -224,7 +247,7 @@ fn serde_error(e: serde_path_to_error::Error<serde_json::Error>) -> ConfigError 
         }
     }
     // Strip serde_json's " at line X column Y" into the reason: keep it, it helps.
-    let reason = if path.is_empty() {
+    let reason = if path.is_empty() || syntax {
         format!("invalid JSON: {msg}")
     } else {
         msg
@@ -233,113 +256,309 @@ fn serde_error(e: serde_path_to_error::Error<serde_json::Error>) -> ConfigError 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Raw serde layer
+// Raw serde layer. Its doc comments and `schemars` attributes are the JSON Schema of the plugin
+// config (feature `schema`): keep defaults and ranges here in step with the validation below
+// (the schema tests in tests/schema_drift.rs check a sample of them against the parser).
 // ---------------------------------------------------------------------------------------------
 
+/// The ai-lb proxy-wasm filter's plugin configuration (Envoy `configuration` / Istio
+/// `pluginConfig`).
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[cfg_attr(
+    feature = "schema",
+    derive(schemars::JsonSchema),
+    schemars(rename = "PluginConfig")
+)]
 struct RawConfig {
+    /// What this filter instance does: `route` (client sidecar: score pods and steer requests)
+    /// or `guard` (inbound guard in front of one model server, admission control).
     #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = "route", "enum" = ["route", "guard", null]))
+    )]
     mode: Option<String>,
+    /// The pools of pods (one Envoy cluster each) this filter steers. At least one in route
+    /// mode; names and clusters must be unique.
     pools: Vec<RawPool>,
+    /// Named scoring weights that pools select with `modelType` (e.g. `llm`, `vision`,
+    /// `speech`). Names must not be empty.
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(extend("default" = {})))]
     weight_templates: BTreeMap<String, RawWeights>,
+    /// Hard limits that zero a pod's score, and the scales of the queue and p99 terms.
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(extend("default" = {})))]
     cutoffs: RawCutoffs,
+    /// Per-pod circuit breaker on passive failures (5xx, resets, TTFT over the SLO).
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(extend("default" = {})))]
     breaker: RawBreaker,
+    /// EMA smoothing factor of pod signals; 1 = no smoothing.
     #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 0.3, "exclusiveMinimum" = 0, "maximum" = 1))
+    )]
     ema_alpha: Option<f64>,
+    /// Fewer candidate pods with fresh metrics than this: steer nothing, Envoy's fallback
+    /// policy balances.
     #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 3, "minimum" = 1, "maximum" = 100_000))
+    )]
     min_pods: Option<u64>,
+    /// Least pick weight of a pod that is not cut, so every live pod keeps seeing some traffic.
     #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 0.05, "minimum" = 0, "exclusiveMaximum" = 1))
+    )]
     floor_weight: Option<f64>,
+    /// Request header carrying `IP:PORT[,IP:PORT...]` to Envoy's `override_host` policy. A
+    /// lowercase HTTP header name.
     #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = "x-gateway-destination-endpoint"))
+    )]
     routing_header: Option<String>,
+    /// Extra ranked endpoints after the chosen one in the routing header, for retries.
     #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 2, "minimum" = 0, "maximum" = 15))
+    )]
     fallback_endpoints: Option<u64>,
+    /// Request header naming the model (lowercase HTTP header name). Absent: every pod in the
+    /// pool serves every request.
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(extend("default" = null)))]
     model_header: Option<String>,
+    /// Request header that asks for the scoreboard in a response header (lowercase HTTP header
+    /// name). Absent: off.
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(extend("default" = null)))]
     debug_header: Option<String>,
+    /// Path answered locally with the scoreboard JSON; starts with `/`, no whitespace.
+    /// Absent: off.
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(extend("default" = null)))]
     status_path: Option<String>,
+    /// The pool subscription to the agents' `WatchPool` stream.
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(extend("default" = {})))]
     watch: RawWatch,
+    /// Admission control (token buckets per tenant, priority classes, inbound guard). Absent
+    /// or null: admission off; `{}`: on with every default.
     #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(
+            with = "Option<crate::admission::config::RawAdmission>",
+            extend("default" = null)
+        )
+    )]
     admission: Option<Value>,
 }
 
+/// One pool of pods (one Envoy cluster) this filter steers.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[cfg_attr(
+    feature = "schema",
+    derive(schemars::JsonSchema),
+    schemars(rename = "Pool")
+)]
 struct RawPool {
+    /// Pool name, unique and not empty.
     name: String,
+    /// The Envoy cluster serving inference (the one with the `override_host` policy); unique
+    /// across pools, not empty.
     cluster: String,
+    /// The Envoy cluster reaching the agents' gRPC `WatchPool`. Absent: `cluster`.
     #[serde(default)]
     agent_cluster: Option<String>,
+    /// `:authority` of the agent calls.
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(extend("default" = "ai-lb-agent")))]
     agent_authority: Option<String>,
+    /// Key into `weightTemplates`; an unknown key means the default weights.
     #[serde(default)]
     model_type: Option<String>,
+    /// The pool's weights; beat the `modelType` template. Absent: the template, else defaults.
     #[serde(default)]
     weights: Option<RawWeights>,
+    /// Per-pod weights keyed by the pod's serving address `IP:PORT` (e.g. `10.0.0.1:8000`);
+    /// beat the pool's weights.
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(extend("default" = {})))]
     pod_weights: BTreeMap<String, RawWeights>,
 }
 
+/// Scoring weights of the four terms. A missing key is 0 (no inheritance from a less specific
+/// level); values are finite and ≥ 0 with a positive sum, and are divided by their sum. Absent
+/// everywhere: gpu 0.35, queue 0.25, p99 0.25, memory 0.15.
 #[derive(Debug, Deserialize, Clone, Copy)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[cfg_attr(
+    feature = "schema",
+    derive(schemars::JsonSchema),
+    schemars(rename = "ScoreWeights")
+)]
 struct RawWeights {
+    /// Weight of GPU utilisation headroom.
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(extend("default" = 0, "minimum" = 0)))]
     gpu: f64,
+    /// Weight of the waiting-queue term (scaled by `cutoffs.maxQueue`).
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(extend("default" = 0, "minimum" = 0)))]
     queue: f64,
+    /// Weight of the p99 latency term (scaled by `cutoffs.p99TimeoutMs`).
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(extend("default" = 0, "minimum" = 0)))]
     p99: f64,
+    /// Weight of free GPU memory (KV cache headroom).
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(extend("default" = 0, "minimum" = 0)))]
     memory: f64,
 }
 
+/// Hard limits that zero a pod's score.
 #[derive(Debug, Deserialize, Default)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[cfg_attr(
+    feature = "schema",
+    derive(schemars::JsonSchema),
+    schemars(rename = "Cutoffs")
+)]
 struct RawCutoffs {
+    /// GPU utilisation above this cuts the pod.
     #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 0.95, "exclusiveMinimum" = 0, "maximum" = 1))
+    )]
     gpu_hard_limit: Option<f64>,
+    /// Waiting requests at or above this cut the pod; also the queue term's scale.
     #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 64, "minimum" = 1, "maximum" = 1_000_000))
+    )]
     max_queue: Option<u64>,
+    /// The p99 term's scale in ms: a p99 at or above it scores 0 on that term (not a cut).
     #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 5000, "minimum" = 1))
+    )]
     p99_timeout_ms: Option<u64>,
+    /// Metrics older than this (ms) cut the pod as stale.
     #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 2000, "minimum" = 1))
+    )]
     staleness_ms: Option<u64>,
 }
 
+/// Per-pod circuit breaker on passive failures.
 #[derive(Debug, Deserialize, Default)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[cfg_attr(
+    feature = "schema",
+    derive(schemars::JsonSchema),
+    schemars(rename = "Breaker")
+)]
 struct RawBreaker {
+    /// Consecutive passive failures that open the breaker.
     #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 5, "minimum" = 1, "maximum" = 10_000))
+    )]
     consecutive_failures: Option<u64>,
+    /// First cooldown (ms); doubles on every re-open without an intervening close.
     #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 5000, "minimum" = 1))
+    )]
     base_cooldown_ms: Option<u64>,
+    /// Cap of the doubling cooldown (ms); must be ≥ `baseCooldownMs`. Absent: 60000, or
+    /// `baseCooldownMs` if that is larger.
     #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 60_000, "minimum" = 1))
+    )]
     max_cooldown_ms: Option<u64>,
+    /// Probes admitted while half-open; that many successes close the breaker.
     #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 3, "minimum" = 1, "maximum" = 250))
+    )]
     half_open_probes: Option<u64>,
+    /// A response whose time to first token exceeds this (ms) counts as a failure. Absent or
+    /// null: off.
     #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = null, "minimum" = 1))
+    )]
     ttft_slo_ms: Option<u64>,
 }
 
+/// The pool subscription (`WatchPool` stream to the agents).
 #[derive(Debug, Deserialize, Default)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[cfg_attr(
+    feature = "schema",
+    derive(schemars::JsonSchema),
+    schemars(rename = "Watch")
+)]
 struct RawWatch {
+    /// `WatchPoolRequest.min_interval_ms`: least interval between updates; 0 = the agent's
+    /// default.
     #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 0, "minimum" = 0, "maximum" = 3_600_000))
+    )]
     min_interval_ms: Option<u64>,
+    /// `WatchPoolRequest.heartbeat_ms`: interval of keep-alive updates; 0 = the agent's default.
     #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 0, "minimum" = 0, "maximum" = 3_600_000))
+    )]
     heartbeat_ms: Option<u64>,
+    /// First reconnect delay (ms) after the stream closes; doubles per failed attempt.
     #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 250, "minimum" = 1))
+    )]
     reconnect_base_ms: Option<u64>,
+    /// Cap of the doubling reconnect delay (ms); must be ≥ `reconnectBaseMs`. Absent: 10000, or
+    /// `reconnectBaseMs` if that is larger.
     #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 10_000, "minimum" = 1))
+    )]
     reconnect_max_ms: Option<u64>,
+    /// How often (ms) worker VMs re-read the shared pool state.
     #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 20, "minimum" = 1))
+    )]
     refresh_ms: Option<u64>,
 }
 
@@ -738,7 +957,11 @@ impl TryFrom<RawConfig> for FilterConfig {
             debug_header,
             status_path,
             watch,
-            admission: raw.admission,
+            admission: raw
+                .admission
+                .as_ref()
+                .map(AdmissionConfig::from_value)
+                .transpose()?,
         })
     }
 }

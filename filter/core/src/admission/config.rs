@@ -39,6 +39,7 @@ impl Default for CostWeights {
 /// What to do with a JSON request body that does not parse.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub enum MalformedJsonPolicy {
     /// Answer 400 with an OpenAI-style error body.
     Reject,
@@ -259,108 +260,232 @@ impl Default for AdmissionConfig {
 
 // ---------------------------------------------------------------- raw serde layer
 
+/// Admission control: token buckets per tenant in weighted tokens, priority classes under
+/// saturation, and the inbound guard of the inference pod's sidecar.
 #[derive(Debug, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
-struct RawAdmission {
+#[cfg_attr(
+    feature = "schema",
+    derive(schemars::JsonSchema),
+    schemars(rename = "Admission")
+)]
+pub(crate) struct RawAdmission {
+    /// Admission on or off while keeping its settings.
+    #[cfg_attr(feature = "schema", schemars(extend("default" = true)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     enabled: Option<bool>,
+    /// How request bodies are costed.
+    #[cfg_attr(feature = "schema", schemars(extend("default" = {})))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     cost: Option<RawCost>,
+    /// Where the tenant key comes from, tried in order: `header:<name>`, `apiKeyHash` (SHA-256 of the
+    /// bearer or `x-api-key` key, never the key) or `peerPrincipal` (mTLS SPIFFE id); no duplicates.
+    /// None matching: tenant `default`.
+    #[cfg_attr(feature = "schema", schemars(extend("default" = ["header:x-tenant-id", "apiKeyHash", "peerPrincipal"])))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     tenant_key: Option<Vec<String>>,
+    /// Token bucket per tenant name (1..=128 characters). The entry `default` is the bucket given to
+    /// every tenant without its own entry (each tenant gets its own bucket).
+    #[cfg_attr(feature = "schema", schemars(extend("default" = {"default": {"tokensPerSecond": 2000, "burst": 64000}})))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     tenants: Option<BTreeMap<String, RawBucket>>,
+    /// How a request's priority class is chosen.
+    #[cfg_attr(feature = "schema", schemars(extend("default" = {})))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     priority: Option<RawPriority>,
+    /// What saturation means and how long standard requests wait through it.
+    #[cfg_attr(feature = "schema", schemars(extend("default" = {})))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     saturation: Option<RawSaturation>,
+    /// The inbound guard (mode `guard`).
+    #[cfg_attr(feature = "schema", schemars(extend("default" = {})))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     guard: Option<RawGuard>,
 }
 
+/// How a request body is turned into a weighted cost (in weighted tokens).
 #[derive(Debug, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[cfg_attr(
+    feature = "schema",
+    derive(schemars::JsonSchema),
+    schemars(rename = "AdmissionCost")
+)]
 struct RawCost {
+    /// Weighted tokens per unit of each modality.
+    #[cfg_attr(feature = "schema", schemars(extend("default" = {})))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     weights: Option<RawWeights>,
+    /// Output reservation when the request sets neither `max_completion_tokens` nor `max_tokens`.
+    #[cfg_attr(feature = "schema", schemars(extend("default" = 256, "minimum" = 0, "maximum" = 1_000_000)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     default_output_tokens: Option<u32>,
+    /// Bodies larger than this (bytes) are not buffered; they are costed from `content-length`.
+    #[cfg_attr(feature = "schema", schemars(extend("default" = 1_048_576, "minimum" = 1, "maximum" = 67_108_864)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     max_body_bytes: Option<u64>,
+    /// Visual tokens assumed for an image whose size cannot be read (a URL, an unknown format).
+    #[cfg_attr(feature = "schema", schemars(extend("default" = 765, "minimum" = 0, "maximum" = 100_000)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     default_image_patches: Option<u32>,
+    /// Duration (s) assumed for audio whose length cannot be read from its header.
+    #[cfg_attr(feature = "schema", schemars(extend("default" = 30.0, "minimum" = 0, "maximum" = 3600)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     default_audio_seconds: Option<f64>,
+    /// Audio encoder frames per second of audio (Whisper/Qwen2-Audio after pooling: 25).
+    #[cfg_attr(feature = "schema", schemars(extend("default" = 25.0, "exclusiveMinimum" = 0, "maximum" = 1000)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     audio_frames_per_second: Option<f64>,
+    /// Bytes per text token assumed when costing from `content-length`.
+    #[cfg_attr(feature = "schema", schemars(extend("default" = 4.0, "minimum" = 0.5, "maximum" = 64)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     content_length_bytes_per_token: Option<f64>,
+    /// Upper bound of a `content-length` based cost, in weighted tokens.
+    #[cfg_attr(feature = "schema", schemars(extend("default" = 32_768, "minimum" = 1, "maximum" = 1_000_000_000)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     content_length_cost_cap: Option<u64>,
+    /// A JSON body that does not parse: `reject` (400, OpenAI-style error) or `passUncosted` (let
+    /// it through without charging the tenant).
+    #[cfg_attr(feature = "schema", schemars(extend("default" = "reject")))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     malformed_json: Option<MalformedJsonPolicy>,
 }
 
+/// Weight of one unit of each modality, in weighted tokens.
 #[derive(Debug, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[cfg_attr(
+    feature = "schema",
+    derive(schemars::JsonSchema),
+    schemars(rename = "CostWeights")
+)]
 struct RawWeights {
+    /// Weight of one text token.
+    #[cfg_attr(feature = "schema", schemars(extend("default" = 1.0, "exclusiveMinimum" = 0, "maximum" = 1000)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     text: Option<f64>,
+    /// Weight of one image patch (one visual token).
+    #[cfg_attr(feature = "schema", schemars(extend("default" = 3.2, "minimum" = 0, "maximum" = 1000)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     image_patch: Option<f64>,
+    /// Weight of one audio encoder frame.
+    #[cfg_attr(feature = "schema", schemars(extend("default" = 4.8, "minimum" = 0, "maximum" = 1000)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     audio_frame: Option<f64>,
 }
 
+/// A token bucket: refill rate and size in weighted tokens. Both fields are required.
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[cfg_attr(
+    feature = "schema",
+    derive(schemars::JsonSchema),
+    schemars(rename = "TokenBucket")
+)]
 struct RawBucket {
+    /// Refill rate in weighted tokens per second (integer).
+    #[cfg_attr(feature = "schema", schemars(extend("minimum" = 1, "maximum" = 1_000_000_000)))]
     tokens_per_second: u64,
+    /// Bucket capacity in weighted tokens: the most a tenant can spend at once after being idle.
+    #[cfg_attr(feature = "schema", schemars(extend("minimum" = 1, "maximum" = 1_000_000_000_000_u64)))]
     burst: u64,
 }
 
+/// How a request's priority class (`critical`, `standard`, `sheddable`) is chosen.
 #[derive(Debug, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[cfg_attr(
+    feature = "schema",
+    derive(schemars::JsonSchema),
+    schemars(rename = "Priority")
+)]
 struct RawPriority {
+    /// Request header carrying `critical`, `standard` or `sheddable` (HTTP header name, matched
+    /// case-insensitively).
+    #[cfg_attr(feature = "schema", schemars(extend("default" = "x-ai-lb-priority")))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     header: Option<String>,
+    /// Class of a request with no (valid) header and no matching route: `critical`, `standard` or
+    /// `sheddable`.
+    #[cfg_attr(feature = "schema", schemars(extend("default" = "standard", "enum" = ["critical", "standard", "sheddable", null])))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     default_class: Option<String>,
+    /// Route overrides; the longest matching `pathPrefix` wins and beats the header.
+    #[cfg_attr(feature = "schema", schemars(extend("default" = [])))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     routes: Option<Vec<RawRoute>>,
 }
 
+/// A path-prefix route whose requests always get `class`. Both fields are required.
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[cfg_attr(
+    feature = "schema",
+    derive(schemars::JsonSchema),
+    schemars(rename = "PriorityRoute")
+)]
 struct RawRoute {
+    /// Path prefix, starting with `/`.
     path_prefix: String,
+    /// `critical`, `standard` or `sheddable`.
+    #[cfg_attr(feature = "schema", schemars(extend("enum" = ["critical", "standard", "sheddable"])))]
     class: String,
 }
 
+/// What saturation means and how long standard requests may wait through it.
 #[derive(Debug, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[cfg_attr(
+    feature = "schema",
+    derive(schemars::JsonSchema),
+    schemars(rename = "Saturation")
+)]
 struct RawSaturation {
+    /// A pod above this normalised load counts as saturated.
+    #[cfg_attr(feature = "schema", schemars(extend("default" = 0.85, "exclusiveMinimum" = 0, "maximum" = 1)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     soft_threshold: Option<f64>,
+    /// How long (ms) a standard request is held through saturation before it gets 503.
+    #[cfg_attr(feature = "schema", schemars(extend("default" = 2000, "minimum" = 0, "maximum" = 300_000)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     max_wait_standard_ms: Option<u64>,
+    /// Most requests held per worker; beyond it standard requests get 503 at once.
+    #[cfg_attr(feature = "schema", schemars(extend("default" = 256, "minimum" = 0, "maximum" = 100_000)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     max_held: Option<usize>,
+    /// `retry-after` (s) given to shed (429) and timed-out (503) requests.
+    #[cfg_attr(feature = "schema", schemars(extend("default" = 1, "minimum" = 1, "maximum" = 3600)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     retry_after_seconds: Option<u32>,
 }
 
+/// The inbound guard of the inference pod's own sidecar (mode `guard`).
 #[derive(Debug, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[cfg_attr(
+    feature = "schema",
+    derive(schemars::JsonSchema),
+    schemars(rename = "Guard")
+)]
 struct RawGuard {
+    /// Guard on or off.
+    #[cfg_attr(feature = "schema", schemars(extend("default" = true)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     enabled: Option<bool>,
+    /// GPU utilisation at or above which, with requests already waiting, the pod rejects.
+    #[cfg_attr(feature = "schema", schemars(extend("default" = 0.9, "exclusiveMinimum" = 0, "maximum" = 1)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     gpu_util_cutoff: Option<f64>,
+    /// The queue is full when waiting ≥ capacity × this ratio.
+    #[cfg_attr(feature = "schema", schemars(extend("default" = 1.0, "exclusiveMinimum" = 0, "maximum" = 100)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     queue_full_ratio: Option<f64>,
+    /// `retry-after` (s) of a guard rejection (503).
+    #[cfg_attr(feature = "schema", schemars(extend("default" = 1, "minimum" = 1, "maximum" = 3600)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     retry_after_seconds: Option<u32>,
+    /// Local metrics older than this (ms) are stale and the guard admits (fail-open).
+    #[cfg_attr(feature = "schema", schemars(extend("default" = 5000, "minimum" = 1, "maximum" = 600_000)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     max_staleness_ms: Option<u64>,
 }
@@ -780,9 +905,32 @@ fn value_at<'v>(root: &'v Value, path: &serde_path_to_error::Path) -> Option<&'v
     Some(cur)
 }
 
+/// What [`AdmissionConfig::from_value`] accepts: the plugin JSON's `admission` value, or an
+/// already validated config (so callers written when `FilterConfig::admission` was raw JSON keep
+/// compiling; validating a validated config returns it unchanged).
+pub trait AdmissionSource {
+    fn to_admission(&self) -> Result<AdmissionConfig, ConfigError>;
+}
+
+impl AdmissionSource for Value {
+    fn to_admission(&self) -> Result<AdmissionConfig, ConfigError> {
+        AdmissionConfig::from_json_value(self)
+    }
+}
+
+impl AdmissionSource for AdmissionConfig {
+    fn to_admission(&self) -> Result<AdmissionConfig, ConfigError> {
+        Ok(self.clone())
+    }
+}
+
 impl AdmissionConfig {
     /// Parses and validates the `admission` object of the plugin JSON. `null` means defaults.
-    pub fn from_value(v: &Value) -> Result<Self, ConfigError> {
+    pub fn from_value<S: AdmissionSource + ?Sized>(v: &S) -> Result<Self, ConfigError> {
+        v.to_admission()
+    }
+
+    fn from_json_value(v: &Value) -> Result<Self, ConfigError> {
         if v.is_null() {
             return Ok(Self::default());
         }
