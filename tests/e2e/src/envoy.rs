@@ -522,6 +522,12 @@ impl HttpClient {
         }
     }
 
+    /// The same client with another connect/read timeout (default 30 s).
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
     /// Sends one request; retries once on a stale keep-alive connection.
     pub fn request(
         &mut self,
@@ -949,6 +955,15 @@ pub struct PodPool {
 impl PodPool {
     /// Starts `n` fake pods (`--time-scale time_scale`) and their agents.
     pub fn start(n: usize, time_scale: f64) -> Result<PodPool, Error> {
+        Self::start_with(n, time_scale, |_| Vec::new())
+    }
+
+    /// Like [`PodPool::start`], with extra fake-pod flags per pod index (e.g. `--preset`).
+    pub fn start_with(
+        n: usize,
+        time_scale: f64,
+        pod_extra: impl Fn(usize) -> Vec<String>,
+    ) -> Result<PodPool, Error> {
         let pod_bin = workspace_bin("ai-lb-fake-pod")?;
         let agent_bin = workspace_bin("ai-lb-agent")?;
         let mut names = Vec::new();
@@ -968,6 +983,7 @@ impl PodPool {
             ]
             .iter()
             .map(|s| s.to_string())
+            .chain(pod_extra(i))
             .collect();
             let p = Proc::spawn(&name, &pod_bin, &args, &["http"], Duration::from_secs(20))?;
             let addr = p
