@@ -5,7 +5,7 @@
 //! 400 locally, scans the response for `usage` and settles the reservation in `on_log`.
 //! Everything is counted as Envoy stats under `ailb.admission.`.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::rc::Rc;
 
 use proxy_wasm::types::{LogLevel, Status};
@@ -14,10 +14,15 @@ use serde_json::Value;
 use ai_lb_filter_core::admission::bucket::{self, CasMismatch, Grant, SharedStore};
 use ai_lb_filter_core::admission::config::BucketParams;
 use ai_lb_filter_core::admission::cost::{self, BodyPlan, CostBasis, Endpoint, RequestCost};
-use ai_lb_filter_core::admission::priority::{self, ClassSource, PriorityClass};
+use ai_lb_filter_core::admission::priority::{
+    self, ClassSource, HeldQueue, PodLoad, PriorityClass,
+};
 use ai_lb_filter_core::admission::stats::{MAX_TENANTS, OTHER_TENANT};
 use ai_lb_filter_core::admission::{tenant, AdmissionConfig, UsageScanner};
+use ai_lb_filter_core::breaker::BreakerState;
 use ai_lb_filter_core::error::ConfigError;
+use ai_lb_filter_core::picker::Router;
+use ai_lb_filter_core::score::CutReason;
 
 use crate::host;
 use crate::metrics::Metrics;
@@ -68,18 +73,38 @@ impl AdmissionSection for Option<AdmissionConfig> {
     }
 }
 
-/// Admission state of one VM: the config and the tenants that have their own stats.
+/// A standard request paused while its pool is saturated.
+#[derive(Debug, Clone)]
+pub struct HeldReq {
+    pub pool: usize,
+    pub model: Option<String>,
+    pub stat_tenant: String,
+}
+
+/// Admission state of one VM: the config, the tenants that have their own stats, and the
+/// worker's held queue (requests paused in this VM can only be resumed from this VM).
 #[derive(Debug)]
 pub struct AdmissionRt {
     pub cfg: Rc<AdmissionConfig>,
     tenants: BTreeSet<String>,
+    pub held: HeldQueue,
+    pub held_reqs: HashMap<u32, HeldReq>,
+    /// Released requests and the ranked list the root wrote for them.
+    pub resumed: HashMap<u32, (String, f64)>,
+    /// Held requests answered 503 by the root: their reservation is refunded.
+    pub expired: HashSet<u32>,
 }
 
 impl AdmissionRt {
     pub fn new(cfg: AdmissionConfig) -> Self {
+        let held = HeldQueue::new(cfg.saturation.max_held);
         Self {
             cfg: Rc::new(cfg),
             tenants: BTreeSet::new(),
+            held,
+            held_reqs: HashMap::new(),
+            resumed: HashMap::new(),
+            expired: HashSet::new(),
         }
     }
 
@@ -161,6 +186,10 @@ pub struct AdmReq {
     pub grant: Option<Grant>,
     pub scanner: Option<UsageScanner>,
     pub settled: bool,
+    /// Answered locally after admission (shed, held too long): refund the whole reservation.
+    pub refund_all: bool,
+    /// The stream-done `hits_addend` was published.
+    pub stream_done_published: bool,
 }
 
 /// What the glue does after the admission step.
@@ -206,21 +235,16 @@ pub fn begin(
             grant: None,
             scanner: None,
             settled: false,
+            refund_all: false,
+            stream_done_published: false,
         },
         plan,
     )
 }
 
 impl AdmReq {
-    fn count(&self, metrics: &mut Metrics, what: &str, by: u64) {
-        metrics.inc(
-            &format!(
-                "{PREFIX}.tenant.{}.{}.{what}",
-                self.stat_tenant,
-                self.class.as_str()
-            ),
-            by,
-        );
+    pub fn count(&self, metrics: &mut Metrics, what: &str, by: u64) {
+        count_class(metrics, &self.stat_tenant, self.class, what, by);
     }
 
     /// Costs a fully buffered body and admits it. `Replied` after a 400 or a 429.
@@ -271,6 +295,9 @@ impl AdmReq {
                 metrics.inc(&format!("{PREFIX}.tokens_reserved"), grant.reserved);
                 self.count(metrics, "admitted", 1);
                 self.count(metrics, "tokens_reserved", grant.reserved);
+                // Global limits: Envoy's rate limit filter (after this one) sends the cost as
+                // `hits_addend` for request-time descriptors.
+                publish_hits(metrics, grant.reserved);
                 self.grant = Some(grant);
                 Step::Proceed
             }
@@ -314,6 +341,27 @@ impl AdmReq {
         }
     }
 
+    /// The response ended: tells `apply_on_stream_done` rate limit descriptors the usage beyond
+    /// the reservation (`hits_addend` cannot be negative, so a refund is 0), once. Without
+    /// usage the reservation stands and 0 is published too, so the request-time value is not
+    /// counted twice.
+    pub fn on_response_end(&mut self, metrics: &mut Metrics) {
+        if self.stream_done_published || self.refund_all {
+            return;
+        }
+        let Some(g) = &self.grant else {
+            return;
+        };
+        self.stream_done_published = true;
+        let actual = self
+            .scanner
+            .as_ref()
+            .and_then(UsageScanner::usage)
+            .map(|u| u.weighted(&self.cfg.cost.weights));
+        let extra = actual.map_or(0, |a| a.saturating_sub(g.reserved));
+        publish_hits(metrics, extra);
+    }
+
     /// Settles the reservation with the response's usage (once); no usage keeps it.
     pub fn settle(&mut self, now_ms: u64, metrics: &mut Metrics) {
         if self.settled {
@@ -323,14 +371,20 @@ impl AdmReq {
         let Some(grant) = self.grant.take() else {
             return;
         };
-        let usage = self.scanner.as_ref().and_then(UsageScanner::usage);
+        let usage = if self.refund_all {
+            Some(Default::default())
+        } else {
+            self.scanner.as_ref().and_then(UsageScanner::usage)
+        };
         let Some(usage) = usage else {
             metrics.inc(&format!("{PREFIX}.reservations_kept"), 1);
             self.count(metrics, "reservations_kept", 1);
             return;
         };
         let actual = usage.weighted(&self.cfg.cost.weights);
-        record_estimate(metrics, self.estimated_prompt, usage.prompt_tokens);
+        if !self.refund_all {
+            record_estimate(metrics, self.estimated_prompt, usage.prompt_tokens);
+        }
         match bucket::reconcile(
             &HostStore,
             &grant.tenant,
@@ -361,6 +415,104 @@ impl AdmReq {
             }
         }
     }
+}
+
+/// Sets `envoy.ratelimit.hits_addend`; failures are counted (no rate limit filter is fine).
+fn publish_hits(metrics: &mut Metrics, n: u64) {
+    if host::set_hits_addend(n).is_err() {
+        metrics.inc(&format!("{PREFIX}.hits_addend_errors"), 1);
+    }
+}
+
+/// Counts `what` for a tenant in a class: `ailb.admission.tenant.<tenant>.<class>.<what>`.
+pub fn count_class(
+    metrics: &mut Metrics,
+    stat_tenant: &str,
+    class: PriorityClass,
+    what: &str,
+    by: u64,
+) {
+    metrics.inc(
+        &format!("{PREFIX}.tenant.{stat_tenant}.{}.{what}", class.as_str()),
+        by,
+    );
+}
+
+/// Counts a global admission stat `ailb.admission.<what>`.
+pub fn count(metrics: &mut Metrics, what: &str, by: u64) {
+    metrics.inc(&format!("{PREFIX}.{what}"), by);
+}
+
+/// Records a global admission histogram value `ailb.admission.<what>`.
+pub fn record(metrics: &mut Metrics, what: &str, value: u64) {
+    metrics.record(&format!("{PREFIX}.{what}"), value);
+}
+
+/// The pool's pods as the saturation test sees them: pods without trustworthy metrics are left
+/// out (they say nothing about load), a cut pod counts as fully loaded, load = 1 - score.
+pub fn pod_loads(router: &Router, pool: usize, now_ms: u64) -> Vec<PodLoad> {
+    router
+        .pod_status(pool, now_ms)
+        .iter()
+        .filter(|r| r.metrics_age_ms.is_some() && r.cut != Some(CutReason::Stale))
+        .map(|r| PodLoad {
+            load: if r.cut.is_some() {
+                1.0
+            } else {
+                (1.0 - r.score).clamp(0.0, 1.0)
+            },
+            breaker_open: r.breaker == BreakerState::Open
+                || matches!(r.cut, Some(CutReason::Breaker(_))),
+        })
+        .collect()
+}
+
+/// Saturated per [`priority::is_saturated`]; a pool with no pod to judge is NOT saturated
+/// (no metrics must not shed traffic), and the count of pods below the threshold.
+pub fn saturation(router: &Router, pool: usize, now_ms: u64, soft: f64) -> (bool, usize) {
+    let loads = pod_loads(router, pool, now_ms);
+    if loads.is_empty() {
+        return (false, usize::MAX);
+    }
+    let free = loads
+        .iter()
+        .filter(|p| !p.breaker_open && p.load <= soft)
+        .count();
+    (priority::is_saturated(&loads, soft), free)
+}
+
+/// The 429 of a sheddable request under saturation.
+pub fn shed_reply(retry_after_s: u32) {
+    let body = ai_lb_filter_core::admission::response::openai_error_body(
+        "The service is saturated and this request's priority class (sheddable) is shed. Please retry later.",
+        "server_error",
+        Some("shed_under_saturation"),
+    );
+    reply(
+        429,
+        &[
+            ("content-type", "application/json".to_string()),
+            ("retry-after", retry_after_s.to_string()),
+        ],
+        &body,
+    );
+}
+
+/// The 503 of a standard request that waited the maximum (or found the held queue full).
+pub fn overloaded_reply(retry_after_s: u32) {
+    let body = ai_lb_filter_core::admission::response::openai_error_body(
+        "The service is saturated; this request waited the maximum time for capacity. Please retry later.",
+        "server_error",
+        Some("saturated"),
+    );
+    reply(
+        503,
+        &[
+            ("content-type", "application/json".to_string()),
+            ("retry-after", retry_after_s.to_string()),
+        ],
+        &body,
+    );
 }
 
 /// Records the signed prompt estimation error: |error| in percent in a histogram, its sign in

@@ -149,8 +149,7 @@ impl HttpContext for Guard {
                 let mut headers: Vec<(&str, String)> =
                     vec![("content-type", "application/json".to_string())];
                 headers.extend(d.headers());
-                let hs: Vec<(&str, &str)> =
-                    headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                let hs: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
                 let body = d.error_body().unwrap_or_default();
                 if let Err(e) = host::send_response(guard::GUARD_STATUS, hs, body.as_bytes()) {
                     host::log(

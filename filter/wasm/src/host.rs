@@ -7,8 +7,9 @@
 
 use std::time::UNIX_EPOCH;
 
+use prost::Message;
 use proxy_wasm::hostcalls;
-use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType, Status};
+use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType, Status, StreamType};
 
 /// Milliseconds since the Unix epoch from the host clock (0 if the host refuses).
 pub fn now_ms() -> u64 {
@@ -89,9 +90,99 @@ pub fn grpc_message(size: usize) -> Option<Vec<u8>> {
         .flatten()
 }
 
-/// A local reply that ends the request (status page).
+#[link(wasm_import_module = "env")]
+extern "C" {
+    fn proxy_send_local_response(
+        status_code: u32,
+        status_code_details_data: *const u8,
+        status_code_details_size: usize,
+        body_data: *const u8,
+        body_size: usize,
+        headers_data: *const u8,
+        headers_size: usize,
+        grpc_status: i32,
+    ) -> Status;
+    fn proxy_continue_stream(stream_type: StreamType) -> Status;
+}
+
+/// proxy-wasm's header map serialization: count, then (key len, value len) pairs, then each
+/// key and value NUL-terminated; lengths little-endian u32.
+pub fn serialize_map(pairs: &[(&str, &str)]) -> Vec<u8> {
+    let len32 = |n: usize| u32::try_from(n).unwrap_or(u32::MAX).to_le_bytes();
+    let mut out = Vec::new();
+    out.extend_from_slice(&len32(pairs.len()));
+    for (k, v) in pairs {
+        out.extend_from_slice(&len32(k.len()));
+        out.extend_from_slice(&len32(v.len()));
+    }
+    for (k, v) in pairs {
+        out.extend_from_slice(k.as_bytes());
+        out.push(0);
+        out.extend_from_slice(v.as_bytes());
+        out.push(0);
+    }
+    out
+}
+
+/// A local reply that ends the request. Unlike the SDK's `send_http_response`, a host error
+/// is returned, not a trap (the root context answers held requests whose stream may be gone).
+#[allow(unsafe_code)] // the raw ABI call: the SDK's wrapper panics on any non-Ok status
 pub fn send_response(status: u32, headers: Vec<(&str, &str)>, body: &[u8]) -> Result<(), Status> {
-    hostcalls::send_http_response(status, headers, Some(body))
+    let h = serialize_map(&headers);
+    // SAFETY: every pointer/length pair describes a live slice for the duration of the call.
+    let st = unsafe {
+        proxy_send_local_response(
+            status,
+            std::ptr::null(),
+            0,
+            body.as_ptr(),
+            body.len(),
+            h.as_ptr(),
+            h.len(),
+            -1,
+        )
+    };
+    match st {
+        Status::Ok => Ok(()),
+        e => Err(e),
+    }
+}
+
+/// Resumes the current (effective) HTTP request; a host error is returned, not a trap.
+#[allow(unsafe_code)] // the raw ABI call: the SDK's wrapper panics on any non-Ok status
+pub fn resume_request() -> Result<(), Status> {
+    // SAFETY: no pointers are passed.
+    match unsafe { proxy_continue_stream(StreamType::HttpRequest) } {
+        Status::Ok => Ok(()),
+        e => Err(e),
+    }
+}
+
+/// Sets the filter state object `envoy.ratelimit.hits_addend` (through Envoy's foreign function
+/// `set_envoy_filter_state`) so that Envoy's rate limit filter sends `hits_addend = n`.
+pub fn set_hits_addend(n: u64) -> Result<(), Status> {
+    let arg = SetEnvoyFilterStateArguments {
+        path: HITS_ADDEND_KEY.to_string(),
+        value: n.to_string(),
+        span: 0,
+    }
+    .encode_to_vec();
+    hostcalls::call_foreign_function("set_envoy_filter_state", Some(&arg)).map(|_| ())
+}
+
+/// The filter state key Envoy's rate limit filter reads its hits addend from.
+pub const HITS_ADDEND_KEY: &str = "envoy.ratelimit.hits_addend";
+
+/// `envoy.source.extensions.common.wasm.SetEnvoyFilterStateArguments`: path = 1, value = 2,
+/// span = 3 (LifeSpan; 0 = FilterChain).
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct SetEnvoyFilterStateArguments {
+    #[prost(string, tag = "1")]
+    pub path: String,
+    #[prost(string, tag = "2")]
+    pub value: String,
+    #[prost(int32, tag = "3")]
+    pub span: i32,
 }
 
 /// Shared data value and its CAS token (`None` values when absent).
@@ -115,4 +206,28 @@ pub fn increment_metric(id: u32, by: i64) {
 
 pub fn record_metric(id: u32, value: u64) {
     let _ = hostcalls::record_metric(id, value);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_map_serialization_matches_the_abi() {
+        let b = serialize_map(&[("a", "bc"), ("", "d")]);
+        let mut want = vec![2, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0];
+        want.extend_from_slice(b"a\0bc\0\0d\0");
+        assert_eq!(b, want);
+    }
+
+    #[test]
+    fn filter_state_argument_encoding() {
+        let b = SetEnvoyFilterStateArguments {
+            path: "k".into(),
+            value: "42".into(),
+            span: 0,
+        }
+        .encode_to_vec();
+        assert_eq!(b, vec![0x0a, 1, b'k', 0x12, 2, b'4', b'2']);
+    }
 }

@@ -18,11 +18,19 @@ use ai_lb_filter_core::status::scoreboard_json;
 
 use ai_lb_filter_core::admission::config::TenantKeySource;
 use ai_lb_filter_core::admission::cost::BodyPlan;
+use ai_lb_filter_core::admission::priority::{self, PriorityDecision};
 
-use crate::admission::{self, AdmReq, Headers, Step};
+use crate::admission::{self, AdmReq, Headers, HeldReq, Step};
 use crate::outcome::{self, Observed};
 use crate::root::{count_transitions, State};
 use crate::{body, host, shared};
+
+/// Outcome of the class policy for one request.
+enum Gate {
+    Route,
+    Replied,
+    Held,
+}
 
 /// A context that does nothing (filter not configured for routing).
 pub struct PassThrough;
@@ -32,6 +40,8 @@ impl HttpContext for PassThrough {}
 
 pub struct Request {
     state: Rc<RefCell<State>>,
+    /// The proxy-wasm context id (the held queue's handle).
+    id: u32,
     pool: Option<usize>,
     model: Option<String>,
     /// The routing header value written; empty when nothing was steered.
@@ -51,9 +61,10 @@ pub struct Request {
 }
 
 impl Request {
-    pub fn new(state: Rc<RefCell<State>>) -> Self {
+    pub fn new(state: Rc<RefCell<State>>, id: u32) -> Self {
         Self {
             state,
+            id,
             pool: None,
             model: None,
             ranked: String::new(),
@@ -79,57 +90,109 @@ impl Request {
         let Ok(mut guard) = self.state.try_borrow_mut() else {
             return;
         };
+        if let Some((ranked, score)) = steer(&mut guard, pool, self.model.as_deref(), now) {
+            self.ranked = ranked;
+            self.chosen_score = score;
+        }
+    }
+
+    /// Admission passed: the class policy under saturation, then routing. Returns the action
+    /// for the current callback.
+    fn gate_and_route(&mut self, now: u64) -> Action {
+        match self.priority_gate(now) {
+            Gate::Route => {
+                self.route(now);
+                Action::Continue
+            }
+            Gate::Replied | Gate::Held => Action::Pause,
+        }
+    }
+
+    /// Sheds, holds or lets through by class when the pool is saturated.
+    fn priority_gate(&mut self, now: u64) -> Gate {
+        let (Some(pool), Some(a)) = (self.pool, self.adm.as_mut()) else {
+            return Gate::Route;
+        };
+        let Ok(mut guard) = self.state.try_borrow_mut() else {
+            return Gate::Route;
+        };
         let State {
             router,
+            admission,
             metrics,
-            rng,
-            scratch,
             ..
         } = &mut *guard;
-        let ranked = match router.decide(pool, self.model.as_deref(), now, rng) {
-            Decision::Steer {
-                ranked,
-                chosen_score,
-            } => {
-                self.chosen_score = chosen_score;
-                ranked
-            }
-            Decision::FailOpen { ranked } => ranked,
-            Decision::Fallback(_) => return,
+        let Some(rt) = admission.as_mut() else {
+            return Gate::Route;
         };
-        if !router.write_ranked(pool, &ranked, scratch) {
-            return;
-        }
-        let header = router.config().routing_header.clone();
-        if let Err(e) = host::set_request_header(&header, Some(scratch)) {
-            host::log(
-                LogLevel::Warn,
-                &format!("ai-lb: cannot set `{header}`: {e:?}"),
-            );
-            return;
-        }
-        self.ranked.clear();
-        self.ranked.push_str(scratch);
-        let Some(chosen) = self.ranked.split(',').next() else {
-            return;
-        };
-        router.on_request_start(pool, chosen);
-        metrics.pick(chosen);
-        // A half-open pod's probe budget is shared by every VM.
-        if router
-            .breaker(pool, chosen, None)
-            .is_some_and(|b| b.state() == BreakerState::HalfOpen)
-        {
-            let cfg = router.config().breaker;
-            if let Some(name) = router.config().pools.get(pool).map(|p| p.name.clone()) {
-                if let Some((b, ts)) = shared::update_breaker(&name, chosen, now, &cfg, |b| {
-                    b.on_request(now);
-                    None
-                }) {
-                    router.set_breaker(pool, chosen, None, b);
-                    count_transitions(metrics, &ts);
+        let sat = rt.cfg.saturation;
+        let (saturated, _) = admission::saturation(router, pool, now, sat.soft_threshold);
+        match priority::decide(&sat, a.class, saturated, rt.held.has_room(), now) {
+            PriorityDecision::Proceed => {
+                if saturated {
+                    a.count(metrics, "saturated_proceed", 1);
                 }
+                Gate::Route
             }
+            PriorityDecision::Shed { retry_after_s } => {
+                a.count(metrics, "shed", 1);
+                admission::count(metrics, "shed", 1);
+                a.refund_all = true;
+                admission::shed_reply(retry_after_s);
+                Gate::Replied
+            }
+            PriorityDecision::Reject { retry_after_s } => {
+                a.count(metrics, "held_rejected", 1);
+                admission::count(metrics, "held_rejected", 1);
+                a.refund_all = true;
+                admission::overloaded_reply(retry_after_s);
+                Gate::Replied
+            }
+            PriorityDecision::Hold { deadline_ms } => {
+                if rt.held.push(self.id, a.class, now, deadline_ms).is_err() {
+                    a.count(metrics, "held_rejected", 1);
+                    admission::count(metrics, "held_rejected", 1);
+                    a.refund_all = true;
+                    admission::overloaded_reply(sat.retry_after_seconds);
+                    return Gate::Replied;
+                }
+                rt.held_reqs.insert(
+                    self.id,
+                    HeldReq {
+                        pool,
+                        model: self.model.clone(),
+                        stat_tenant: a.stat_tenant.clone(),
+                    },
+                );
+                a.count(metrics, "held", 1);
+                admission::count(metrics, "held", 1);
+                metrics.set("ailb.admission.held_depth", rt.held.depth() as u64);
+                Gate::Held
+            }
+        }
+    }
+
+    /// Takes what the root recorded for this request: the ranked list it wrote when it released
+    /// the request from the held queue, or that it answered it 503 (refund).
+    fn take_from_root(&mut self) {
+        let Ok(mut s) = self.state.try_borrow_mut() else {
+            return;
+        };
+        let Some(rt) = s.admission.as_mut() else {
+            return;
+        };
+        if let Some((ranked, score)) = rt.resumed.remove(&self.id) {
+            self.ranked = ranked;
+            self.chosen_score = score;
+        }
+        if rt.expired.remove(&self.id) {
+            if let Some(a) = self.adm.as_mut() {
+                a.refund_all = true;
+            }
+        }
+        // A client that left while held.
+        if rt.held.remove(self.id) {
+            rt.held_reqs.remove(&self.id);
         }
     }
 
@@ -176,6 +239,8 @@ impl Request {
         if self.adm_body {
             self.adm_body = false;
             let step = match (self.adm.as_mut(), self.state.try_borrow_mut()) {
+                // An empty or unreadable body (e.g. after trailers) is costed by its length.
+                (Some(a), Ok(mut s)) if body.is_empty() => a.admit_length(0, now, &mut s.metrics),
                 (Some(a), Ok(mut s)) => a.admit_body(body, now, &mut s.metrics),
                 _ => Step::Proceed,
             };
@@ -183,8 +248,7 @@ impl Request {
                 return Action::Pause;
             }
         }
-        self.route(now);
-        Action::Continue
+        self.gate_and_route(now)
     }
 
     fn finish(&mut self) {
@@ -251,6 +315,68 @@ impl Request {
             }
         }
     }
+}
+
+/// Asks the router for `pool` (and `model`), writes the routing header of the request whose
+/// context is current, and counts the pick. Returns the ranked list written and the chosen
+/// pod's score; None when nothing was steered.
+pub fn steer(
+    state: &mut State,
+    pool: usize,
+    model: Option<&str>,
+    now: u64,
+) -> Option<(String, f64)> {
+    let State {
+        router,
+        metrics,
+        rng,
+        scratch,
+        ..
+    } = state;
+    let mut chosen_score = 0.0;
+    let ranked = match router.decide(pool, model, now, rng) {
+        Decision::Steer {
+            ranked,
+            chosen_score: c,
+        } => {
+            chosen_score = c;
+            ranked
+        }
+        Decision::FailOpen { ranked } => ranked,
+        Decision::Fallback(_) => return None,
+    };
+    if !router.write_ranked(pool, &ranked, scratch) {
+        return None;
+    }
+    let header = router.config().routing_header.clone();
+    if let Err(e) = host::set_request_header(&header, Some(scratch)) {
+        host::log(
+            LogLevel::Warn,
+            &format!("ai-lb: cannot set `{header}`: {e:?}"),
+        );
+        return None;
+    }
+    let written = scratch.clone();
+    let chosen = written.split(',').next()?;
+    router.on_request_start(pool, chosen);
+    metrics.pick(chosen);
+    // A half-open pod's probe budget is shared by every VM.
+    if router
+        .breaker(pool, chosen, None)
+        .is_some_and(|b| b.state() == BreakerState::HalfOpen)
+    {
+        let cfg = router.config().breaker;
+        if let Some(name) = router.config().pools.get(pool).map(|p| p.name.clone()) {
+            if let Some((b, ts)) = shared::update_breaker(&name, chosen, now, &cfg, |b| {
+                b.on_request(now);
+                None
+            }) {
+                router.set_breaker(pool, chosen, None, b);
+                count_transitions(metrics, &ts);
+            }
+        }
+    }
+    Some((written, chosen_score))
 }
 
 impl Context for Request {}
@@ -322,8 +448,7 @@ impl HttpContext for Request {
             self.waiting_body = true;
             return Action::Pause;
         }
-        self.route(now);
-        Action::Continue
+        self.gate_and_route(now)
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
@@ -352,8 +477,16 @@ impl HttpContext for Request {
         if self.pool.is_none() {
             return Action::Continue;
         }
-        if let Some(a) = self.adm.as_mut() {
+        if self.adm.is_some() {
+            self.take_from_root();
+        }
+        if let Some(a) = self.adm.as_mut().filter(|a| !a.refund_all) {
             a.on_response_headers();
+            if end_of_stream {
+                if let Ok(mut s) = self.state.try_borrow_mut() {
+                    a.on_response_end(&mut s.metrics);
+                }
+            }
         }
         self.attempts = host::response_header("x-envoy-attempt-count").and_then(|v| v.parse().ok());
         if end_of_stream && self.ttft_ms.is_none() {
@@ -379,7 +512,7 @@ impl HttpContext for Request {
         Action::Continue
     }
 
-    fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         if self.ttft_ms.is_none() && self.pool.is_some() {
             self.ttft_ms = Some(host::now_ms().saturating_sub(self.started_ms));
         }
@@ -389,11 +522,19 @@ impl HttpContext for Request {
                     a.on_response_body(&chunk);
                 }
             }
+            if end_of_stream {
+                if let Ok(mut s) = self.state.try_borrow_mut() {
+                    a.on_response_end(&mut s.metrics);
+                }
+            }
         }
         Action::Continue
     }
 
     fn on_log(&mut self) {
+        if self.adm.is_some() {
+            self.take_from_root();
+        }
         if let Some(mut a) = self.adm.take() {
             if let Ok(mut s) = self.state.try_borrow_mut() {
                 a.settle(host::now_ms(), &mut s.metrics);

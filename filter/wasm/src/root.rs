@@ -16,9 +16,9 @@ use proxy_wasm::types::{ContextType, LogLevel};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use ai_lb_filter_core::breaker::{BreakerState, Transition};
 use ai_lb_filter_core::admission::config::GuardConfig;
 use ai_lb_filter_core::admission::AdmissionConfig;
+use ai_lb_filter_core::breaker::{BreakerState, Transition};
 use ai_lb_filter_core::config::{FilterConfig, Mode};
 use ai_lb_filter_core::picker::Router;
 use ai_lb_proto::{PoolEvent, WatchPoolRequest};
@@ -28,7 +28,7 @@ use crate::guard::{self, Guard};
 use crate::http::{PassThrough, Request};
 use crate::metrics::Metrics;
 use crate::stream::{Backoff, Subscription};
-use crate::{grpc_service, host, shared};
+use crate::{admission, grpc_service, host, shared};
 
 const SERVICE: &str = "ai_lb.v1.MetricsService";
 const METHOD: &str = "WatchPool";
@@ -424,6 +424,7 @@ impl Root {
             if let Ok(mut s) = state.try_borrow_mut() {
                 let _ = s.router.tick(now);
             }
+            held_tick(&state, now);
         }
         if now >= self.next_counters_ms {
             self.next_counters_ms = now + COUNTERS_EVERY_MS;
@@ -539,7 +540,7 @@ impl RootContext for Root {
         self.tick(now);
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         if let (Some(cfg), Some(state), Some(p)) = (self.guard, &self.state, self.pools.first()) {
             return Some(Box::new(Guard::new(state.clone(), &p.name, cfg)));
         }
@@ -548,13 +549,87 @@ impl RootContext for Root {
                 .is_ok_and(|s| s.router.config().mode == Mode::Route)
         });
         match route {
-            Some(s) => Some(Box::new(Request::new(s.clone()))),
+            Some(s) => Some(Box::new(Request::new(s.clone(), context_id))),
             None => Some(Box::new(PassThrough)),
         }
     }
 
     fn get_type(&self) -> Option<ContextType> {
         Some(ContextType::HttpContext)
+    }
+}
+
+/// The worker's held queue on each tick: requests past their deadline get 503 (refunded by
+/// their own `on_log`), and as many as there are unsaturated pods are routed and resumed, most
+/// important class first.
+fn held_tick(state: &Rc<RefCell<State>>, now: u64) {
+    let (expired, released, retry_after) = {
+        let Ok(mut s) = state.try_borrow_mut() else {
+            return;
+        };
+        let State {
+            router,
+            admission,
+            metrics,
+            ..
+        } = &mut *s;
+        let Some(rt) = admission.as_mut() else {
+            return;
+        };
+        if rt.held.depth() == 0 {
+            return;
+        }
+        let retry_after = rt.cfg.saturation.retry_after_seconds;
+        let mut expired = Vec::new();
+        for l in rt.held.expire(now) {
+            rt.expired.insert(l.id);
+            if let Some(h) = rt.held_reqs.remove(&l.id) {
+                admission::count_class(metrics, &h.stat_tenant, l.class, "held_rejected", 1);
+            }
+            admission::count(metrics, "held_expired", 1);
+            admission::count(metrics, "held_rejected", 1);
+            admission::record(metrics, "held_wait_ms", l.waited_ms);
+            expired.push(l.id);
+        }
+        let soft = rt.cfg.saturation.soft_threshold;
+        let pools: std::collections::BTreeSet<usize> =
+            rt.held_reqs.values().map(|h| h.pool).collect();
+        let mut free = 0usize;
+        for p in pools {
+            let (saturated, f) = admission::saturation(router, p, now, soft);
+            if !saturated {
+                free = free.saturating_add(f);
+            }
+        }
+        let mut released = Vec::new();
+        for l in rt.held.release(free, now) {
+            if let Some(h) = rt.held_reqs.remove(&l.id) {
+                admission::count(metrics, "held_released", 1);
+                admission::record(metrics, "held_wait_ms", l.waited_ms);
+                released.push((l.id, h));
+            }
+        }
+        metrics.set("ailb.admission.held_depth", rt.held.depth() as u64);
+        (expired, released, retry_after)
+    };
+    for id in expired {
+        if hostcalls::set_effective_context(id).is_ok() {
+            admission::overloaded_reply(retry_after);
+        }
+    }
+    for (id, h) in released {
+        if hostcalls::set_effective_context(id).is_err() {
+            continue;
+        }
+        // The routing header is written on the held request's context, then it resumes.
+        if let Ok(mut s) = state.try_borrow_mut() {
+            if let Some(r) = crate::http::steer(&mut s, h.pool, h.model.as_deref(), now) {
+                if let Some(rt) = s.admission.as_mut() {
+                    rt.resumed.insert(id, r);
+                }
+            }
+        }
+        let _ = host::resume_request();
     }
 }
 

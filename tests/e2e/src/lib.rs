@@ -3,3 +3,4 @@
 
 pub mod envoy;
 pub mod process;
+pub mod ratelimit;
