@@ -200,9 +200,15 @@ fn full_documented_example_parses() {
 }
 
 #[test]
-fn guard_mode_needs_no_pools_and_keeps_admission_opaque() {
-    let c = FilterConfig::from_json(br#"{"mode":"guard","pools":[],"admission":{"anything":1}}"#)
-        .unwrap();
+fn guard_mode_needs_no_pools_and_validates_admission() {
+    let c = FilterConfig::from_json(
+        br#"{"mode":"guard","pools":[],"admission":{"guard":{"gpuUtilCutoff":0.97}}}"#,
+    )
+    .unwrap();
     assert_eq!(c.mode, Mode::Guard);
-    assert_eq!(c.admission.unwrap()["anything"], 1);
+    assert_eq!(c.admission.unwrap().guard.gpu_util_cutoff, 0.97);
+    let e = FilterConfig::from_json(br#"{"mode":"guard","pools":[],"admission":{"anything":1}}"#)
+        .unwrap_err();
+    assert_eq!(e.path, "admission.anything");
+    assert!(e.reason.contains("unknown field"), "{e}");
 }
