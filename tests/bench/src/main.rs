@@ -147,6 +147,18 @@ fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
         .collect();
     let want_cal = cli.scenarios.iter().any(|s| s == "calibrate");
     let mut checks = Vec::new();
+    // Overhead first: short, and independent of the pool.
+    if cli.scenarios.iter().any(|s| s == "overhead") {
+        eprintln!("[bench] overhead");
+        let mut o =
+            calibrate::overhead(&env, cli.overhead_rate, if cli.smoke { 2.0 } else { 10.0 })?;
+        o["command"] = json!(cmdline);
+        let dir = cli.out.join("overhead");
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        let text = serde_json::to_string_pretty(&o).map_err(|e| e.to_string())?;
+        std::fs::write(dir.join("summary.json"), &text).map_err(|e| e.to_string())?;
+        println!("overhead: {text}");
+    }
     if want_cal || !loads.is_empty() {
         eprintln!(
             "[bench] starting {} h100 + {} a100 fake pods with agents",
@@ -195,17 +207,6 @@ fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
             println!("{table}");
             checks.push((name.clone(), summary));
         }
-    }
-    if cli.scenarios.iter().any(|s| s == "overhead") {
-        eprintln!("[bench] overhead");
-        let mut o =
-            calibrate::overhead(&env, cli.overhead_rate, if cli.smoke { 2.0 } else { 10.0 })?;
-        o["command"] = json!(cmdline);
-        let dir = cli.out.join("overhead");
-        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-        let text = serde_json::to_string_pretty(&o).map_err(|e| e.to_string())?;
-        std::fs::write(dir.join("summary.json"), &text).map_err(|e| e.to_string())?;
-        println!("overhead: {text}");
     }
     if cli.smoke {
         // The suite works if every policy of every scenario answered something. No numbers.

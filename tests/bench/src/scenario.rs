@@ -146,21 +146,18 @@ pub fn workload_args(w: Workload, env: &Env) -> Vec<String> {
         "2048".into(),
     ];
     if w == Workload::Hol {
-        a.extend(
-            [
-                "--hol-at".to_string(),
-                format!("{}s", env.hol_at_s),
-                "--hol-count".into(),
-                env.hol_count.to_string(),
-                "--hol-spread".into(),
-                "500ms".into(),
-                "--hol-prompt-tokens".into(),
-                "4000".into(),
-                "--hol-output-tokens".into(),
-                "1000".into(),
-            ]
-            .into_iter(),
-        );
+        a.extend([
+            "--hol-at".to_string(),
+            format!("{}s", env.hol_at_s),
+            "--hol-count".into(),
+            env.hol_count.to_string(),
+            "--hol-spread".into(),
+            "500ms".into(),
+            "--hol-prompt-tokens".into(),
+            "4000".into(),
+            "--hol-output-tokens".into(),
+            "1000".into(),
+        ]);
     }
     a
 }

@@ -131,48 +131,24 @@ impl Pool {
     }
 
     fn start_agents(&mut self, shape: &PodShape) -> Result<(), Error> {
-        let agent_bin = release_bin("ai-lb-agent")?;
         let grpc: Vec<SocketAddr> = (0..self.pods.len())
             .map(|_| envoy::free_port().map(|p| SocketAddr::from(([127, 0, 0, 1], p))))
             .collect::<Result<_, _>>()?;
         for (i, pod) in self.pods.iter_mut().enumerate() {
-            let peers: Vec<String> = grpc
+            let peers: Vec<SocketAddr> = grpc
                 .iter()
                 .enumerate()
                 .filter(|(j, _)| *j != i)
-                .map(|(_, a)| a.to_string())
+                .map(|(_, a)| *a)
                 .collect();
-            let url = format!("http://{}", pod.addr);
-            let mut args: Vec<String> = vec![
-                "--grpc-listen".into(),
-                grpc[i].to_string(),
-                "--http-listen".into(),
-                "127.0.0.1:0".into(),
-                "--pod-name".into(),
-                pod.name.clone(),
-                "--serving-address".into(),
-                pod.addr.to_string(),
-                "--gpu-source".into(),
-                "sim".into(),
-                "--sim-url".into(),
-                url.clone(),
-                "--model-server-url".into(),
-                url,
-                "--engine".into(),
-                "vllm".into(),
-                "--queue-capacity".into(),
-                shape.max_num_seqs.to_string(),
-                // Agent defaults except a faster sample, as a latency-sensitive deployment
-                // would run it (stated in BENCHMARKS.md).
-                "--sample-interval".into(),
-                "100ms".into(),
-            ];
-            if !peers.is_empty() {
-                args.push("--peers".into());
-                args.push(peers.join(","));
-            }
-            let name = format!("agent-{}", pod.name);
-            let p = Proc::spawn(&spec(&agent_bin, &name, args, &["grpc", "http"]))?;
+            let p = spawn_agent(
+                &pod.name,
+                grpc[i],
+                pod.addr,
+                pod.addr,
+                &peers,
+                shape.max_num_seqs,
+            )?;
             pod.agent_grpc = Some(p.addr("grpc")?);
             pod.agent = Some(p);
         }
@@ -238,6 +214,92 @@ impl Pool {
             std::thread::sleep(Duration::from_millis(100));
         }
     }
+}
+
+/// Starts an agent on `grpc` that reads metrics and simulated GPU state from the fake pod at
+/// `metrics_from` and announces `serving` as the pod's serving address.
+pub fn spawn_agent(
+    name: &str,
+    grpc: SocketAddr,
+    metrics_from: SocketAddr,
+    serving: SocketAddr,
+    peers: &[SocketAddr],
+    max_num_seqs: u32,
+) -> Result<Proc, Error> {
+    let agent_bin = release_bin("ai-lb-agent")?;
+    let url = format!("http://{metrics_from}");
+    let mut args: Vec<String> = vec![
+        "--grpc-listen".into(),
+        grpc.to_string(),
+        "--http-listen".into(),
+        "127.0.0.1:0".into(),
+        "--pod-name".into(),
+        name.to_string(),
+        "--serving-address".into(),
+        serving.to_string(),
+        "--gpu-source".into(),
+        "sim".into(),
+        "--sim-url".into(),
+        url.clone(),
+        "--model-server-url".into(),
+        url,
+        "--engine".into(),
+        "vllm".into(),
+        "--queue-capacity".into(),
+        max_num_seqs.to_string(),
+        // Agent defaults except a faster sample, as a latency-sensitive deployment would run
+        // it (stated in BENCHMARKS.md).
+        "--sample-interval".into(),
+        "100ms".into(),
+    ];
+    if !peers.is_empty() {
+        args.push("--peers".into());
+        args.push(
+            peers
+                .iter()
+                .map(|a| a.to_string())
+                .collect::<Vec<_>>()
+                .join(","),
+        );
+    }
+    Proc::spawn(&spec(
+        &agent_bin,
+        &format!("agent-{name}"),
+        args,
+        &["grpc", "http"],
+    ))
+}
+
+/// The loadgen example `sink` (answers at once, no model) on a free port, for the overhead
+/// run's upstream; waits until it accepts connections.
+pub fn spawn_sink(chunks: u32) -> Result<(Proc, SocketAddr), Error> {
+    let bin = {
+        let mut found = None;
+        for d in ai_lb_e2e::process::target_dirs() {
+            let p = d.join("release/examples/sink");
+            if p.is_file() {
+                found = Some(p);
+                break;
+            }
+        }
+        found.ok_or("the sink example is not built: run `cargo build --release -p ai-lb-loadgen --example sink` (scripts/bench.sh does)")?
+    };
+    let port = envoy::free_port()?;
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let p = Proc::spawn(&spec(
+        &bin,
+        "sink",
+        vec![port.to_string(), "1".into(), chunks.to_string()],
+        &[],
+    ))?;
+    let end = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(addr).is_err() {
+        if Instant::now() > end {
+            return Err(p.failure("sink did not accept connections within 20 s"));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok((p, addr))
 }
 
 /// Sum of the samples of a Prometheus metric (any labels) in `text`.
