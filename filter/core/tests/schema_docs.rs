@@ -1,4 +1,4 @@
-//! Decides whether docs/configuration.md documents the plugin config the code accepts: its
+//! Decides whether docs/configuration.md (and the README's configuration section) documents the plugin config the code accepts: its
 //! field tables are rendered from the JSON Schema (so every field, type, default and range of
 //! the code appears, and nothing else), and its complete example is accepted by the parser.
 //! Regenerate the tables with:
@@ -163,27 +163,34 @@ fn render_tables(schema: &Value) -> String {
     out.trim_end().to_string()
 }
 
+fn readme_path() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../README.md")
+}
+
+/// The README's configuration section carries the same generated tables as the reference.
 #[test]
 fn field_tables_match_the_schema() {
-    let doc = std::fs::read_to_string(doc_path()).unwrap_or_default();
     let tables = render_tables(&plugin_config_schema());
-    let (Some(b), Some(e)) = (doc.find(BEGIN), doc.find(END)) else {
-        panic!(
-            "{} lacks the generated-table markers {BEGIN:?} … {END:?}",
-            doc_path().display()
+    for path in [doc_path(), readme_path()] {
+        let doc = std::fs::read_to_string(&path).unwrap_or_default();
+        let (Some(b), Some(e)) = (doc.find(BEGIN), doc.find(END)) else {
+            panic!(
+                "{} lacks the generated-table markers {BEGIN:?} … {END:?}",
+                path.display()
+            );
+        };
+        let current = doc[b + BEGIN.len()..e].trim();
+        if std::env::var_os("UPDATE_SCHEMA").is_some() {
+            let new = format!("{}{BEGIN}\n\n{tables}\n\n{}", &doc[..b], &doc[e..]);
+            std::fs::write(&path, new).unwrap();
+            continue;
+        }
+        assert!(
+            current == tables,
+            "{}'s field tables are out of date with the config types. Regenerate them with:\n  {REGENERATE}",
+            path.display()
         );
-    };
-    let current = doc[b + BEGIN.len()..e].trim();
-    if std::env::var_os("UPDATE_SCHEMA").is_some() {
-        let new = format!("{}{BEGIN}\n\n{tables}\n\n{}", &doc[..b], &doc[e..]);
-        std::fs::write(doc_path(), new).unwrap();
-        return;
     }
-    assert!(
-        current == tables,
-        "docs/configuration.md's field tables are out of date with the config types. \
-         Regenerate them with:\n  {REGENERATE}"
-    );
 }
 
 #[test]
