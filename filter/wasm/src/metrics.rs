@@ -1,6 +1,8 @@
 //! Decides nothing: names and caches the filter's Envoy metrics. Per-pod metrics carry the pod
 //! in the name (`ailb.endpoint.<ip:port>.<metric>`) and envoy.yaml's `stats_tags` turns it into
 //! a label. Ids are defined once per VM and cached, so the request path does not allocate names.
+//! `ailb.vm_memory_bytes` is the wasm linear memory of the VM that last wrote it (every VM
+//! writes it on its gauge tick, so it is "one VM's size", sampled; all VMs run the same code).
 
 use std::collections::HashMap;
 
@@ -52,6 +54,13 @@ impl Metrics {
     pub fn set(&mut self, name: &str, value: u64) {
         if let Some(id) = self.id(MetricType::Gauge, name) {
             host::record_metric(id, value);
+        }
+    }
+
+    /// Sets `ailb.vm_memory_bytes` to this VM's wasm linear memory size (no-op off wasm).
+    pub fn vm_memory(&mut self) {
+        if let Some(bytes) = vm_memory_bytes() {
+            self.set("ailb.vm_memory_bytes", bytes);
         }
     }
 
@@ -114,4 +123,16 @@ impl Metrics {
         }
         fallbacks
     }
+}
+
+/// This VM's wasm linear memory in bytes (pages x 64 KiB); it only grows, so it is the peak.
+#[cfg(target_arch = "wasm32")]
+fn vm_memory_bytes() -> Option<u64> {
+    Some((core::arch::wasm32::memory_size(0) as u64).saturating_mul(65536))
+}
+
+/// No linear memory off wasm (native unit tests).
+#[cfg(not(target_arch = "wasm32"))]
+fn vm_memory_bytes() -> Option<u64> {
+    None
 }

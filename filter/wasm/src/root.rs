@@ -334,6 +334,7 @@ impl Root {
         let State {
             router, metrics, ..
         } = &mut *s;
+        metrics.vm_memory();
         for (i, p) in self.pools.iter().enumerate() {
             if !p.holder {
                 continue;
