@@ -166,6 +166,8 @@ struct Sent {
     status: u16,
     /// prompt + completion tokens the pod reported (200 only).
     actual: Option<u64>,
+    /// Send to full response.
+    took: Duration,
 }
 
 /// One load level: `factor` x RATE offered (by the filter's own cost estimate) for WARMUP +
@@ -178,9 +180,13 @@ fn accuracy_level(envoy: &Envoy, factor: f64, secs: u64) -> Result<Value, String
     };
     let mut sum = 0u64;
     for i in 0..60 {
-        sum += cost_from_body(&cost_cfg, Endpoint::Completions, completion_body(i).as_bytes())
-            .map_err(|e| format!("costing the bench body: {e:?}"))?
-            .weighted;
+        sum += cost_from_body(
+            &cost_cfg,
+            Endpoint::Completions,
+            completion_body(i).as_bytes(),
+        )
+        .map_err(|e| format!("costing the bench body: {e:?}"))?
+        .weighted;
     }
     let per_req = sum as f64 / 60.0;
     let req_per_s = factor * RATE as f64 / per_req;
@@ -211,14 +217,15 @@ fn accuracy_level(envoy: &Envoy, factor: f64, secs: u64) -> Result<Value, String
                 }
                 let body = completion_body(t * 100_000 + k as usize);
                 let at = t0.elapsed();
-                match c.post_json("/v1/completions", &[("x-tenant-id", &tenant)], &body) {
+                let res = c.post_json("/v1/completions", &[("x-tenant-id", &tenant)], &body);
+                let took = t0.elapsed().saturating_sub(at);
+                match res {
                     Ok(r) => {
                         let actual = (r.status == 200)
                             .then(|| {
                                 let mut s = UsageScanner::new();
                                 s.feed(&r.body);
-                                s.usage()
-                                    .map(|u| u.prompt_tokens + u.completion_tokens)
+                                s.usage().map(|u| u.prompt_tokens + u.completion_tokens)
                             })
                             .flatten();
                         if let Ok(mut l) = log.lock() {
@@ -226,6 +233,7 @@ fn accuracy_level(envoy: &Envoy, factor: f64, secs: u64) -> Result<Value, String
                                 at,
                                 status: r.status,
                                 actual,
+                                took,
                             });
                         }
                     }
@@ -239,7 +247,8 @@ fn accuracy_level(envoy: &Envoy, factor: f64, secs: u64) -> Result<Value, String
         }));
     }
     for h in handles {
-        h.join().map_err(|_| "a client thread panicked".to_string())?;
+        h.join()
+            .map_err(|_| "a client thread panicked".to_string())?;
     }
     let load_after = loadavg();
     let log = log.lock().map_err(|e| e.to_string())?.clone();
@@ -266,6 +275,18 @@ fn accuracy_level(envoy: &Envoy, factor: f64, secs: u64) -> Result<Value, String
         admitted.iter().map(|&a| a as f64 / target).collect()
     };
     let r1 = ratios(Duration::from_secs(1));
+    // Per 1 s window: requests sent and the slowest response (stalls show here).
+    let mut sent_1s = vec![0u64; secs as usize];
+    let mut slowest_ms = vec![0u64; secs as usize];
+    for s in &log {
+        if let Some(d) = s.at.checked_sub(WARMUP) {
+            let k = d.as_secs() as usize;
+            if let (Some(n), Some(m)) = (sent_1s.get_mut(k), slowest_ms.get_mut(k)) {
+                *n += 1;
+                *m = (*m).max(s.took.as_millis() as u64);
+            }
+        }
+    }
     let r10 = ratios(Duration::from_secs(10));
     let offered_n = log
         .iter()
@@ -298,6 +319,9 @@ fn accuracy_level(envoy: &Envoy, factor: f64, secs: u64) -> Result<Value, String
         "client_errors": errors.len(), "admitted_without_usage": no_usage,
         "window_1s_ratio": summary(r1.clone()),
         "window_1s_within_2pct": within(&r1),
+        "window_1s_ratios": r1.iter().map(|r| round4(*r)).collect::<Vec<_>>(),
+        "window_1s_requests_sent": sent_1s,
+        "window_1s_slowest_response_ms": slowest_ms,
         "window_10s_ratio": summary(r10.clone()),
         "window_10s_ratios": r10.iter().map(|r| round4(*r)).collect::<Vec<_>>(),
         "window_10s_within_2pct": within(&r10),
