@@ -198,6 +198,14 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let engine = spawn_engine(state.clone());
     let st = state.clone();
+    // TCP_NODELAY: each SSE chunk is a small write; without it Nagle + delayed ACKs add tens of
+    // ms to every TTFT (seen in the benchmarks' latency floor).
+    use axum::serve::ListenerExt as _;
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!("set TCP_NODELAY: {e}");
+        }
+    });
     let result = axum::serve(listener, router(state))
         .with_graceful_shutdown(async move {
             shutdown.await;
