@@ -34,4 +34,4 @@ http=$(awk '/LISTENING http/ {print $3}' "$tmp/agent.out")
 samples=$(exec 3<>"/dev/tcp/${http%:*}/${http#*:}"; printf 'GET /metrics HTTP/1.0\r\n\r\n' >&3; grep '^ai_lb_agent_samples_total' <&3 | awk '{print $2}')
 echo "agent at 10 Hz, 8 simulated GPUs + model-server, ${secs}s:" \
     "CPU $(awk -v d=$((t1 - t0)) -v hz="$hz" -v s="$secs" 'BEGIN {printf "%.2f", d / hz / s * 100}')% of one core," \
-    "RSS ${rss} KiB (peak ${hwm} KiB), samples_total ${samples}"
+    "RSS ${rss} KiB (peak ${hwm} KiB), samples_total ${samples}, load1 $(cut -d" " -f1 /proc/loadavg)"
