@@ -76,7 +76,9 @@ fn main() -> ExitCode {
         cli.cal_rate = 20.0;
         cli.overhead_rate = 200.0;
         cli.hol_count = 2;
-        cli.out = cli.work.join("smoke-results");
+        // Its own work dir, so a smoke run never mixes with the records of a real run.
+        cli.work = cli.work.join("smoke");
+        cli.out = cli.work.join("results");
         if cli.scenarios.is_empty() {
             cli.scenarios = vec![
                 "calibrate".into(),
