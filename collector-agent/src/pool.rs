@@ -357,7 +357,9 @@ async fn watch_once(peer: &str, cfg: &PoolConfig, view: &PoolView) -> WatchEnd {
     };
     let mut client = MetricsServiceClient::new(channel);
     let req = WatchRequest {
-        min_interval_ms: cfg.min_interval.as_millis().min(u32::MAX as u128) as u32,
+        // 0 on the wire means "the peer's default" (50 ms), not "no coalescing": a hub
+        // configured with 0 asks its peers for 1 ms so it really gets every change.
+        min_interval_ms: cfg.min_interval.as_millis().clamp(1, u32::MAX as u128) as u32,
         heartbeat_ms: cfg.heartbeat.as_millis().min(u32::MAX as u128) as u32,
     };
     let mut stream = match tokio::time::timeout(cfg.stale_after, client.watch(req)).await {
