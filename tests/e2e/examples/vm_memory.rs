@@ -6,9 +6,10 @@
 //! same N cluster members whose agent serves an empty pool; at the largest N it samples for the
 //! soak time to show growth or its absence.
 //!
-//! Run by hand (needs the wasm filter built: `cargo build -p ai-lb-filter-wasm --target
-//! wasm32-wasip1 --release`):
-//! `cargo run -p ai-lb-e2e --example vm_memory -- [--pods 64,256,1024] [--secs 20]
+//! Run by hand, in release (a debug build of this driver cannot generate 1024-pod events at
+//! 10 Hz; it then delivers fewer and its pods answer late), with the wasm filter built
+//! (`cargo build -p ai-lb-filter-wasm --target wasm32-wasip1 --release`):
+//! `cargo run --release -p ai-lb-e2e --example vm_memory -- [--pods 64,256,1024] [--secs 20]
 //! [--soak-secs 120] [--every-secs 5]`
 //!
 //! Every pod address is its own 127.0.0.1 listener answering 200 at once, so Envoy's
@@ -270,14 +271,16 @@ async fn serve_pod(listener: tokio::net::TcpListener) {
     }
 }
 
-/// N pod listeners and the agent on `rt`; returns the pod addresses and the agent address.
+/// N pod listeners on `pods_rt` and the agent on `agent_rt` (separate threads, so building
+/// 10 Hz pool events never delays the pods' answers); returns the pod and agent addresses.
 fn start_backends(
-    rt: &tokio::runtime::Runtime,
+    pods_rt: &tokio::runtime::Runtime,
+    agent_rt: &tokio::runtime::Runtime,
     n: usize,
     serve_pods: bool,
     events: Arc<AtomicU64>,
 ) -> Result<(Vec<SocketAddr>, SocketAddr), Error> {
-    rt.block_on(async {
+    let pods = pods_rt.block_on(async {
         let mut pods = Vec::with_capacity(n);
         for _ in 0..n {
             let l = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -286,6 +289,9 @@ fn start_backends(
             pods.push(l.local_addr().map_err(|e| e.to_string())?);
             tokio::spawn(serve_pod(l));
         }
+        Ok::<_, Error>(pods)
+    })?;
+    agent_rt.block_on(async {
         let agent = Agent {
             pods: Arc::new(if serve_pods { pods.clone() } else { Vec::new() }),
             events,
@@ -338,6 +344,8 @@ struct Sample {
     at_s: f64,
     vm_bytes: u64,
     rss_kib: u64,
+    /// Upstream connections Envoy opened so far (one per pod host used, with keep-alive).
+    upstream_cx: u64,
 }
 
 #[derive(Debug)]
@@ -353,13 +361,16 @@ struct Run {
 /// One Envoy with `n` cluster members; the agent serves them (or an empty pool when
 /// `serve_pods` is false) for `secs`, sampled every `every`.
 fn run(n: usize, serve_pods: bool, secs: u64, every: u64) -> Result<Run, Error> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .map_err(|e| format!("runtime: {e}"))?;
+    let runtime = || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .map_err(|e| format!("runtime: {e}"))
+    };
+    let (pods_rt, agent_rt) = (runtime()?, runtime()?);
     let events = Arc::new(AtomicU64::new(0));
-    let (pods, agent) = start_backends(&rt, n, serve_pods, events.clone())?;
+    let (pods, agent) = start_backends(&pods_rt, &agent_rt, n, serve_pods, events.clone())?;
     let mut opts = EnvoyOptions::new(CONFIG);
     opts.inference = pods;
     opts.agents = vec![agent];
@@ -404,6 +415,10 @@ fn run(n: usize, serve_pods: bool, secs: u64, every: u64) -> Result<Run, Error> 
             at_s: start.elapsed().as_secs_f64(),
             vm_bytes: last.get(VM_GAUGE).copied().unwrap_or(0),
             rss_kib: rss_kib(pid)?,
+            upstream_cx: last
+                .get("cluster.inference.upstream_cx_total")
+                .copied()
+                .unwrap_or(0),
         });
         if next >= deadline {
             break;
@@ -433,7 +448,8 @@ fn run(n: usize, serve_pods: bool, secs: u64, every: u64) -> Result<Run, Error> 
         events: events.load(Ordering::Relaxed),
     };
     drop(envoy);
-    rt.shutdown_timeout(Duration::from_secs(2));
+    agent_rt.shutdown_timeout(Duration::from_secs(2));
+    pods_rt.shutdown_timeout(Duration::from_secs(2));
     Ok(r)
 }
 
@@ -488,39 +504,60 @@ fn measure(args: &Args) -> Result<(), Error> {
             soak = Some(full);
         }
     }
-    println!("| pods | VM linear memory, empty pool | VM linear memory, N pods | Envoy RSS, empty pool | Envoy RSS, N pods | RSS delta | pods seen | requests ok/failed (picked by score) |");
-    println!("|---:|---:|---:|---:|---:|---:|---:|---|");
+    println!("| pods | VM linear memory, empty pool | VM linear memory, N pods | Envoy RSS, empty pool | Envoy RSS, N pods | RSS delta | upstream connections, empty pool / N pods | pods seen | requests ok/failed (picked by score) |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---|");
     for (n, b, f, seen, picks, ok, failed) in &rows {
         println!(
-            "| {n} | {:.2} MiB | {:.2} MiB | {:.1} MiB | {:.1} MiB | {} MiB | {seen} | {ok}/{failed} ({picks}) |",
+            "| {n} | {:.2} MiB | {:.2} MiB | {:.1} MiB | {:.1} MiB | {} MiB | {} / {} | {seen} | {ok}/{failed} ({picks}) |",
             mib(b.vm_bytes),
             mib(f.vm_bytes),
             b.rss_kib as f64 / 1024.0,
             f.rss_kib as f64 / 1024.0,
             signed_mib_kib(f.rss_kib as i64 - b.rss_kib as i64),
+            b.upstream_cx,
+            f.upstream_cx,
         );
     }
     if let Some(s) = soak {
         println!();
-        println!("| t (s) | VM linear memory | Envoy RSS |");
-        println!("|---:|---:|---:|");
+        println!("| t (s) | VM linear memory | Envoy RSS | upstream connections opened |");
+        println!("|---:|---:|---:|---:|");
         for x in &s.samples {
             println!(
-                "| {:.0} | {:.2} MiB | {:.1} MiB |",
+                "| {:.0} | {:.2} MiB | {:.1} MiB | {} |",
                 x.at_s,
                 mib(x.vm_bytes),
-                x.rss_kib as f64 / 1024.0
+                x.rss_kib as f64 / 1024.0,
+                x.upstream_cx
             );
         }
-        // Growth from the second sample (after start-up) to the last.
-        if let (Some(a), Some(z)) = (s.samples.get(1).or(s.samples.first()), s.samples.last()) {
+        // Growth over the second half: each VM's linear memory only grows, so the largest value
+        // of each half bounds the largest VM; RSS from the middle sample to the last.
+        let half = s.samples.len() / 2;
+        let max_of = |xs: &[Sample]| xs.iter().map(|x| x.vm_bytes).max().unwrap_or(0);
+        let (first, second) = s.samples.split_at(half);
+        println!();
+        println!(
+            "largest VM linear memory: first half {:.2} MiB, second half {:.2} MiB",
+            mib(max_of(first)),
+            mib(max_of(second))
+        );
+        if let (Some(a), Some(z)) = (s.samples.get(half), s.samples.last()) {
+            let max = s.samples.iter().map(|x| x.vm_bytes).max().unwrap_or(0);
+            let secs = z.at_s.max(1.0);
             println!();
             println!(
-                "growth {:.0} s -> {:.0} s: VM {:+.2} MiB, RSS {} MiB",
+                "largest VM linear memory seen {:.2} MiB ({max} bytes); pool events delivered {:.1}/s",
+                mib(max),
+                s.events as f64 / secs
+            );
+            println!(
+                "RSS growth {:.0} s -> {:.0} s: {} MiB (upstream connections {} -> {})",
                 a.at_s,
                 z.at_s,
-                mib(z.vm_bytes) - mib(a.vm_bytes),
-                signed_mib_kib(z.rss_kib as i64 - a.rss_kib as i64)
+                signed_mib_kib(z.rss_kib as i64 - a.rss_kib as i64),
+                a.upstream_cx,
+                z.upstream_cx
             );
         }
     }
