@@ -101,11 +101,17 @@ fn real_threads_contending_admit_exactly_the_burst() {
         total += g;
         contended += c;
     }
-    // 16 000 requests of 1 token against a 10 000 burst with time frozen: exactly 10 000 pass
-    // (fail-open contention would show up as extra admissions, so it must be zero here or
-    // accounted for).
+    // 16 000 requests of 1 token against a 10 000 burst with time frozen: the bucket charges
+    // exactly 10 000, however the threads interleave. A `Contended` outcome (16 CAS attempts
+    // lost in a row) charges nothing and is counted by the glue; real OS scheduling makes a few
+    // of them possible (seen: 10 of 16 000 on a loaded 2-core box), so they are bounded here,
+    // not required to be zero: the 6 000 requests beyond the burst leave room for them without
+    // changing the charged total.
     assert_eq!(total, 10_000);
-    assert_eq!(contended, 0);
+    assert!(
+        contended < 1_000,
+        "{contended} of 16 000 admissions exhausted their CAS retries"
+    );
     assert_eq!(peek(store.as_ref(), "t", &p, 0).level_milli, 0);
 }
 
