@@ -81,6 +81,15 @@ async fn wait_until(deadline: Instant, shutdown: &mut watch::Receiver<bool>) -> 
 }
 
 impl MetricsSvc {
+    /// A stream's push interval and heartbeat from its request: 0 means the agent's configured
+    /// default; heartbeats no faster than every 10 ms. Shared by `Watch` and `WatchPool`.
+    fn stream_intervals(&self, min_interval_ms: u32, heartbeat_ms: u32) -> (Duration, Duration) {
+        (
+            ms_or(min_interval_ms, self.min_interval),
+            ms_or(heartbeat_ms, self.heartbeat).max(Duration::from_millis(10)),
+        )
+    }
+
     fn self_state(&self, now: std::time::Instant) -> PeerState {
         match self.hub.latest() {
             Some(p) => PeerState {
@@ -278,8 +287,7 @@ impl MetricsService for MetricsSvc {
             return Err(shutting_down());
         }
         let r = req.into_inner();
-        let min = ms_or(r.min_interval_ms, self.min_interval);
-        let hb = ms_or(r.heartbeat_ms, self.heartbeat).max(Duration::from_millis(10));
+        let (min, hb) = self.stream_intervals(r.min_interval_ms, r.heartbeat_ms);
         let (tx, rx) = mpsc::channel(4);
         self.stats.watch_open.fetch_add(1, Ordering::Relaxed);
         tokio::spawn(self.clone().run_watch(tx, min, hb));
@@ -296,8 +304,7 @@ impl MetricsService for MetricsSvc {
             return Err(shutting_down());
         }
         let r = req.into_inner();
-        let min = ms_or(r.min_interval_ms, self.min_interval);
-        let hb = ms_or(r.heartbeat_ms, self.heartbeat).max(Duration::from_millis(10));
+        let (min, hb) = self.stream_intervals(r.min_interval_ms, r.heartbeat_ms);
         let (tx, rx) = mpsc::channel(4);
         self.stats.pool_open.fetch_add(1, Ordering::Relaxed);
         tokio::spawn(self.clone().run_pool_stream(tx, min, hb));
