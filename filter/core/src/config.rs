@@ -25,6 +25,29 @@ pub enum Mode {
     Guard,
 }
 
+/// How the picker chooses among pods that are not cut.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PickStrategy {
+    /// Draw two candidates, each in proportion to its smoothed score; send to the one with the
+    /// lower estimated occupancy (snapshot running + waiting, moved by this sidecar's own
+    /// starts and ends since, over the pod's capacity). Equal occupancy: the first draw, so
+    /// an idle pool gets exactly the score-proportional shares.
+    #[default]
+    TwoChoices,
+    /// One draw in proportion to the smoothed score divided by `1 + inflight / capacity`
+    /// (this sidecar's requests started since the pod's last snapshot).
+    Proportional,
+}
+
+impl PickStrategy {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            PickStrategy::TwoChoices => "twoChoices",
+            PickStrategy::Proportional => "proportional",
+        }
+    }
+}
+
 /// Scoring weights of the four terms, normalised so they sum to 1.
 ///
 /// In JSON each weights object is complete on its own: a missing key means 0 (it does NOT
@@ -167,6 +190,8 @@ pub struct FilterConfig {
     pub min_pods: usize,
     /// Least pick weight of a pod that is not cut, in [0, 1).
     pub floor_weight: f64,
+    /// How a pod is chosen among those not cut.
+    pub pick_strategy: PickStrategy,
     /// Header carrying `IP:PORT[,IP:PORT...]` to Envoy's `override_host` policy.
     pub routing_header: String,
     /// Extra ranked endpoints after the chosen one (0..=15), for retries.
@@ -317,6 +342,17 @@ struct RawConfig {
         schemars(extend("default" = 0.05, "minimum" = 0, "exclusiveMaximum" = 1))
     )]
     floor_weight: Option<f64>,
+    /// How a pod is chosen among those not cut: `twoChoices` (two draws in proportion to
+    /// score, the one with the lower estimated occupancy wins; equal occupancy keeps the first
+    /// draw, so idle pods get score-proportional shares) or `proportional` (one draw in
+    /// proportion to score, divided by `1 + inflight/capacity` of this sidecar's requests
+    /// since the pod's last snapshot).
+    #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = "twoChoices", "enum" = ["twoChoices", "proportional", null]))
+    )]
+    pick_strategy: Option<String>,
     /// Request header carrying `IP:PORT[,IP:PORT...]` to Envoy's `override_host` policy. A
     /// lowercase HTTP header name.
     #[serde(default)]
@@ -871,6 +907,17 @@ impl TryFrom<RawConfig> for FilterConfig {
             Some(f) if f.is_finite() && (0.0..1.0).contains(&f) => f,
             Some(f) => return Err(ConfigError::new("floorWeight", f, "must be within [0, 1)")),
         };
+        let pick_strategy = match raw.pick_strategy.as_deref() {
+            None | Some("twoChoices") => PickStrategy::TwoChoices,
+            Some("proportional") => PickStrategy::Proportional,
+            Some(other) => {
+                return Err(ConfigError::new(
+                    "pickStrategy",
+                    json_str(other),
+                    "must be \"twoChoices\" or \"proportional\"",
+                ))
+            }
+        };
         let routing_header = header_name(
             "routingHeader",
             raw.routing_header
@@ -951,6 +998,7 @@ impl TryFrom<RawConfig> for FilterConfig {
             ema_alpha,
             min_pods,
             floor_weight,
+            pick_strategy,
             routing_header,
             fallback_endpoints,
             model_header,

@@ -18,7 +18,8 @@
 //!      call [`picker::Router::on_request_start`] with the first address
 //!      ([`picker::Router::address`]).
 //!    - `Decision::Fallback(reason)`: set nothing; Envoy's fallback policy balances.
-//! 5. On the response / stream end: [`picker::Router::on_outcome`] with an
+//! 5. At stream end, for every request started in step 4, however it ended:
+//!    [`picker::Router::on_request_end`]; then [`picker::Router::on_outcome`] with an
 //!    [`breaker::Outcome`]; count the returned [`breaker::BreakerEvent`]s. Time-driven
 //!    transitions: [`picker::Router::tick`] or [`picker::Router::take_breaker_events`].
 //!    Breakers can be shared between VMs with [`breaker::Breaker::encode`]/`decode` and

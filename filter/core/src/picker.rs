@@ -1,19 +1,30 @@
 //! Decides which pod serves a request: weighted random choice in proportion to each pod's
 //! smoothed score (the "power of scores" form of weighted random load balancing, as in GIE's
-//! endpoint picker), corrected for the requests this sidecar already sent since the pod's last
-//! snapshot, never choosing a pod that is cut off or whose breaker refuses it.
+//! endpoint picker), corrected for the requests this sidecar already sent, never choosing a
+//! pod that is cut off or whose breaker refuses it.
 //!
-//! Per pod, the pick weight is:
+//! Per pod, the draw weight is:
 //! - 0 when cut (GPU hard limit, queue full, stale, hardware fault) or the breaker refuses
 //!   (Open, or HalfOpen with its probe budget spent);
 //! - else `max(ema, floorWeight)` where `ema = α·raw + (1-α)·ema` is updated once per new
 //!   snapshot (first value = raw);
 //! - a pod with a snapshot but no usable reading (cold start) gets the pool MEAN of the pods
-//!   with metrics that are not cut (neither 0 nor the best), floored likewise;
-//! - then divided by `1 + inflight / capacity`, where `inflight` counts requests this sidecar
-//!   started to the pod since its last snapshot (reset when a new one arrives) that have not
-//!   finished, and `capacity` is the pod's reported `queue_capacity` (max running sequences),
-//!   else `cutoffs.maxQueue`.
+//!   with metrics that are not cut (neither 0 nor the best), floored likewise.
+//!
+//! The in-flight correction depends on `pickStrategy`:
+//! - `twoChoices` (default): two distinct candidates are drawn by weight and the one with the
+//!   lower estimated occupancy wins; on a tie the first draw wins, so with nothing in flight
+//!   the shares are exactly score-proportional. Estimated occupancy = the latest snapshot's
+//!   running + waiting, plus this VM's requests started since that snapshot, minus those that
+//!   ended since (never below 0), over the pod's `queue_capacity` (else `cutoffs.maxQueue`);
+//!   without running/waiting in the snapshot, this VM's in-flight count (what least_request
+//!   sees). Why: every sidecar scores from the same sampled snapshot, so one weighted draw
+//!   sends all of them to the same "best" pods between updates (herding); the second choice
+//!   on live occupancy is what least_request's power of two choices does, on top of the
+//!   GPU-aware score. Each snapshot re-bases the estimate, so ends a VM never saw (a lost
+//!   callback) cannot accumulate.
+//! - `proportional`: one draw with each weight divided by `1 + d / capacity`, `d` = this VM's
+//!   requests started since the pod's last snapshot net of ends (not below 0).
 //!
 //! The chosen pod comes first in the ranked list, then the next best pods by smoothed weight
 //! (not HalfOpen ones: their probes are budgeted), up to `fallbackEndpoints`.
@@ -27,7 +38,7 @@ use std::collections::HashMap;
 use rand::RngCore;
 
 use crate::breaker::{Breaker, BreakerEvent, BreakerState, Outcome, Transition, TripReason};
-use crate::config::{FilterConfig, MAX_FALLBACK_ENDPOINTS};
+use crate::config::{FilterConfig, PickStrategy, MAX_FALLBACK_ENDPOINTS};
 use crate::counters::Counters;
 use crate::pool::{DecodeError, PoolState};
 use crate::score::{score, CutReason, Score};
@@ -160,7 +171,14 @@ struct PodRt {
     /// Shown on the scoreboard.
     shown: f64,
     capacity: f64,
+    /// Requests this VM sent to the pod that have not ended (never reset).
     inflight: u32,
+    /// `inflight` when the latest occupancy reading arrived.
+    inflight_base: u32,
+    /// Running + waiting of the latest snapshot that reported either.
+    snap_occ: Option<f64>,
+    /// Sequence of the snapshot `snap_occ` came from.
+    occ_seq: Option<u64>,
     picks: u64,
     breaker: Breaker,
     model_breakers: Vec<(String, Breaker)>,
@@ -186,11 +204,47 @@ impl PodRt {
             shown: 0.0,
             capacity: 1.0,
             inflight: 0,
+            inflight_base: 0,
+            snap_occ: None,
+            occ_seq: None,
             picks: 0,
             breaker: Breaker::default(),
             model_breakers: Vec::new(),
             serves_several: false,
         }
+    }
+
+    /// This VM's requests started since the latest occupancy reading, net of those that
+    /// ended since (may be negative).
+    fn delta_since_snapshot(&self) -> f64 {
+        f64::from(self.inflight) - f64::from(self.inflight_base)
+    }
+
+    /// Estimated requests on the pod now, over its capacity: the snapshot's running + waiting
+    /// moved by this VM's own starts and ends since; without an occupancy reading, this VM's
+    /// in-flight requests (what least_request sees).
+    fn load(&self) -> f64 {
+        let occ = match self.snap_occ {
+            Some(o) => (o + self.delta_since_snapshot()).max(0.0),
+            None => f64::from(self.inflight),
+        };
+        occ / self.capacity
+    }
+
+    /// What two candidates are compared by (lower wins): first whether a new request would
+    /// queue (estimated occupancy at or over capacity), then occupancy per unit of score (a
+    /// healthier pod, e.g. a faster GPU, takes more at the same occupancy). Idle pods tie.
+    fn pick_key(&self) -> (bool, f64) {
+        let load = self.load();
+        (load >= 1.0, load / self.base.max(1e-6))
+    }
+
+    /// Not a probe-budgeted pod (its breaker, or the model's, is not closed).
+    fn half_open(&self, model: Option<&str>) -> bool {
+        self.breaker.state() == BreakerState::HalfOpen
+            || self
+                .model_breaker(model)
+                .is_some_and(|b| b.state() != BreakerState::Closed)
     }
 
     fn model_breaker(&self, model: Option<&str>) -> Option<&Breaker> {
@@ -308,6 +362,21 @@ fn uniform01(rng: &mut (impl RngCore + ?Sized)) -> f64 {
     (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
 }
 
+/// One slot drawn in proportion to the view's weights (`total` > 0).
+fn draw(view: &View, total: f64, rng: &mut (impl RngCore + ?Sized)) -> usize {
+    let u = uniform01(rng) * total;
+    let slot = view.find(u);
+    if view.w.get(slot).copied().unwrap_or(0.0) > 0.0 {
+        return slot;
+    }
+    // Rounding landed on a zero-weight slot: take the nearest positive one.
+    let n = view.w.len();
+    (0..n)
+        .map(|k| (slot + k) % n)
+        .find(|s| view.w.get(*s).copied().unwrap_or(0.0) > 0.0)
+        .unwrap_or(slot)
+}
+
 fn effective(pod: &PodRt, model: Option<&str>, cfg: &FilterConfig) -> f64 {
     if pod.base <= 0.0 {
         return 0.0;
@@ -317,7 +386,12 @@ fn effective(pod: &PodRt, model: Option<&str>, cfg: &FilterConfig) -> f64 {
             return 0.0;
         }
     }
-    pod.base / (1.0 + f64::from(pod.inflight) / pod.capacity)
+    match cfg.pick_strategy {
+        PickStrategy::TwoChoices => pod.base,
+        PickStrategy::Proportional => {
+            pod.base / (1.0 + pod.delta_since_snapshot().max(0.0) / pod.capacity)
+        }
+    }
 }
 
 fn push_event(
@@ -483,7 +557,15 @@ impl Router {
                         None => s.raw,
                     });
                 }
-                pod.inflight = 0;
+                if (sig.running.is_some() || sig.waiting.is_some())
+                    && pod.occ_seq != Some(sig.sequence)
+                {
+                    pod.occ_seq = Some(sig.sequence);
+                    pod.inflight_base = pod.inflight;
+                    pod.snap_occ = Some(
+                        f64::from(sig.running.unwrap_or(0)) + f64::from(sig.waiting.unwrap_or(0)),
+                    );
+                }
                 if sig.hardware_fault {
                     if let Some(t) =
                         pod.breaker
@@ -630,20 +712,33 @@ impl Router {
             self.counters.fail_open += 1;
             return Decision::FailOpen { ranked };
         }
-        let u = uniform01(rng) * total;
-        let mut slot = view.find(u);
-        if view.w.get(slot).copied().unwrap_or(0.0) <= 0.0 {
-            // Rounding landed on a zero-weight slot: take the nearest positive one.
-            let n = view.w.len();
-            slot = (0..n)
-                .map(|k| (slot + k) % n)
-                .find(|s| view.w.get(*s).copied().unwrap_or(0.0) > 0.0)
-                .unwrap_or(slot);
-        }
-        let Some(&chosen) = view.slots.get(slot) else {
+        let first = draw(view, total, rng);
+        let Some(&a) = view.slots.get(first) else {
             self.counters.fallback_no_agent_data += 1;
             return Decision::Fallback(FallbackReason::NoAgentData);
         };
+        let mut chosen = a;
+        if cfg.pick_strategy == PickStrategy::TwoChoices {
+            // A second, distinct candidate (a few redraws: a dominant pod may come up twice).
+            let mut second = None;
+            for _ in 0..3 {
+                let s = draw(view, total, rng);
+                if s != first {
+                    second = view.slots.get(s).copied();
+                    break;
+                }
+            }
+            if let Some(b) = second {
+                let key = |id: u32| {
+                    p.pods
+                        .get(id as usize)
+                        .map_or((true, f64::INFINITY), PodRt::pick_key)
+                };
+                if key(b) < key(a) {
+                    chosen = b;
+                }
+            }
+        }
         ranked.push(chosen);
         for &s in &view.order {
             if ranked.len() > cfg.fallback_endpoints {
@@ -693,7 +788,7 @@ impl Router {
     }
 
     /// Records that a request was sent to `pod` (serving address): it counts as in flight
-    /// until [`Router::on_outcome`] or the pod's next snapshot.
+    /// until [`Router::on_request_end`].
     pub fn on_request_start(&mut self, pool_idx: usize, pod: &str) {
         let cfg = &self.cfg;
         let Some(p) = self.pools.get_mut(pool_idx) else {
@@ -704,6 +799,22 @@ impl Router {
         };
         if let Some(rt) = p.pods.get_mut(id as usize) {
             rt.inflight = rt.inflight.saturating_add(1);
+        }
+        update_pod(p, id, cfg);
+    }
+
+    /// Records that a request counted by [`Router::on_request_start`] ended, however it ended
+    /// (answered, failed, cancelled): call it exactly once per start.
+    pub fn on_request_end(&mut self, pool_idx: usize, pod: &str) {
+        let cfg = &self.cfg;
+        let Some(p) = self.pools.get_mut(pool_idx) else {
+            return;
+        };
+        let Some(&id) = p.by_addr.get(pod) else {
+            return;
+        };
+        if let Some(rt) = p.pods.get_mut(id as usize) {
+            rt.inflight = rt.inflight.saturating_sub(1);
         }
         update_pod(p, id, cfg);
     }
@@ -728,7 +839,6 @@ impl Router {
         let Some(rt) = p.pods.get_mut(id as usize) else {
             return Vec::new();
         };
-        rt.inflight = rt.inflight.saturating_sub(1);
         let failure = outcome.failure(&cfg.breaker);
         let mut out = Vec::new();
         let per_model = model.filter(|_| rt.serves_several);
@@ -803,21 +913,40 @@ impl Router {
         let Some(rt) = p.pods.get_mut(id as usize) else {
             return;
         };
-        match model {
+        let cfg = &self.cfg.breaker;
+        // Whether the pick weights can change: a state or admission change (a failure count
+        // moving inside Closed does not), so the common success path costs no re-layout.
+        let moved = |old: &Breaker| {
+            old.state() != breaker.state()
+                || old.admits(cfg) != breaker.admits(cfg)
+                || old.open_until_ms() != breaker.open_until_ms()
+        };
+        let changed = match model {
             None => {
                 let keep_fault = rt.breaker.state() == BreakerState::Open
                     && rt.breaker.reason() == Some(TripReason::HardwareFault)
                     && breaker.state() != BreakerState::Open;
+                let changed = !keep_fault && moved(&rt.breaker);
                 if !keep_fault {
                     rt.breaker = breaker;
                 }
+                changed
             }
             Some(m) => match rt.model_breakers.iter_mut().find(|(n, _)| n == m) {
-                Some((_, b)) => *b = breaker,
-                None => rt.model_breakers.push((m.to_string(), breaker)),
+                Some((_, b)) => {
+                    let changed = moved(b);
+                    *b = breaker;
+                    changed
+                }
+                None => {
+                    rt.model_breakers.push((m.to_string(), breaker));
+                    true
+                }
             },
+        };
+        if changed {
+            p.dirty = true;
         }
-        p.dirty = true;
     }
 
     /// Serving address of a pod of a ranked list; None if the pool layout changed since.
@@ -956,11 +1085,7 @@ fn build_view(v: &mut View, p: &PoolRt, cfg: &FilterConfig) {
         let Some(pod) = p.pods.get(id as usize) else {
             continue;
         };
-        let half_open = pod.breaker.state() == BreakerState::HalfOpen
-            || pod
-                .model_breaker(model)
-                .is_some_and(|b| b.state() != BreakerState::Closed);
-        if v.w.get(slot).copied().unwrap_or(0.0) > 0.0 && !half_open {
+        if v.w.get(slot).copied().unwrap_or(0.0) > 0.0 && !pod.half_open(model) {
             v.order.push(u32::try_from(slot).unwrap_or(NONE));
         }
     }

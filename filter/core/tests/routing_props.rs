@@ -1,7 +1,7 @@
 //! Properties of scoring, breakers and picking, driven by explicit `now_ms` and seeded RNGs.
 
 use ai_lb_filter_core::breaker::{Breaker, BreakerState, Outcome};
-use ai_lb_filter_core::config::{BreakerConfig, Cutoffs, FilterConfig, Weights};
+use ai_lb_filter_core::config::{BreakerConfig, Cutoffs, FilterConfig, PickStrategy, Weights};
 use ai_lb_filter_core::picker::{Decision, FallbackReason, Router};
 use ai_lb_filter_core::{score, PodSignals, PoolState};
 use ai_lb_proto::{
@@ -417,7 +417,10 @@ fn hardware_fault_trips_breaker_and_cuts() {
 
 #[test]
 fn inflight_since_snapshot_lowers_share_until_next_snapshot() {
-    let mut r = router(&[pod(0.2), pod(0.2)], r#"{"cutoffs":{"maxQueue":4}}"#);
+    let mut r = router(
+        &[pod(0.2), pod(0.2)],
+        r#"{"cutoffs":{"maxQueue":4},"pickStrategy":"proportional"}"#,
+    );
     for _ in 0..4 {
         r.on_request_start(0, &addr(0));
     }
@@ -428,6 +431,138 @@ fn inflight_since_snapshot_lowers_share_until_next_snapshot() {
     r.apply_pool_event(0, &event(&[pod(0.2), pod(0.2)], 2), 1100);
     let c = counts(&mut r, 2, 30_000, 8, 1100);
     assert!((c[0] as f64 / 30_000.0 - 0.5).abs() < 0.01);
+}
+
+/// Picks `picks` requests with `decide`, starting each one (never ending it), and counts them.
+fn start_many(r: &mut Router, n: usize, picks: usize, seed: u64, now: u64) -> Vec<usize> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut c = vec![0usize; n];
+    for _ in 0..picks {
+        let d = r.decide(0, None, now, &mut rng);
+        let a = chosen(r, &d).unwrap();
+        r.on_request_start(0, &a);
+        c[(0..n).position(|i| addr(i) == a).unwrap()] += 1;
+    }
+    c
+}
+
+#[test]
+fn two_choices_is_the_default_and_idle_shares_follow_the_score_ratio() {
+    assert_eq!(config("").pick_strategy, PickStrategy::TwoChoices);
+    // Equal occupancy everywhere (nothing in flight): the first draw wins, so the shares are
+    // exactly score-proportional (the e2e 20 % / 60 % GPU test relies on this).
+    let mut r = router(&[pod(0.2), pod(0.6), pod(0.4)], "");
+    let s: Vec<f64> = [0.2, 0.6, 0.4]
+        .iter()
+        .map(|g| 0.35 * (1.0 - g) + 0.65)
+        .collect();
+    let total: f64 = s.iter().sum();
+    let c = counts(&mut r, 3, 100_000, 11, 1000);
+    for i in 0..3 {
+        let share = c[i] as f64 / 100_000.0;
+        assert!((share - s[i] / total).abs() < 0.005, "pod {i}: {share}");
+    }
+}
+
+#[test]
+fn two_choices_spreads_this_sidecars_requests_by_occupancy() {
+    // Four equal pods, requests started and never ended: the lower-occupancy candidate wins,
+    // so after 400 starts every pod holds close to 100 (one draw would leave a spread of
+    // about ±3 sigma = ±26 around 100).
+    let mut r = router(&[pod(0.2); 4], r#"{"cutoffs":{"maxQueue":8}}"#);
+    let c = start_many(&mut r, 4, 400, 3, 1000);
+    let (lo, hi) = (c.iter().min().unwrap(), c.iter().max().unwrap());
+    assert!(hi - lo <= 6, "{c:?}");
+    // A pod whose snapshot reports 20 waiting gets far fewer of the next requests: the
+    // snapshot is the starting point, this sidecar's own starts move it.
+    let mut busy = [pod(0.2); 4];
+    busy[0].waiting = 20;
+    let mut r = router(&busy, r#"{"cutoffs":{"maxQueue":64}}"#);
+    let c = start_many(&mut r, 4, 40, 5, 1000);
+    assert_eq!(c[0], 0, "{c:?}");
+    // Then occupancy per unit of score (20 + its starts for pod 0) evens out: pod 0's queue
+    // term lowers its score to 0.852 against 0.93, so it settles near 0.916x the others'.
+    let more = start_many(&mut r, 4, 400, 6, 1000);
+    let occ: Vec<f64> = (0..4)
+        .map(|i| (c[i] + more[i] + if i == 0 { 20 } else { 0 }) as f64)
+        .collect();
+    let others = &occ[1..];
+    let mean = others.iter().sum::<f64>() / 3.0;
+    assert!(others.iter().all(|o| (o - mean).abs() <= 4.0), "{occ:?}");
+    let want = mean * (0.28 + 0.25 * (1.0 - 20.0 / 64.0) + 0.4) / 0.93;
+    assert!((occ[0] - want).abs() <= 4.0, "{occ:?}, want {want}");
+}
+
+#[test]
+fn two_choices_prefers_a_free_seat_over_a_queue() {
+    // Capacity 8 (queueCapacity unknown: maxQueue). Pod 0 reports 8 running (full), pod 1 has
+    // 7 running and a much lower score (GPU 0.85): a request would queue on pod 0, so pod 1
+    // wins every comparison it is drawn into.
+    let mut full = pod(0.1);
+    full.waiting = 0;
+    let mut r = Router::new(config(r#"{"cutoffs":{"maxQueue":8}}"#));
+    let mut ev = event(&[full, pod(0.85)], 1);
+    for (i, running) in [(0, 8), (1, 7)] {
+        let inf = ev.peers[i]
+            .snapshot
+            .as_mut()
+            .unwrap()
+            .inference
+            .as_mut()
+            .unwrap();
+        inf.running = Some(running);
+    }
+    r.apply_pool_event(0, &ev, 1000);
+    let c = counts(&mut r, 2, 40_000, 9, 1000);
+    // Pod 0 only wins when pod 1 is not drawn at all: first draw and three redraws for a
+    // distinct second candidate all land on pod 0 (p0^4); score-proportional would give pod 1
+    // only s1 / (s0 + s1) = 42 %.
+    let (s0, s1) = (0.35 * 0.9 + 0.65, 0.35 * 0.15 + 0.65);
+    let p0: f64 = s0 / (s0 + s1);
+    let want = 1.0 - p0.powi(4);
+    let share = c[1] as f64 / 40_000.0;
+    assert!((share - want).abs() < 0.01, "{share} want {want}");
+}
+
+#[test]
+fn two_choices_rebases_on_each_snapshot_so_lost_ends_do_not_accumulate() {
+    let mut r = router(&[pod(0.2); 4], "");
+    // 30 requests to pod 0 whose ends this sidecar never saw (e.g. a VM that missed them).
+    for _ in 0..30 {
+        r.on_request_start(0, &addr(0));
+    }
+    assert_eq!(start_many(&mut r, 4, 30, 1, 1000)[0], 0);
+    // The next snapshot says pod 0 is idle again: it counts as idle, the 30 are forgotten.
+    r.apply_pool_event(0, &event(&[pod(0.2); 4], 2), 1100);
+    let c = counts(&mut r, 4, 40_000, 2, 1100);
+    assert!(c[0] > 8_000, "{c:?}");
+    // Ends after a snapshot move the estimate down (never below zero).
+    for _ in 0..10 {
+        r.on_request_end(0, &addr(1));
+    }
+    let c = counts(&mut r, 4, 40_000, 3, 1100);
+    assert!(c.iter().all(|n| *n > 8_000), "{c:?}");
+}
+
+#[test]
+fn two_choices_never_picks_a_cut_pod_even_when_it_is_idle() {
+    let mut r = router(&[pod(0.2), pod(0.97), pod(0.3)], "");
+    for _ in 0..50 {
+        r.on_request_start(0, &addr(0));
+        r.on_request_start(0, &addr(2));
+    }
+    let c = counts(&mut r, 3, 20_000, 4, 1000);
+    assert_eq!(c[1], 0, "{c:?}");
+}
+
+#[test]
+fn pick_strategy_errors_name_the_field() {
+    let e = FilterConfig::from_json(
+        br#"{"pools":[{"name":"p","cluster":"c"}],"pickStrategy":"fastest"}"#,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("pickStrategy") && e.contains("fastest"), "{e}");
 }
 
 #[test]

@@ -283,10 +283,11 @@ impl Request {
             return;
         };
         let model = self.model.as_deref();
-        // The chosen pod was counted in flight: close that (its local breaker also records;
-        // the shared breaker below is authoritative). A cancelled request teaches nothing and
-        // its in-flight count lapses with the pod's next snapshot.
+        // The chosen pod was counted in flight: close that however the request ended, then
+        // let its local breaker record (the shared breaker below is authoritative). A
+        // cancelled request teaches the breaker nothing.
         if let Some(c) = chosen.as_deref() {
+            router.on_request_end(pool, c);
             if let Some((_, o)) = pairs.iter().find(|(p, _)| *p == c) {
                 let _ = router.on_outcome(pool, c, model, o, now);
             }

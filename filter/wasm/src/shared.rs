@@ -105,7 +105,13 @@ pub fn update_breaker(
         if let Some(t) = update(&mut b) {
             transitions.push(t);
         }
-        match host::shared_set(&key, &b.encode(), cas) {
+        let encoded = b.encode();
+        // Unchanged (the common case: a success on a closed breaker): skip the write, which
+        // would take the shared-data lock and copy for nothing.
+        if bytes.as_deref() == Some(encoded.as_slice()) {
+            return Some((b, transitions));
+        }
+        match host::shared_set(&key, &encoded, cas) {
             Ok(()) => return Some((b, transitions)),
             Err(Status::CasMismatch) => continue,
             Err(_) => return None,

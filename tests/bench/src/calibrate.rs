@@ -1,10 +1,8 @@
 //! Decides the pool's capacity and the filter's overhead by measurement: each preset's
 //! saturated output-token rate (one pod overloaded directly, tokens counted by the pod's own
 //! `vllm:generation_tokens_total` over the steady part of the overload), converted to
-//! requests/s of the benchmark workload; and one Envoy (1 worker) in front of a fast pod, with
-//! and without the filter, for maximum req/s and added p99 at half load.
+//! requests/s of the benchmark workload.
 
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -14,7 +12,7 @@ use serde_json::{json, Value};
 
 use crate::analysis;
 use crate::scenario::{read_records, workload_args, Env, Workload};
-use crate::topology::{self, Error, PodShape, Policy, Pool};
+use crate::topology::{Error, PodShape, Pool};
 
 /// Mean `max_tokens` of the sharegpt workload, from a large seeded dry-run trace.
 pub fn mean_output_tokens(env: &Env) -> Result<f64, Error> {
@@ -152,7 +150,7 @@ pub fn calibrate(
     }))
 }
 
-fn fixed_trace(env: &Env, rate: f64, secs: f64, path: &Path) -> Result<(), Error> {
+pub(crate) fn fixed_trace(env: &Env, rate: f64, secs: f64, path: &Path) -> Result<(), Error> {
     let st = Command::new(&env.loadgen)
         .args([
             "--dry-run",
@@ -181,15 +179,19 @@ fn fixed_trace(env: &Env, rate: f64, secs: f64, path: &Path) -> Result<(), Error
     }
 }
 
-fn replay(
+/// Replays `trace` against `url` with the loadgen (open loop unless `extra` says otherwise),
+/// records to `rec`.
+pub(crate) fn replay(
     env: &Env,
     url: &str,
     trace: &Path,
     rec: &PathBuf,
+    extra: &[&str],
 ) -> Result<(analysis::Summary, Vec<Record>), Error> {
     let st = Command::new(&env.loadgen)
         .args(["--url", url, "--timeout", "10s", "--trace-in"])
         .arg(trace)
+        .args(extra)
         .arg("--records")
         .arg(rec)
         .stdout(Stdio::null())
@@ -205,7 +207,7 @@ fn replay(
 }
 
 /// Completed requests per second: ok requests / (first send → last completion).
-fn ok_rps(records: &[Record]) -> f64 {
+pub(crate) fn ok_rps(records: &[Record]) -> f64 {
     let ok: Vec<&Record> = records
         .iter()
         .filter(|r| r.outcome == Outcome::Ok)
@@ -223,98 +225,4 @@ fn ok_rps(records: &[Record]) -> f64 {
     } else {
         0.0
     }
-}
-
-/// One Envoy with 1 worker in front of one fast upstream (the loadgen `sink` example answering
-/// 2 tokens at once), with the filter (ai-lb; an agent announces the sink as its pod, reading
-/// metrics from an idle fake pod, so the filter has pool data and really picks) and without
-/// (plain least_request).
-pub fn overhead(env: &Env, high_rate: f64, secs: f64) -> Result<Value, Error> {
-    let dir = env.work.join("overhead");
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let shape = PodShape {
-        h100: 1,
-        a100: 0,
-        time_scale: 1.0,
-        max_num_seqs: 256,
-        kv_cache_tokens: 400_000,
-    };
-    let metrics_pod = Pool::start(&shape, false)?;
-    let (_sink, sink) = topology::spawn_sink(2)?;
-    let grpc = SocketAddr::from(([127, 0, 0, 1], ai_lb_e2e::envoy::free_port()?));
-    let _agent = topology::spawn_agent("sink", grpc, metrics_pod.pods[0].addr, sink, &[], 256)?;
-    let upstreams = [sink];
-    let agents = [grpc];
-    let high = dir.join("high.jsonl");
-    fixed_trace(env, high_rate, secs, &high)?;
-    let mut max_rps = serde_json::Map::new();
-    let mut cap = f64::INFINITY;
-    for policy in [Policy::LeastRequest, Policy::AiLb] {
-        let envoy = topology::start_sidecar(policy, &upstreams, &agents, 1)?;
-        if policy == Policy::AiLb {
-            topology::wait_ailb_ready(&envoy, &upstreams, Duration::from_secs(15));
-        }
-        let url = format!("http://{}", envoy.listener);
-        let (s, rs) = replay(
-            env,
-            &url,
-            &high,
-            &dir.join(format!("{}.high.jsonl", policy.name())),
-        )?;
-        let rps = ok_rps(&rs);
-        if policy == Policy::LeastRequest {
-            cap = rps;
-        }
-        max_rps.insert(
-            policy.name().into(),
-            json!({"ok": s.ok, "ok_rps": rps, "e2e_ms": s.e2e_ms, "timeouts": s.timeouts, "errors": s.errors, "dispatch_lag_ms": s.dispatch_lag_ms}),
-        );
-        drop(envoy);
-    }
-    let half = (cap / 2.0).max(1.0);
-    let half_trace = dir.join("half.jsonl");
-    fixed_trace(env, half, secs * 2.0, &half_trace)?;
-    let mut at_half = serde_json::Map::new();
-    let (direct, _) = replay(
-        env,
-        &format!("http://{sink}"),
-        &half_trace,
-        &dir.join("direct.half.jsonl"),
-    )?;
-    at_half.insert(
-        "direct_to_pod".into(),
-        json!({"e2e_ms": direct.e2e_ms, "ttft_ms": direct.ttft_ms}),
-    );
-    for policy in [Policy::LeastRequest, Policy::AiLb] {
-        let envoy = topology::start_sidecar(policy, &upstreams, &agents, 1)?;
-        if policy == Policy::AiLb {
-            topology::wait_ailb_ready(&envoy, &upstreams, Duration::from_secs(15));
-        }
-        let (s, _) = replay(
-            env,
-            &format!("http://{}", envoy.listener),
-            &half_trace,
-            &dir.join(format!("{}.half.jsonl", policy.name())),
-        )?;
-        at_half.insert(
-            policy.name().into(),
-            json!({"e2e_ms": s.e2e_ms, "ttft_ms": s.ttft_ms, "ok": s.ok, "errors": s.errors, "timeouts": s.timeouts}),
-        );
-        drop(envoy);
-    }
-    let p99 = |k: &str| at_half.get(k).and_then(|v| v["e2e_ms"]["p99"].as_f64());
-    let rps = |k: &str| max_rps.get(k).and_then(|v| v["ok_rps"].as_f64());
-    Ok(json!({
-        "upstream": "loadgen example sink answering 2 tokens at once; 16-token prompts; ai-lb agent announcing the sink, metrics from an idle fake pod",
-        "offered_rps_for_max": high_rate,
-        "secs": secs,
-        "max": max_rps,
-        "rps_ratio_filter_over_plain": analysis::ratio(rps("ai_lb"), rps("least_request")),
-        "half_load_rps": half,
-        "at_half_load": at_half,
-        "added_p99_ms": match (p99("ai_lb"), p99("least_request")) {
-            (Some(a), Some(b)) => json!(a - b),
-            _ => json!(null),
-        },
-    }))
 }

@@ -8,9 +8,9 @@ use std::process::ExitCode;
 use clap::Parser;
 use serde_json::{json, Value};
 
-use ai_lb_bench::calibrate;
 use ai_lb_bench::scenario::{self, Env};
 use ai_lb_bench::topology::{self, PodShape, Pool};
+use ai_lb_bench::{calibrate, overhead};
 
 #[derive(Debug, Parser)]
 #[command(name = "ai-lb-bench", about)]
@@ -53,11 +53,23 @@ struct Cli {
     cal_rate: f64,
     #[arg(long, default_value_t = 20.0)]
     cal_secs: f64,
-    /// Offered rate for the overhead scenario's maximum-throughput probe.
-    #[arg(long, default_value_t = 1500.0)]
-    overhead_rate: f64,
+    /// Overhead scenario: closed-loop clients of the maximum-throughput probe.
+    #[arg(long, default_value_t = 16)]
+    overhead_workers: usize,
+    /// Overhead scenario: alternating rounds (plain Envoy, then the filter, order flipped each
+    /// round); figures are medians over rounds.
+    #[arg(long, default_value_t = 3)]
+    overhead_rounds: usize,
     #[arg(long, default_value_t = 16)]
     hol_count: u32,
+    /// Policies to compare, comma-separated (for quick iterations; the report's tables and
+    /// ratios need all three).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "round_robin,least_request,ai_lb"
+    )]
+    policies: Vec<String>,
 }
 
 fn main() -> ExitCode {
@@ -74,7 +86,8 @@ fn main() -> ExitCode {
         cli.timeout = 10.0;
         cli.cal_secs = 4.0;
         cli.cal_rate = 20.0;
-        cli.overhead_rate = 200.0;
+        cli.overhead_rounds = 1;
+        cli.overhead_workers = 4;
         cli.hol_count = 2;
         // Its own work dir, so a smoke run never mixes with the records of a real run.
         cli.work = cli.work.join("smoke");
@@ -141,6 +154,11 @@ fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
         capacity_rps: 0.0,
         hol_count: cli.hol_count,
         hol_at_s: cli.duration / 3.0,
+        policies: cli
+            .policies
+            .iter()
+            .map(|p| topology::Policy::parse(p))
+            .collect::<Result<_, _>>()?,
     };
     let loads: Vec<&String> = cli
         .scenarios
@@ -152,14 +170,21 @@ fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
     // Overhead first: short, and independent of the pool.
     if cli.scenarios.iter().any(|s| s == "overhead") {
         eprintln!("[bench] overhead");
-        let mut o =
-            calibrate::overhead(&env, cli.overhead_rate, if cli.smoke { 2.0 } else { 10.0 })?;
+        if cli.overhead_rounds == 0 || cli.overhead_workers == 0 {
+            return Err("--overhead-rounds and --overhead-workers must be > 0".into());
+        }
+        let mut o = overhead::overhead(
+            &env,
+            if cli.smoke { 2.0 } else { 10.0 },
+            cli.overhead_rounds,
+            cli.overhead_workers,
+        )?;
         o["command"] = json!(cmdline);
-        let dir = cli.out.join("overhead");
-        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-        let text = serde_json::to_string_pretty(&o).map_err(|e| e.to_string())?;
-        std::fs::write(dir.join("summary.json"), &text).map_err(|e| e.to_string())?;
-        println!("overhead: {text}");
+        overhead::write(&cli.out, &o)?;
+        println!(
+            "overhead: {}",
+            serde_json::to_string_pretty(&o).unwrap_or_default()
+        );
     }
     if want_cal || !loads.is_empty() {
         eprintln!(

@@ -124,6 +124,8 @@ pub struct Env {
     /// The HOL burst: long requests and when.
     pub hol_count: u32,
     pub hol_at_s: f64,
+    /// Policies to run, in order (default: all three).
+    pub policies: Vec<Policy>,
 }
 
 /// The loadgen flags that define a workload (stated in BENCHMARKS.md).
@@ -412,7 +414,7 @@ pub fn run_load(load: &Load, env: &Env, pool: &mut Pool, cmd: &str) -> Result<Va
     let trace = dir.join("trace.jsonl");
     let rate = make_trace(load, env, &trace)?;
     let mut results = Vec::new();
-    for policy in Policy::ALL {
+    for &policy in &env.policies {
         let (records, r) = run_policy(policy, load, env, pool, &trace, &dir)?;
         let merged = dir.join(format!("{}.jsonl", policy.name()));
         let mut f = File::create(&merged).map_err(|e| e.to_string())?;

@@ -24,6 +24,16 @@ pub enum Policy {
 impl Policy {
     pub const ALL: [Policy; 3] = [Policy::RoundRobin, Policy::LeastRequest, Policy::AiLb];
 
+    /// Parses a policy name as [`Policy::name`] writes it.
+    pub fn parse(s: &str) -> Result<Policy, Error> {
+        Policy::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| {
+                format!("invalid value '{s}' for '--policies': expected round_robin, least_request or ai_lb")
+            })
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Policy::RoundRobin => "round_robin",
@@ -326,9 +336,13 @@ pub fn plain_template(policy: Policy) -> Result<String, Error> {
 }
 
 /// The filter config the benchmark uses for ai-lb: `envoy-config/filter-config.json` as is
-/// (default weights).
+/// (default weights), or the file named by `AI_LB_BENCH_FILTER_CONFIG` (to compare settings;
+/// the report's tables use the shipped file).
 pub fn ailb_filter_config() -> Result<String, Error> {
-    let p = ai_lb_e2e::process::workspace_root().join("envoy-config/filter-config.json");
+    let p = match std::env::var_os("AI_LB_BENCH_FILTER_CONFIG") {
+        Some(p) => PathBuf::from(p),
+        None => ai_lb_e2e::process::workspace_root().join("envoy-config/filter-config.json"),
+    };
     std::fs::read_to_string(&p).map_err(|e| format!("reading {}: {e}", p.display()))
 }
 

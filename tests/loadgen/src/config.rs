@@ -110,6 +110,11 @@ pub struct Cli {
     /// Do not send `"ignore_eos": true` (sent by default so servers generate max_tokens).
     #[arg(long)]
     pub no_ignore_eos: bool,
+    /// Closed loop instead of open loop: this many workers each send the next trace entry as
+    /// soon as their previous request ended, ignoring arrival times, until the trace's span has
+    /// passed or its entries run out (maximum-throughput probes).
+    #[arg(long, value_parser = positive_usize, allow_negative_numbers = true)]
+    pub closed_loop: Option<usize>,
     /// Runtime worker threads (1 = single-threaded runtime).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=256))]
     pub threads: u16,

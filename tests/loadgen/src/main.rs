@@ -12,7 +12,7 @@ use clap::Parser;
 use ai_lb_loadgen::client::Client;
 use ai_lb_loadgen::config::Cli;
 use ai_lb_loadgen::report;
-use ai_lb_loadgen::run::{run, RunOptions};
+use ai_lb_loadgen::run::{run, run_closed, RunOptions};
 use ai_lb_loadgen::stats::summarize;
 use ai_lb_loadgen::workload::{self, Tag, TraceEntry};
 
@@ -131,7 +131,11 @@ fn real_main(cli: Cli) -> Result<(), Failure> {
             .build()
     }
     .context("starting the async runtime")?;
-    let result = rt.block_on(run(client, Arc::new(trace), opts));
+    let trace = Arc::new(trace);
+    let result = match cli.closed_loop {
+        Some(workers) => rt.block_on(run_closed(client, trace, workers, opts)),
+        None => rt.block_on(run(client, trace, opts)),
+    };
     let summary = summarize(
         &result.records,
         result.wall_s,

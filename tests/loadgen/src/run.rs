@@ -82,6 +82,61 @@ pub async fn run(client: Client, trace: Arc<Vec<TraceEntry>>, opts: RunOptions) 
     }
 }
 
+/// Replays `trace` in a closed loop: `workers` tasks each send the next unsent entry as soon
+/// as their previous request ended (arrival times ignored), until the trace's span (its last
+/// arrival offset) has passed or every entry was sent. Records keep the entries' ids.
+pub async fn run_closed(
+    client: Client,
+    trace: Arc<Vec<TraceEntry>>,
+    workers: usize,
+    opts: RunOptions,
+) -> RunResult {
+    let start = Instant::now();
+    let span = Duration::from_micros(trace.last().map_or(0, |e| e.at_us));
+    let next = Arc::new(AtomicUsize::new(0));
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let (tx, rx) = mpsc::unbounded_channel::<Record>();
+    let collector = tokio::spawn(collect(
+        rx,
+        start,
+        in_flight.clone(),
+        opts.live,
+        trace.len(),
+    ));
+    let mut tasks = Vec::with_capacity(workers);
+    for _ in 0..workers {
+        let (client, trace, tx, next, in_flight) = (
+            client.clone(),
+            trace.clone(),
+            tx.clone(),
+            next.clone(),
+            in_flight.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            while start.elapsed() < span {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(e) = trace.get(i) else { break };
+                in_flight.fetch_add(1, Ordering::Relaxed);
+                let rec = client.send(e, start, opts.timeout).await;
+                in_flight.fetch_sub(1, Ordering::Relaxed);
+                let _ = tx.send(rec);
+            }
+        }));
+    }
+    drop(tx);
+    for t in tasks {
+        let _ = t.await;
+    }
+    let (mut records, end) = collector.await.unwrap_or_default();
+    records.sort_by_key(|r| r.id);
+    RunResult {
+        records,
+        wall_s: end.map_or(0.0, |e| e.duration_since(start).as_secs_f64()),
+        in_flight_cap_hits: 0,
+        peak_in_flight: workers as u64,
+    }
+}
+
 fn skipped(e: &TraceEntry, start: Instant) -> Record {
     Record {
         id: e.id,
