@@ -28,10 +28,11 @@ pub enum Mode {
 /// How the picker chooses among pods that are not cut.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PickStrategy {
-    /// Draw two candidates, each in proportion to its smoothed score; send to the one with the
-    /// lower estimated occupancy (snapshot running + waiting, moved by this sidecar's own
-    /// starts and ends since, over the pod's capacity). Equal occupancy: the first draw, so
-    /// an idle pool gets exactly the score-proportional shares.
+    /// Draw two candidates, each in proportion to its smoothed score; a pod with a free seat
+    /// beats one where the request would queue, then the lower estimated occupancy (snapshot
+    /// running + waiting, moved by this sidecar's own starts and ends since, over the pod's
+    /// capacity) wins. Equal keys (idle pods): the first draw, so an idle pool gets exactly
+    /// the score-proportional shares.
     #[default]
     TwoChoices,
     /// One draw in proportion to the smoothed score divided by `1 + inflight / capacity`
@@ -343,8 +344,10 @@ struct RawConfig {
     )]
     floor_weight: Option<f64>,
     /// How a pod is chosen among those not cut: `twoChoices` (two draws in proportion to
-    /// score, the one with the lower estimated occupancy wins; equal occupancy keeps the first
-    /// draw, so idle pods get score-proportional shares) or `proportional` (one draw in
+    /// score; a pod with a free seat beats one where the request would queue, then the lower
+    /// estimated occupancy wins; occupancy = the snapshot's running + waiting moved by this
+    /// sidecar's own starts and ends since, each weighted by its body size; idle pods tie and
+    /// the first draw wins, so an idle pool gets score-proportional shares) or `proportional` (one draw in
     /// proportion to score, divided by `1 + inflight/capacity` of this sidecar's requests
     /// since the pod's last snapshot).
     #[serde(default)]

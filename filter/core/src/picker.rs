@@ -12,11 +12,17 @@
 //!   with metrics that are not cut (neither 0 nor the best), floored likewise.
 //!
 //! The in-flight correction depends on `pickStrategy`:
-//! - `twoChoices` (default): two distinct candidates are drawn by weight and the one with the
-//!   lower estimated occupancy wins; on a tie the first draw wins, so with nothing in flight
-//!   the shares are exactly score-proportional. Estimated occupancy = the latest snapshot's
+//! - `twoChoices` (default): two distinct candidates are drawn by weight (up to three redraws
+//!   for a distinct second one); a candidate with a free seat (estimated occupancy below
+//!   capacity, and no request waiting in its snapshot: a pod whose KV cache is full queues
+//!   new requests even with seats free) beats one where the request would queue, then the
+//!   lower occupancy wins; on a tie the first draw wins, so with nothing in flight the
+//!   shares are exactly score-proportional.
+//!   Estimated occupancy = the latest snapshot's
 //!   running + waiting, plus this VM's requests started since that snapshot, minus those that
-//!   ended since (never below 0), over the pod's `queue_capacity` (else `cutoffs.maxQueue`);
+//!   ended since (never below 0), each weighted by its body size against the running mean
+//!   ([`Router::request_weight`]: a long prompt counts for more), over the pod's
+//!   `queue_capacity` (else `cutoffs.maxQueue`);
 //!   without running/waiting in the snapshot, this VM's in-flight count (what least_request
 //!   sees). Why: every sidecar scores from the same sampled snapshot, so one weighted draw
 //!   sends all of them to the same "best" pods between updates (herding); the second choice
@@ -152,6 +158,10 @@ pub struct PodStatus<'a> {
     pub breaker: BreakerState,
     pub picks: u64,
     pub inflight: u32,
+    /// Estimated occupancy over capacity, as `twoChoices` compares it (see the module docs).
+    pub load: f64,
+    /// Whether a new request would queue there, as `twoChoices` judges it.
+    pub queued: bool,
     /// Metrics age at the status time (None when no snapshot).
     pub metrics_age_ms: Option<u64>,
 }
@@ -173,10 +183,15 @@ struct PodRt {
     capacity: f64,
     /// Requests this VM sent to the pod that have not ended (never reset).
     inflight: u32,
-    /// `inflight` when the latest occupancy reading arrived.
-    inflight_base: u32,
+    /// The same, each request weighted by its size (see [`Router::request_weight`]).
+    inflight_w: f64,
+    /// `inflight` (unweighted: the snapshot counts every request as one) when the latest
+    /// occupancy reading arrived.
+    inflight_base: f64,
     /// Running + waiting of the latest snapshot that reported either.
     snap_occ: Option<f64>,
+    /// Waiting of that snapshot: > 0 means the pod could not admit more (seats or KV full).
+    snap_waiting: u32,
     /// Sequence of the snapshot `snap_occ` came from.
     occ_seq: Option<u64>,
     picks: u64,
@@ -204,8 +219,10 @@ impl PodRt {
             shown: 0.0,
             capacity: 1.0,
             inflight: 0,
-            inflight_base: 0,
+            inflight_w: 0.0,
+            inflight_base: 0.0,
             snap_occ: None,
+            snap_waiting: 0,
             occ_seq: None,
             picks: 0,
             breaker: Breaker::default(),
@@ -214,10 +231,12 @@ impl PodRt {
         }
     }
 
-    /// This VM's requests started since the latest occupancy reading, net of those that
-    /// ended since (may be negative).
+    /// What this VM's requests add to the latest occupancy reading: those in flight now,
+    /// weighted by size, minus those in flight when it arrived, which the reading already
+    /// counted as one each. So starts and ends since the reading move it, and a long prompt
+    /// keeps its extra weight for as long as it runs. May be negative.
     fn delta_since_snapshot(&self) -> f64 {
-        f64::from(self.inflight) - f64::from(self.inflight_base)
+        self.inflight_w - self.inflight_base
     }
 
     /// Estimated requests on the pod now, over its capacity: the snapshot's running + waiting
@@ -226,17 +245,19 @@ impl PodRt {
     fn load(&self) -> f64 {
         let occ = match self.snap_occ {
             Some(o) => (o + self.delta_since_snapshot()).max(0.0),
-            None => f64::from(self.inflight),
+            None => self.inflight_w.max(0.0),
         };
         occ / self.capacity
     }
 
     /// What two candidates are compared by (lower wins): first whether a new request would
-    /// queue (estimated occupancy at or over capacity), then occupancy per unit of score (a
-    /// healthier pod, e.g. a faster GPU, takes more at the same occupancy). Idle pods tie.
+    /// queue (estimated occupancy at or over capacity, or the snapshot already shows requests
+    /// waiting: seats or KV cache full), then the estimated occupancy itself. The score has
+    /// already had its say in which two pods were drawn; dividing by it here would let a
+    /// small score difference outweigh a long prompt's weight. Idle pods tie.
     fn pick_key(&self) -> (bool, f64) {
         let load = self.load();
-        (load >= 1.0, load / self.base.max(1e-6))
+        (load >= 1.0 || self.snap_waiting > 0, load)
     }
 
     /// Not a probe-budgeted pod (its breaker, or the model's, is not closed).
@@ -356,6 +377,8 @@ pub struct Router {
     pools: Vec<PoolRt>,
     counters: Counters,
     events: Vec<BreakerEvent>,
+    /// Running mean of request body sizes, for [`Router::request_weight`].
+    mean_body_bytes: Option<f64>,
 }
 
 fn uniform01(rng: &mut (impl RngCore + ?Sized)) -> f64 {
@@ -420,6 +443,7 @@ impl Router {
             pools,
             counters: Counters::default(),
             events: Vec::new(),
+            mean_body_bytes: None,
         }
     }
 
@@ -561,7 +585,8 @@ impl Router {
                     && pod.occ_seq != Some(sig.sequence)
                 {
                     pod.occ_seq = Some(sig.sequence);
-                    pod.inflight_base = pod.inflight;
+                    pod.inflight_base = f64::from(pod.inflight);
+                    pod.snap_waiting = sig.waiting.unwrap_or(0);
                     pod.snap_occ = Some(
                         f64::from(sig.running.unwrap_or(0)) + f64::from(sig.waiting.unwrap_or(0)),
                     );
@@ -787,9 +812,26 @@ impl Router {
         }
     }
 
-    /// Records that a request was sent to `pod` (serving address): it counts as in flight
-    /// until [`Router::on_request_end`].
-    pub fn on_request_start(&mut self, pool_idx: usize, pod: &str) {
+    /// How much one request counts in this VM's in-flight estimate: its body size over the
+    /// running mean of the body sizes seen (an EWMA, so a sidecar calibrates to its own
+    /// traffic), clamped to [0.25, 16]. A 4000-token prompt among 250-token ones counts ~16:
+    /// a burst of long prompts from one sidecar spreads over pods instead of filling one pod's
+    /// KV cache before the next snapshot shows it. None (body not read): 1.
+    pub fn request_weight(&mut self, body_bytes: Option<usize>) -> f64 {
+        let Some(b) = body_bytes else {
+            return 1.0;
+        };
+        let b = (b as f64).max(1.0);
+        // Against the mean before this request, then fold it in.
+        let mean = self.mean_body_bytes.unwrap_or(b).max(1.0);
+        self.mean_body_bytes = Some(mean + 0.02 * (b - mean));
+        (b / mean).clamp(0.25, 16.0)
+    }
+
+    /// Records that a request of `weight` ([`Router::request_weight`]) was sent to `pod`
+    /// (serving address): it counts as in flight until [`Router::on_request_end`] with the
+    /// same weight.
+    pub fn on_request_start(&mut self, pool_idx: usize, pod: &str, weight: f64) {
         let cfg = &self.cfg;
         let Some(p) = self.pools.get_mut(pool_idx) else {
             return;
@@ -799,13 +841,14 @@ impl Router {
         };
         if let Some(rt) = p.pods.get_mut(id as usize) {
             rt.inflight = rt.inflight.saturating_add(1);
+            rt.inflight_w += weight;
         }
         update_pod(p, id, cfg);
     }
 
     /// Records that a request counted by [`Router::on_request_start`] ended, however it ended
     /// (answered, failed, cancelled): call it exactly once per start.
-    pub fn on_request_end(&mut self, pool_idx: usize, pod: &str) {
+    pub fn on_request_end(&mut self, pool_idx: usize, pod: &str, weight: f64) {
         let cfg = &self.cfg;
         let Some(p) = self.pools.get_mut(pool_idx) else {
             return;
@@ -815,6 +858,12 @@ impl Router {
         };
         if let Some(rt) = p.pods.get_mut(id as usize) {
             rt.inflight = rt.inflight.saturating_sub(1);
+            rt.inflight_w = if rt.inflight == 0 {
+                // Nothing left in flight: drop rounding residue.
+                0.0
+            } else {
+                rt.inflight_w - weight
+            };
         }
         update_pod(p, id, cfg);
     }
@@ -998,6 +1047,8 @@ impl Router {
                     breaker: r.breaker.state(),
                     picks: r.picks,
                     inflight: r.inflight,
+                    load: r.load(),
+                    queued: r.pick_key().0,
                     metrics_age_ms: entry
                         .and_then(|e| e.signals.as_ref())
                         .map(|s| s.age_ms(now_ms)),

@@ -25,6 +25,8 @@ pub fn scoreboard(router: &Router, now_ms: u64) -> Value {
                         "breaker": s.breaker.as_str(),
                         "picks": s.picks,
                         "inflight": s.inflight,
+                        "load": s.load,
+                        "queued": s.queued,
                         "metricsAgeMs": s.metrics_age_ms,
                     })
                 })

@@ -422,7 +422,7 @@ fn inflight_since_snapshot_lowers_share_until_next_snapshot() {
         r#"{"cutoffs":{"maxQueue":4},"pickStrategy":"proportional"}"#,
     );
     for _ in 0..4 {
-        r.on_request_start(0, &addr(0));
+        r.on_request_start(0, &addr(0), 1.0);
     }
     // Pod 0 weight halves: 1/(1+4/4).
     let c = counts(&mut r, 2, 30_000, 8, 1000);
@@ -440,7 +440,7 @@ fn start_many(r: &mut Router, n: usize, picks: usize, seed: u64, now: u64) -> Ve
     for _ in 0..picks {
         let d = r.decide(0, None, now, &mut rng);
         let a = chosen(r, &d).unwrap();
-        r.on_request_start(0, &a);
+        r.on_request_start(0, &a, 1.0);
         c[(0..n).position(|i| addr(i) == a).unwrap()] += 1;
     }
     c
@@ -480,17 +480,13 @@ fn two_choices_spreads_this_sidecars_requests_by_occupancy() {
     let mut r = router(&busy, r#"{"cutoffs":{"maxQueue":64}}"#);
     let c = start_many(&mut r, 4, 40, 5, 1000);
     assert_eq!(c[0], 0, "{c:?}");
-    // Then occupancy per unit of score (20 + its starts for pod 0) evens out: pod 0's queue
-    // term lowers its score to 0.852 against 0.93, so it settles near 0.916x the others'.
+    // Then occupancy (20 + its starts for pod 0) evens out across the four.
     let more = start_many(&mut r, 4, 400, 6, 1000);
-    let occ: Vec<f64> = (0..4)
-        .map(|i| (c[i] + more[i] + if i == 0 { 20 } else { 0 }) as f64)
+    let occ: Vec<usize> = (0..4)
+        .map(|i| c[i] + more[i] + if i == 0 { 20 } else { 0 })
         .collect();
-    let others = &occ[1..];
-    let mean = others.iter().sum::<f64>() / 3.0;
-    assert!(others.iter().all(|o| (o - mean).abs() <= 4.0), "{occ:?}");
-    let want = mean * (0.28 + 0.25 * (1.0 - 20.0 / 64.0) + 0.4) / 0.93;
-    assert!((occ[0] - want).abs() <= 4.0, "{occ:?}, want {want}");
+    let (lo, hi) = (occ.iter().min().unwrap(), occ.iter().max().unwrap());
+    assert!(hi - lo <= 6, "{occ:?}");
 }
 
 #[test]
@@ -529,7 +525,7 @@ fn two_choices_rebases_on_each_snapshot_so_lost_ends_do_not_accumulate() {
     let mut r = router(&[pod(0.2); 4], "");
     // 30 requests to pod 0 whose ends this sidecar never saw (e.g. a VM that missed them).
     for _ in 0..30 {
-        r.on_request_start(0, &addr(0));
+        r.on_request_start(0, &addr(0), 1.0);
     }
     assert_eq!(start_many(&mut r, 4, 30, 1, 1000)[0], 0);
     // The next snapshot says pod 0 is idle again: it counts as idle, the 30 are forgotten.
@@ -538,7 +534,7 @@ fn two_choices_rebases_on_each_snapshot_so_lost_ends_do_not_accumulate() {
     assert!(c[0] > 8_000, "{c:?}");
     // Ends after a snapshot move the estimate down (never below zero).
     for _ in 0..10 {
-        r.on_request_end(0, &addr(1));
+        r.on_request_end(0, &addr(1), 1.0);
     }
     let c = counts(&mut r, 4, 40_000, 3, 1100);
     assert!(c.iter().all(|n| *n > 8_000), "{c:?}");
@@ -548,11 +544,100 @@ fn two_choices_rebases_on_each_snapshot_so_lost_ends_do_not_accumulate() {
 fn two_choices_never_picks_a_cut_pod_even_when_it_is_idle() {
     let mut r = router(&[pod(0.2), pod(0.97), pod(0.3)], "");
     for _ in 0..50 {
-        r.on_request_start(0, &addr(0));
-        r.on_request_start(0, &addr(2));
+        r.on_request_start(0, &addr(0), 1.0);
+        r.on_request_start(0, &addr(2), 1.0);
     }
     let c = counts(&mut r, 3, 20_000, 4, 1000);
     assert_eq!(c[1], 0, "{c:?}");
+}
+
+#[test]
+fn a_pod_with_requests_waiting_counts_as_full() {
+    // Pod 0 reports 1 running and 2 waiting (e.g. its KV cache is full of long prompts): by
+    // count it has room (3 of 8), but a new request would queue there, so pod 1 (6 running,
+    // none waiting) wins every comparison it is in.
+    let mut r = Router::new(config(r#"{"cutoffs":{"maxQueue":8}}"#));
+    let mut ev = event(&[pod(0.2), pod(0.2)], 1);
+    for (i, running, waiting) in [(0, 1, 2), (1, 6, 0)] {
+        let inf = ev.peers[i]
+            .snapshot
+            .as_mut()
+            .unwrap()
+            .inference
+            .as_mut()
+            .unwrap();
+        inf.running = Some(running);
+        inf.waiting = Some(waiting);
+    }
+    r.apply_pool_event(0, &ev, 1000);
+    let c = counts(&mut r, 2, 20_000, 12, 1000);
+    // Pod 0 wins only when pod 1 is never drawn (p0^4, p0 a little over 1/2 as pod 0's queue
+    // term is lower).
+    assert!(c[1] as f64 / 20_000.0 > 0.9, "{c:?}");
+}
+
+#[test]
+fn request_weight_follows_body_size_against_the_running_mean() {
+    let mut r = router(&[pod(0.2); 4], "");
+    assert_eq!(r.request_weight(None), 1.0);
+    for _ in 0..500 {
+        r.request_weight(Some(1000));
+    }
+    let w = r.request_weight(Some(16_000));
+    assert!((w - 16.0).abs() < 1.0, "{w}");
+    assert_eq!(r.request_weight(Some(10)), 0.25);
+    assert_eq!(r.request_weight(Some(10_000_000)), 16.0);
+    // A heavy request spreads the next ones: after one weight-16 start on pod 0, the next
+    // 12 equal starts from this sidecar avoid it.
+    let mut r = router(&[pod(0.2); 4], r#"{"cutoffs":{"maxQueue":8}}"#);
+    r.on_request_start(0, &addr(0), 16.0);
+    let c = start_many(&mut r, 4, 12, 3, 1000);
+    assert_eq!(c[0], 0, "{c:?}");
+    // Its end takes the same weight back out.
+    r.on_request_end(0, &addr(0), 16.0);
+    let c = counts(&mut r, 4, 40_000, 4, 1000);
+    assert!(c[0] > 10_000, "{c:?}");
+}
+
+#[test]
+fn a_long_prompt_keeps_its_weight_across_snapshots() {
+    // Eight pods with 6 of 8 seats taken. This sidecar sends one long prompt (16 KB among
+    // ~1 KB bodies), then the next snapshot counts it as one running request like any other:
+    // the pod must still look full to this sidecar, so its next requests go elsewhere.
+    let busy = |seq| {
+        let mut ev = event(&[pod(0.5); 8], seq);
+        for p in ev.peers.iter_mut() {
+            let inf = p.snapshot.as_mut().unwrap().inference.as_mut().unwrap();
+            inf.running = Some(6);
+            inf.queue_capacity = Some(8);
+        }
+        ev
+    };
+    let mut r = Router::new(config(""));
+    r.apply_pool_event(0, &busy(1), 1000);
+    for _ in 0..500 {
+        r.request_weight(Some(1_100));
+    }
+    let w = r.request_weight(Some(16_000));
+    assert!(w > 10.0, "{w}");
+    let mut rng = ChaCha8Rng::seed_from_u64(21);
+    let d = r.decide(0, None, 1000, &mut rng);
+    let long = chosen(&r, &d).unwrap();
+    r.on_request_start(0, &long, w);
+    let mut ev = busy(2);
+    let i = (0..8).position(|i| addr(i) == long).unwrap();
+    // The snapshot now shows the long request: 7 running there.
+    ev.peers[i]
+        .snapshot
+        .as_mut()
+        .unwrap()
+        .inference
+        .as_mut()
+        .unwrap()
+        .running = Some(7);
+    r.apply_pool_event(0, &ev, 1100);
+    let c = start_many(&mut r, 8, 14, 22, 1100);
+    assert_eq!(c[i], 0, "{c:?}");
 }
 
 #[test]

@@ -79,6 +79,8 @@ pub struct HeldReq {
     pub pool: usize,
     pub model: Option<String>,
     pub stat_tenant: String,
+    /// The request's in-flight weight (see `Router::request_weight`).
+    pub weight: f64,
 }
 
 /// Admission state of one VM: the config, the tenants that have their own stats, and the

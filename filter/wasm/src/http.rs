@@ -58,6 +58,10 @@ pub struct Request {
     started_ms: u64,
     ttft_ms: Option<u64>,
     attempts: Option<u32>,
+    /// Body size when the body was read (for the request's in-flight weight).
+    body_bytes: Option<usize>,
+    /// What this request counts in the router's in-flight estimate (start and end alike).
+    weight: f64,
 }
 
 impl Request {
@@ -77,6 +81,8 @@ impl Request {
             started_ms: 0,
             ttft_ms: None,
             attempts: None,
+            body_bytes: None,
+            weight: 1.0,
         }
     }
 
@@ -90,7 +96,9 @@ impl Request {
         let Ok(mut guard) = self.state.try_borrow_mut() else {
             return;
         };
-        if let Some((ranked, score)) = steer(&mut guard, pool, self.model.as_deref(), now) {
+        if let Some((ranked, score)) =
+            steer(&mut guard, pool, self.model.as_deref(), now, self.weight)
+        {
             self.ranked = ranked;
             self.chosen_score = score;
         }
@@ -99,6 +107,9 @@ impl Request {
     /// Admission passed: the class policy under saturation, then routing. Returns the action
     /// for the current callback.
     fn gate_and_route(&mut self, now: u64) -> Action {
+        if let Ok(mut s) = self.state.try_borrow_mut() {
+            self.weight = s.router.request_weight(self.body_bytes);
+        }
         match self.priority_gate(now) {
             Gate::Route => {
                 self.route(now);
@@ -162,6 +173,7 @@ impl Request {
                         pool,
                         model: self.model.clone(),
                         stat_tenant: a.stat_tenant.clone(),
+                        weight: self.weight,
                     },
                 );
                 a.count(metrics, "held", 1);
@@ -233,6 +245,7 @@ impl Request {
     /// The whole request body is here: model for routing, cost for admission, then route.
     fn body_done(&mut self, body: &[u8]) -> Action {
         let now = host::now_ms();
+        self.body_bytes = Some(body.len());
         if self.model_from_body {
             self.model = body::model_of(body);
         }
@@ -259,7 +272,14 @@ impl Request {
             .and_then(|c| u16::try_from(c).ok())
             .filter(|c| *c > 0);
         let flags = host::property_u64(&["response", "flags"]).unwrap_or(0);
-        let details = host::property_string(&["response", "code_details"]).unwrap_or_default();
+        // Details only refine failures; a clean answer (< 500, no flag) needs none (one host
+        // call fewer on the common path).
+        let clean_answer = flags == 0 && status.is_some_and(|c| c < 500);
+        let details = if clean_answer {
+            String::new()
+        } else {
+            host::property_string(&["response", "code_details"]).unwrap_or_default()
+        };
         let observed = Observed {
             ranked: &self.ranked,
             upstream: upstream.as_deref(),
@@ -283,11 +303,19 @@ impl Request {
             return;
         };
         let model = self.model.as_deref();
+        // Whether the chosen pod's breaker had nothing to forget (Closed, no failure counted, as
+        // of this VM's last sync with the shared breaker, at most `watch.refreshMs` old): a
+        // success then leaves the shared breaker as it is, so it is not read and rewritten.
+        let clean_before = chosen.as_deref().is_some_and(|c| {
+            router
+                .breaker(pool, c, None)
+                .is_some_and(|b| b.state() == BreakerState::Closed && b.consecutive_failures() == 0)
+        });
         // The chosen pod was counted in flight: close that however the request ended, then
         // let its local breaker record (the shared breaker below is authoritative). A
         // cancelled request teaches the breaker nothing.
         if let Some(c) = chosen.as_deref() {
-            router.on_request_end(pool, c);
+            router.on_request_end(pool, c, self.weight);
             if let Some((_, o)) = pairs.iter().find(|(p, _)| *p == c) {
                 let _ = router.on_outcome(pool, c, model, o, now);
             }
@@ -296,6 +324,8 @@ impl Request {
             let failure = o.failure(&cfg);
             if failure.is_some() {
                 metrics.failure(pod);
+            } else if clean_before && chosen.as_deref() == Some(*pod) {
+                continue;
             }
             if let Some((b, ts)) =
                 shared::update_breaker(&name, pod, now, &cfg, |b| b.record(failure, now, &cfg))
@@ -326,6 +356,7 @@ pub fn steer(
     pool: usize,
     model: Option<&str>,
     now: u64,
+    weight: f64,
 ) -> Option<(String, f64)> {
     let State {
         router,
@@ -359,7 +390,7 @@ pub fn steer(
     }
     let written = scratch.clone();
     let chosen = written.split(',').next()?;
-    router.on_request_start(pool, chosen);
+    router.on_request_start(pool, chosen, weight);
     metrics.pick(chosen);
     // A half-open pod's probe budget is shared by every VM.
     if router

@@ -1,10 +1,12 @@
 //! Benchmark suite for ai-lb: starts a heterogeneous fake-GPU pool with agents and per-policy
 //! client sidecars (`topology`), replays the same seeded traces through round_robin,
-//! least_request and ai-lb (`scenario`), measures capacity (`calibrate`) and the filter's per-request overhead (`overhead`),
+//! least_request and ai-lb (`scenario`), measures capacity (`calibrate`), the filter's per-request overhead (`overhead`) and how
+//! fresh its view is (`freshness`),
 //! and turns per-request records into percentiles, shares and ratios (`analysis`).
 
 pub mod analysis;
 pub mod calibrate;
+pub mod freshness;
 pub mod overhead;
 pub mod scenario;
 pub mod topology;

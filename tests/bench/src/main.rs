@@ -10,12 +10,15 @@ use serde_json::{json, Value};
 
 use ai_lb_bench::scenario::{self, Env};
 use ai_lb_bench::topology::{self, PodShape, Pool};
-use ai_lb_bench::{calibrate, overhead};
+use ai_lb_bench::{calibrate, freshness, overhead};
+
+/// Scenario names that are not `<workload>-<arrival>-<pct>` / `fault-*` loads.
+const SPECIAL: [&str; 3] = ["calibrate", "overhead", "freshness"];
 
 #[derive(Debug, Parser)]
 #[command(name = "ai-lb-bench", about)]
 struct Cli {
-    /// Scenarios: calibrate, overhead, <sharegpt|hol>-<poisson|bursty>-<pct>,
+    /// Scenarios: calibrate, overhead, freshness, <sharegpt|hol>-<poisson|bursty>-<pct>,
     /// fault-<slowdown|errors|sigstop>. Default: sharegpt-poisson-80.
     scenarios: Vec<String>,
     /// Short run on a tiny pool, results under the work dir; checks that the suite works.
@@ -98,6 +101,7 @@ fn main() -> ExitCode {
                 "hol-poisson-80".into(),
                 "fault-slowdown".into(),
                 "overhead".into(),
+                "freshness".into(),
             ];
         }
     }
@@ -116,7 +120,7 @@ fn main() -> ExitCode {
 fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
     // Validate every scenario name before starting anything.
     for s in &cli.scenarios {
-        if s != "calibrate" && s != "overhead" {
+        if !SPECIAL.contains(&s.as_str()) {
             scenario::parse_load(s)?;
         }
     }
@@ -142,6 +146,7 @@ fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
         time_scale: cli.time_scale,
         max_num_seqs: cli.max_num_seqs,
         kv_cache_tokens: cli.kv_cache_tokens,
+        sample_interval_ms: 100,
     };
     let mut env = Env {
         loadgen: topology::release_bin("ai-lb-loadgen")?,
@@ -163,9 +168,10 @@ fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
     let loads: Vec<&String> = cli
         .scenarios
         .iter()
-        .filter(|s| *s != "calibrate" && *s != "overhead")
+        .filter(|s| !SPECIAL.contains(&s.as_str()))
         .collect();
     let want_cal = cli.scenarios.iter().any(|s| s == "calibrate");
+    let want_fresh = cli.scenarios.iter().any(|s| s == "freshness");
     let mut checks = Vec::new();
     // Overhead first: short, and independent of the pool.
     if cli.scenarios.iter().any(|s| s == "overhead") {
@@ -186,7 +192,7 @@ fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
             serde_json::to_string_pretty(&o).unwrap_or_default()
         );
     }
-    if want_cal || !loads.is_empty() {
+    if want_cal || want_fresh || !loads.is_empty() {
         eprintln!(
             "[bench] starting {} h100 + {} a100 fake pods with agents",
             cli.h100, cli.a100
@@ -233,6 +239,31 @@ fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
                 std::fs::read_to_string(cli.out.join(name).join("table.md")).unwrap_or_default();
             println!("{table}");
             checks.push((name.clone(), summary));
+        }
+        if want_fresh {
+            // Its pools are started per sample interval.
+            drop(pool);
+            let (intervals, toggles): (Vec<u64>, usize) = if cli.smoke {
+                (vec![100], 2)
+            } else {
+                (freshness::SWEEP_MS.to_vec(), 10)
+            };
+            let v = freshness::freshness(&env, &shape, &intervals, toggles, cmdline)?;
+            let dir = cli.out.join("freshness");
+            std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+            let text = serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?;
+            std::fs::write(dir.join("summary.json"), text).map_err(|e| e.to_string())?;
+            let table = freshness::table(&v);
+            std::fs::write(dir.join("table.md"), &table).map_err(|e| e.to_string())?;
+            println!("{table}");
+            if cli.smoke {
+                let p = &v["points"][0];
+                if p["ai_lb"]["ok"].as_u64().unwrap_or(0) == 0
+                    || p["reaction"]["cut_ms"]["count"].as_u64().unwrap_or(0) == 0
+                {
+                    return Err(format!("smoke: freshness measured nothing: {p}"));
+                }
+            }
         }
     }
     if cli.smoke {

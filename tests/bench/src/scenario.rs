@@ -57,7 +57,7 @@ pub struct Load {
 pub fn parse_load(name: &str) -> Result<Load, Error> {
     let bad = || {
         format!(
-            "unknown scenario {name:?}: expected calibrate, overhead, \
+            "unknown scenario {name:?}: expected calibrate, overhead, freshness, \
              <sharegpt|hol>-<poisson|bursty>-<percent of capacity>, or fault-<slowdown|errors|sigstop>"
         )
     };

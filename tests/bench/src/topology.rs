@@ -75,6 +75,9 @@ pub struct PodShape {
     pub time_scale: f64,
     pub max_num_seqs: u32,
     pub kv_cache_tokens: u64,
+    /// The agents' `--sample-interval` (and `--watch-min-interval` when shorter than the
+    /// agent's 50 ms default): how often fresh readings can reach the filters.
+    pub sample_interval_ms: u64,
 }
 
 /// One pod and its agent.
@@ -158,6 +161,7 @@ impl Pool {
                 pod.addr,
                 &peers,
                 shape.max_num_seqs,
+                shape.sample_interval_ms,
             )?;
             pod.agent_grpc = Some(p.addr("grpc")?);
             pod.agent = Some(p);
@@ -235,6 +239,7 @@ pub fn spawn_agent(
     serving: SocketAddr,
     peers: &[SocketAddr],
     max_num_seqs: u32,
+    sample_interval_ms: u64,
 ) -> Result<Proc, Error> {
     let agent_bin = release_bin("ai-lb-agent")?;
     let url = format!("http://{metrics_from}");
@@ -260,8 +265,12 @@ pub fn spawn_agent(
         // Agent defaults except a faster sample, as a latency-sensitive deployment would run
         // it (stated in BENCHMARKS.md).
         "--sample-interval".into(),
-        "100ms".into(),
+        format!("{sample_interval_ms}ms"),
     ];
+    if sample_interval_ms < 50 {
+        args.push("--watch-min-interval".into());
+        args.push(format!("{sample_interval_ms}ms"));
+    }
     if !peers.is_empty() {
         args.push("--peers".into());
         args.push(
