@@ -24,9 +24,9 @@ if [ "${#args[@]}" -eq 0 ]; then args=(calibrate sharegpt-poisson-80); fi
 if [ "${BENCH_NO_BUILD:-0}" != "1" ]; then
   export ENVOY_BIN="${ENVOY_BIN:-$(scripts/setup.sh | tail -n 1)}"
   log "building release binaries and the wasm filter (CARGO_TARGET_DIR=$CARGO_TARGET_DIR)"
-  cargo build --release --bins
-  cargo build --release -p ai-lb-loadgen --example sink   # the overhead run's fast upstream
-  cargo build -p ai-lb-filter-wasm --target wasm32-wasip1 --release
+  cargo build --release --bins --locked
+  cargo build --release --locked -p ai-lb-loadgen --example sink   # the overhead run's fast upstream
+  cargo build -p ai-lb-filter-wasm --target wasm32-wasip1 --release --locked
 fi
 export ENVOY_BIN="${ENVOY_BIN:-$root/.venv/bin/envoy}"
 

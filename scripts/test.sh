@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test of ai-lb: formatting, clippy (native and wasm32), unit, property, integration
 # and end-to-end tests (a real Envoy 1.40 with the wasm filter, agents and fake GPU pods on
-# loopback), the deployment checks, and compiles the benchmarks without running them.
+# loopback), the deployment checks, compiles the benchmarks, and runs the benchmark suite's
+# smoke mode (numbers are not asserted).
 # Installs what it needs first (scripts/setup.sh). Usage: scripts/test.sh
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -30,6 +31,9 @@ cargo test --workspace --locked
 
 step "benchmarks compile (run them by hand, see BENCHMARKS.md)"
 cargo bench --workspace --no-run --locked
+
+step "benchmark suite, smoke run (a tiny pool; proves the suite works, asserts no numbers)"
+CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$root/target}" scripts/bench.sh --smoke
 
 echo
 echo "all checks passed"

@@ -1,5 +1,6 @@
-"""Plots for bench-results/: latency CDFs per policy (TTFT and e2e) and, for fault runs, the
-faulty pod's share of requests over time. Reads the merged per-request records the benchmark
+"""Plots for bench-results/: latency CDFs per policy (TTFT and e2e), for fault runs the faulty
+pod's share of requests over time, and for the freshness sweep p99 TTFT and change-to-routing
+latency against the agents' sample interval. Reads the merged per-request records the benchmark
 leaves in its work dir (<work>/<scenario>/<policy>.jsonl) and the summaries in <out>.
 Usage: plot.py WORK_DIR OUT_DIR"""
 import json
@@ -27,6 +28,32 @@ def cdf(ax, values, label):
     ax.plot(v, [(i + 1) / n for i in range(n)], label=label)
 
 
+def freshness(s, sdir):
+    """p99 TTFT and change-to-routing latency against the agents' sample interval."""
+    pts = s["points"]
+    xs = [p["sample_interval_ms"] for p in pts]
+    ttft = [p["ai_lb"]["ttft_ms"]["p99"] for p in pts]
+    react = [p["reaction"]["cut_ms"]["p99"] for p in pts]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    axes[0].plot(xs, ttft, marker="o", label="ai_lb")
+    lr = (s.get("least_request") or {}).get("ttft_ms", {}).get("p99")
+    if lr is not None:
+        axes[0].axhline(lr, color="k", linestyle="--", label="least_request (same trace)")
+    axes[0].set_ylabel("p99 TTFT (ms)")
+    axes[1].plot(xs, react, marker="o", label="pod forced to 99 % GPU -> every sidecar shows it cut")
+    axes[1].set_ylabel("change -> routing change, p99 (ms)")
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.set_xlabel("agent sample interval (ms)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"freshness sweep ({s['trace']}, {s['sidecars']} sidecars)")
+    fig.tight_layout()
+    fig.savefig(os.path.join(sdir, "freshness.png"), dpi=80)
+    plt.close(fig)
+    print("plots written for freshness")
+
+
 def main(work, out):
     for scen in sorted(os.listdir(out)):
         sdir = os.path.join(out, scen)
@@ -35,6 +62,9 @@ def main(work, out):
         if not os.path.isfile(summ) or not os.path.isdir(wdir):
             continue
         s = json.load(open(summ))
+        if "points" in s:
+            freshness(s, sdir)
+            continue
         if "policies" not in s:
             continue
         timeout = s["client_timeout_s"] * 1000.0
