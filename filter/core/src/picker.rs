@@ -832,31 +832,16 @@ impl Router {
     /// (serving address): it counts as in flight until [`Router::on_request_end`] with the
     /// same weight.
     pub fn on_request_start(&mut self, pool_idx: usize, pod: &str, weight: f64) {
-        let cfg = &self.cfg;
-        let Some(p) = self.pools.get_mut(pool_idx) else {
-            return;
-        };
-        let Some(&id) = p.by_addr.get(pod) else {
-            return;
-        };
-        if let Some(rt) = p.pods.get_mut(id as usize) {
+        self.with_pod(pool_idx, pod, |rt| {
             rt.inflight = rt.inflight.saturating_add(1);
             rt.inflight_w += weight;
-        }
-        update_pod(p, id, cfg);
+        });
     }
 
     /// Records that a request counted by [`Router::on_request_start`] ended, however it ended
     /// (answered, failed, cancelled): call it exactly once per start.
     pub fn on_request_end(&mut self, pool_idx: usize, pod: &str, weight: f64) {
-        let cfg = &self.cfg;
-        let Some(p) = self.pools.get_mut(pool_idx) else {
-            return;
-        };
-        let Some(&id) = p.by_addr.get(pod) else {
-            return;
-        };
-        if let Some(rt) = p.pods.get_mut(id as usize) {
+        self.with_pod(pool_idx, pod, |rt| {
             rt.inflight = rt.inflight.saturating_sub(1);
             rt.inflight_w = if rt.inflight == 0 {
                 // Nothing left in flight: drop rounding residue.
@@ -864,6 +849,21 @@ impl Router {
             } else {
                 rt.inflight_w - weight
             };
+        });
+    }
+
+    /// Applies `f` to the pod at `pod` of pool `pool_idx` (nothing if unknown), then re-weighs
+    /// it in every view.
+    fn with_pod(&mut self, pool_idx: usize, pod: &str, f: impl FnOnce(&mut PodRt)) {
+        let cfg = &self.cfg;
+        let Some(p) = self.pools.get_mut(pool_idx) else {
+            return;
+        };
+        let Some(&id) = p.by_addr.get(pod) else {
+            return;
+        };
+        if let Some(rt) = p.pods.get_mut(id as usize) {
+            f(rt);
         }
         update_pod(p, id, cfg);
     }
