@@ -39,14 +39,7 @@ pub async fn run(client: Client, trace: Arc<Vec<TraceEntry>>, opts: RunOptions) 
     let start = Instant::now();
     let in_flight = Arc::new(AtomicUsize::new(0));
     let peak = Arc::new(AtomicUsize::new(0));
-    let (tx, rx) = mpsc::unbounded_channel::<Record>();
-    let collector = tokio::spawn(collect(
-        rx,
-        start,
-        in_flight.clone(),
-        opts.live,
-        trace.len(),
-    ));
+    let (tx, collector) = start_collector(start, &in_flight, opts.live, trace.len());
 
     let mut cap_hits = 0u64;
     for i in 0..trace.len() {
@@ -95,14 +88,7 @@ pub async fn run_closed(
     let span = Duration::from_micros(trace.last().map_or(0, |e| e.at_us));
     let next = Arc::new(AtomicUsize::new(0));
     let in_flight = Arc::new(AtomicUsize::new(0));
-    let (tx, rx) = mpsc::unbounded_channel::<Record>();
-    let collector = tokio::spawn(collect(
-        rx,
-        start,
-        in_flight.clone(),
-        opts.live,
-        trace.len(),
-    ));
+    let (tx, collector) = start_collector(start, &in_flight, opts.live, trace.len());
     let mut tasks = Vec::with_capacity(workers);
     for _ in 0..workers {
         let (client, trace, tx, next, in_flight) = (
@@ -137,6 +123,24 @@ pub async fn run_closed(
     }
 }
 
+type Collected = (Vec<Record>, Option<Instant>);
+
+/// Spawns the task that gathers records (and draws `--live`); send records into the returned
+/// sender, drop it when done, then await the handle.
+fn start_collector(
+    start: Instant,
+    in_flight: &Arc<AtomicUsize>,
+    live: bool,
+    expected: usize,
+) -> (
+    mpsc::UnboundedSender<Record>,
+    tokio::task::JoinHandle<Collected>,
+) {
+    let (tx, rx) = mpsc::unbounded_channel::<Record>();
+    let handle = tokio::spawn(collect(rx, start, in_flight.clone(), live, expected));
+    (tx, handle)
+}
+
 fn skipped(e: &TraceEntry, start: Instant) -> Record {
     Record {
         id: e.id,
@@ -162,7 +166,7 @@ async fn collect(
     in_flight: Arc<AtomicUsize>,
     live: bool,
     expected: usize,
-) -> (Vec<Record>, Option<Instant>) {
+) -> Collected {
     let mut records = Vec::with_capacity(expected);
     let mut end = None;
     let mut last = Tally::default();

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use ai_lb_loadgen::client::{Client, Target};
 use ai_lb_loadgen::config::parse_url;
-use ai_lb_loadgen::run::{run, RunOptions};
+use ai_lb_loadgen::run::{run, run_closed, RunOptions};
 use ai_lb_loadgen::stats::{summarize, Outcome, NO_POD};
 use ai_lb_loadgen::workload::{Tag, TraceEntry};
 use axum::body::{Body, Bytes};
@@ -249,4 +249,27 @@ async fn unreachable_endpoint_is_a_transport_error() {
     .await;
     assert_eq!(res.records[0].outcome, Outcome::TransportError);
     assert!(res.records[0].error.is_some());
+}
+
+#[tokio::test]
+async fn closed_loop_keeps_n_in_flight_until_the_span_and_ignores_arrival_times() {
+    let url = serve().await;
+    // 20 000 entries all due at once except the last, which sets a 300 ms span; 2 workers.
+    let mut trace: Vec<TraceEntry> = (0..19_999).map(|i| entry(i, 0, Tag::Short, 10)).collect();
+    trace.push(entry(19_999, 300, Tag::Short, 10));
+    let opts = RunOptions {
+        timeout: Duration::from_secs(5),
+        max_in_flight: 10_000,
+        live: false,
+    };
+    let res = run_closed(client(&url), Arc::new(trace), 2, opts).await;
+    let n = res.records.len();
+    // It stopped at the span, not at the end of the trace, and every request was answered.
+    assert!(n > 2 && n < 20_000, "{n} records");
+    assert!(res.records.iter().all(|r| r.outcome == Outcome::Ok));
+    // Entries are taken in order: ids 0..n, each once.
+    let ids: Vec<u64> = res.records.iter().map(|r| r.id).collect();
+    assert_eq!(ids, (0..n as u64).collect::<Vec<_>>());
+    assert!(res.wall_s >= 0.3 && res.wall_s < 5.0, "{}", res.wall_s);
+    assert_eq!(res.peak_in_flight, 2);
 }
