@@ -83,6 +83,17 @@ fn event(pods: &[Pod], seq: u64) -> PoolEvent {
     }
 }
 
+/// The inference stats of peer `i`'s snapshot in `ev`.
+fn inference(ev: &mut PoolEvent, i: usize) -> &mut InferenceStats {
+    ev.peers[i]
+        .snapshot
+        .as_mut()
+        .unwrap()
+        .inference
+        .as_mut()
+        .unwrap()
+}
+
 fn merge(base: &mut serde_json::Value, extra: serde_json::Value) {
     match (base, extra) {
         (serde_json::Value::Object(b), serde_json::Value::Object(e)) => {
@@ -499,13 +510,7 @@ fn two_choices_prefers_a_free_seat_over_a_queue() {
     let mut r = Router::new(config(r#"{"cutoffs":{"maxQueue":8}}"#));
     let mut ev = event(&[full, pod(0.85)], 1);
     for (i, running) in [(0, 8), (1, 7)] {
-        let inf = ev.peers[i]
-            .snapshot
-            .as_mut()
-            .unwrap()
-            .inference
-            .as_mut()
-            .unwrap();
+        let inf = inference(&mut ev, i);
         inf.running = Some(running);
     }
     r.apply_pool_event(0, &ev, 1000);
@@ -559,13 +564,7 @@ fn a_pod_with_requests_waiting_counts_as_full() {
     let mut r = Router::new(config(r#"{"cutoffs":{"maxQueue":8}}"#));
     let mut ev = event(&[pod(0.2), pod(0.2)], 1);
     for (i, running, waiting) in [(0, 1, 2), (1, 6, 0)] {
-        let inf = ev.peers[i]
-            .snapshot
-            .as_mut()
-            .unwrap()
-            .inference
-            .as_mut()
-            .unwrap();
+        let inf = inference(&mut ev, i);
         inf.running = Some(running);
         inf.waiting = Some(waiting);
     }
@@ -606,8 +605,8 @@ fn a_long_prompt_keeps_its_weight_across_snapshots() {
     // the pod must still look full to this sidecar, so its next requests go elsewhere.
     let busy = |seq| {
         let mut ev = event(&[pod(0.5); 8], seq);
-        for p in ev.peers.iter_mut() {
-            let inf = p.snapshot.as_mut().unwrap().inference.as_mut().unwrap();
+        for i in 0..8 {
+            let inf = inference(&mut ev, i);
             inf.running = Some(6);
             inf.queue_capacity = Some(8);
         }
