@@ -12,14 +12,15 @@
 //! 3. Worker VMs: every `watch.refreshMs`, [`picker::Router::set_pool_state_bytes`] (skips an
 //!    unchanged version).
 //! 4. Per request: pool from the cluster ([`config::FilterConfig::pool_by_cluster`]), model from
-//!    `modelHeader`, then [`picker::Router::decide`]:
+//!    `modelHeader`, then [`picker::Router::decide_for`] with the request's
+//!    [`picker::Router::request_size`]:
 //!    - `Decision::Steer { ranked, .. }` / `Decision::FailOpen { ranked }`:
 //!      [`picker::Router::write_ranked`] into a reused `String`, set `routingHeader` to it, and
 //!      call [`picker::Router::on_request_start`] with the first address
-//!      ([`picker::Router::address`]) and the request's [`picker::Router::request_weight`].
+//!      ([`picker::Router::address`]) and that size.
 //!    - `Decision::Fallback(reason)`: set nothing; Envoy's fallback policy balances.
 //! 5. At stream end, for every request started in step 4, however it ended:
-//!    [`picker::Router::on_request_end`] with the same weight; then [`picker::Router::on_outcome`] with an
+//!    [`picker::Router::on_request_end`] with the same size; then [`picker::Router::on_outcome`] with an
 //!    [`breaker::Outcome`]; count the returned [`breaker::BreakerEvent`]s. Time-driven
 //!    transitions: [`picker::Router::tick`] or [`picker::Router::take_breaker_events`].
 //!    Breakers can be shared between VMs with [`breaker::Breaker::encode`]/`decode` and
@@ -48,7 +49,7 @@ pub use breaker::{Breaker, BreakerEvent, BreakerState, Outcome, TripReason};
 pub use config::{FilterConfig, Mode};
 pub use counters::Counters;
 pub use error::ConfigError;
-pub use picker::{Decision, FallbackReason, PodId, Ranked, Router};
+pub use picker::{Decision, FallbackReason, PodId, Ranked, RequestSize, Router};
 pub use pool::PoolState;
 pub use score::{score, CutReason, Score};
 pub use signals::{PodSignals, SignalIssue};

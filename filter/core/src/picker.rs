@@ -13,22 +13,32 @@
 //!
 //! The in-flight correction depends on `pickStrategy`:
 //! - `twoChoices` (default): two distinct candidates are drawn by weight (up to three redraws
-//!   for a distinct second one); a candidate with a free seat (estimated occupancy below
-//!   capacity, and no request waiting in its snapshot: a pod whose KV cache is full queues
-//!   new requests even with seats free) beats one where the request would queue, then the
-//!   lower occupancy wins; on a tie the first draw wins, so with nothing in flight the
-//!   shares are exactly score-proportional.
-//!   Estimated occupancy = the latest snapshot's
-//!   running + waiting, plus this VM's requests started since that snapshot, minus those that
-//!   ended since (never below 0), each weighted by its body size against the running mean
-//!   ([`Router::request_weight`]: a long prompt counts for more), over the pod's
-//!   `queue_capacity` (else `cutoffs.maxQueue`);
-//!   without running/waiting in the snapshot, this VM's in-flight count (what least_request
-//!   sees). Why: every sidecar scores from the same sampled snapshot, so one weighted draw
-//!   sends all of them to the same "best" pods between updates (herding); the second choice
-//!   on live occupancy is what least_request's power of two choices does, on top of the
-//!   GPU-aware score. Each snapshot re-bases the estimate, so ends a VM never saw (a lost
-//!   callback) cannot accumulate.
+//!   for a distinct second one); a candidate where the request would start at once beats one
+//!   where it would queue, then the lower load wins; on a tie the first draw wins, so with
+//!   nothing in flight the shares are exactly score-proportional.
+//!   - It would queue when the seats are taken (estimated occupancy at or over capacity),
+//!     when the snapshot shows requests waiting (seats or KV cache full), or when the request
+//!     does not fit the pod's estimated free KV cache.
+//!   - Load = the fuller of seats (occupancy over capacity) and KV cache (estimated use plus
+//!     this request, over capacity). KV is judged only for pods that report their KV-cache
+//!     capacity in tokens and its use.
+//!   - Estimated occupancy = the latest snapshot's running + waiting, plus this VM's requests
+//!     started since that snapshot, minus those that ended since (never below 0), over the
+//!     pod's `queue_capacity` (else `cutoffs.maxQueue`). A request counts one seat on pods
+//!     that report their KV cache; on others it counts by its body size against the running
+//!     mean ([`Router::request_size`]: a long prompt counts for more). Without running/waiting
+//!     in the snapshot: this VM's in-flight count (what least_request sees).
+//!   - Estimated KV use = the snapshot's use × capacity, plus the KV tokens (prompt estimate
+//!     plus `max_tokens`) of this VM's requests started since, minus those ended since.
+//!   - A request that fits neither candidate's KV cache draws up to four more candidates and
+//!     takes the best: it would otherwise wait at the head of that pod's queue, holding up
+//!     every request behind it (head-of-line blocking).
+//!
+//!   Why: every sidecar scores from the same sampled snapshot, so one weighted draw sends all
+//!   of them to the same "best" pods between updates (herding); the second choice on live
+//!   occupancy is what least_request's power of two choices does, on top of the GPU-aware
+//!   score. Each snapshot re-bases the estimates, so ends a VM never saw (a lost callback)
+//!   cannot accumulate.
 //! - `proportional`: one draw with each weight divided by `1 + d / capacity`, `d` = this VM's
 //!   requests started since the pod's last snapshot net of ends (not below 0).
 //!
@@ -51,6 +61,33 @@ use crate::score::{score, CutReason, Score};
 
 /// Most entries in a ranked list (chosen + `MAX_FALLBACK_ENDPOINTS`).
 pub const MAX_RANKED: usize = MAX_FALLBACK_ENDPOINTS + 1;
+
+/// Prompt bytes per KV token in [`Router::request_size`] (English text runs ~4 characters per
+/// token in the common BPE vocabularies).
+const PROMPT_BYTES_PER_TOKEN: f64 = 4.0;
+
+/// Bound of one request's KV estimate, so a huge `max_tokens` cannot overflow sums.
+const MAX_REQUEST_KV_TOKENS: f64 = 1e9;
+
+/// Extra candidates drawn for a request that fits neither first candidate's KV cache.
+const KV_EXTRA_DRAWS: usize = 4;
+
+/// How much one request counts in a VM's in-flight estimates ([`Router::request_size`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RequestSize {
+    /// Seats it counts for on pods that do not report their KV cache (1 = a mean request).
+    pub weight: f64,
+    /// KV-cache tokens it will hold at most: prompt estimate plus output reservation.
+    pub kv_tokens: f64,
+}
+
+impl RequestSize {
+    /// A request of unknown size: one seat, no KV estimate.
+    pub const UNIT: RequestSize = RequestSize {
+        weight: 1.0,
+        kv_tokens: 0.0,
+    };
+}
 
 const NONE: u32 = u32::MAX;
 
@@ -162,6 +199,9 @@ pub struct PodStatus<'a> {
     pub load: f64,
     /// Whether a new request would queue there, as `twoChoices` judges it.
     pub queued: bool,
+    /// Estimated KV-cache use 0..1 (the snapshot's, moved by this VM's requests since), when
+    /// the pod reports its KV capacity.
+    pub kv: Option<f64>,
     /// Metrics age at the status time (None when no snapshot).
     pub metrics_age_ms: Option<u64>,
 }
@@ -183,7 +223,7 @@ struct PodRt {
     capacity: f64,
     /// Requests this VM sent to the pod that have not ended (never reset).
     inflight: u32,
-    /// The same, each request weighted by its size (see [`Router::request_weight`]).
+    /// The same, each request weighted by its size (see [`Router::request_size`]).
     inflight_w: f64,
     /// `inflight` (unweighted: the snapshot counts every request as one) when the latest
     /// occupancy reading arrived.
@@ -194,6 +234,17 @@ struct PodRt {
     snap_waiting: u32,
     /// Sequence of the snapshot `snap_occ` came from.
     occ_seq: Option<u64>,
+    /// KV-cache capacity in tokens of the latest snapshot; None when it does not report both
+    /// capacity and use (the KV cache is then not judged).
+    kv_cap: Option<f64>,
+    /// KV tokens in use per that snapshot (use × capacity).
+    snap_kv: f64,
+    /// KV tokens of this VM's requests in flight ([`RequestSize::kv_tokens`], never reset).
+    inflight_kv: f64,
+    /// `inflight_kv` when the latest KV reading arrived.
+    inflight_kv_base: f64,
+    /// Sequence of the snapshot the KV reading came from.
+    kv_seq: Option<u64>,
     picks: u64,
     breaker: Breaker,
     model_breakers: Vec<(String, Breaker)>,
@@ -224,6 +275,11 @@ impl PodRt {
             snap_occ: None,
             snap_waiting: 0,
             occ_seq: None,
+            kv_cap: None,
+            snap_kv: 0.0,
+            inflight_kv: 0.0,
+            inflight_kv_base: 0.0,
+            kv_seq: None,
             picks: 0,
             breaker: Breaker::default(),
             model_breakers: Vec::new(),
@@ -239,25 +295,62 @@ impl PodRt {
         self.inflight_w - self.inflight_base
     }
 
-    /// Estimated requests on the pod now, over its capacity: the snapshot's running + waiting
-    /// moved by this VM's own starts and ends since; without an occupancy reading, this VM's
-    /// in-flight requests (what least_request sees).
-    fn load(&self) -> f64 {
-        let occ = match self.snap_occ {
-            Some(o) => (o + self.delta_since_snapshot()).max(0.0),
-            None => self.inflight_w.max(0.0),
+    /// Estimated seats taken on the pod now, over its capacity: the snapshot's running +
+    /// waiting moved by this VM's own starts and ends since; without an occupancy reading,
+    /// this VM's in-flight requests (what least_request sees). When the pod reports its KV
+    /// cache, a request is one seat (its size counts in the KV cache); otherwise each counts
+    /// by its body size, the only hint of a long prompt.
+    fn seat_load(&self) -> f64 {
+        let occ = if self.kv_cap.is_some() {
+            match self.snap_occ {
+                Some(o) => o + f64::from(self.inflight) - self.inflight_base,
+                None => f64::from(self.inflight),
+            }
+        } else {
+            match self.snap_occ {
+                Some(o) => o + self.delta_since_snapshot(),
+                None => self.inflight_w,
+            }
         };
-        occ / self.capacity
+        occ.max(0.0) / self.capacity
     }
 
-    /// What two candidates are compared by (lower wins): first whether a new request would
-    /// queue (estimated occupancy at or over capacity, or the snapshot already shows requests
-    /// waiting: seats or KV cache full), then the estimated occupancy itself. The score has
-    /// already had its say in which two pods were drawn; dividing by it here would let a
-    /// small score difference outweigh a long prompt's weight. Idle pods tie.
-    fn pick_key(&self) -> (bool, f64) {
-        let load = self.load();
-        (load >= 1.0 || self.snap_waiting > 0, load)
+    /// Estimated KV tokens in use now: the snapshot's, plus the KV tokens of this VM's requests
+    /// started since, minus those that ended since (never below 0). None when unknown.
+    fn kv_used(&self) -> Option<f64> {
+        self.kv_cap?;
+        Some((self.snap_kv + self.inflight_kv - self.inflight_kv_base).max(0.0))
+    }
+
+    /// Whether a request holding `kv_tokens` would fit the KV cache now (true when unknown).
+    fn fits(&self, kv_tokens: f64) -> bool {
+        match (self.kv_used(), self.kv_cap) {
+            (Some(used), Some(cap)) => used + kv_tokens <= cap,
+            _ => true,
+        }
+    }
+
+    /// The fuller of the two resources, seats and KV cache (with `kv_tokens` more), 0..
+    fn load_with(&self, kv_tokens: f64) -> f64 {
+        let seats = self.seat_load();
+        match (self.kv_used(), self.kv_cap) {
+            (Some(used), Some(cap)) => seats.max((used + kv_tokens) / cap),
+            _ => seats,
+        }
+    }
+
+    fn load(&self) -> f64 {
+        self.load_with(0.0)
+    }
+
+    /// What two candidates are compared by for a request holding `kv_tokens` (lower wins):
+    /// first whether it would queue (seats taken at or over capacity, requests waiting in the
+    /// snapshot, or it does not fit the estimated free KV cache), then the load with it. The
+    /// score has already had its say in which two pods were drawn; dividing by it here would
+    /// let a small score difference outweigh a long prompt's size. Idle pods tie.
+    fn pick_key(&self, kv_tokens: f64) -> (bool, f64) {
+        let queued = self.seat_load() >= 1.0 || self.snap_waiting > 0 || !self.fits(kv_tokens);
+        (queued, self.load_with(kv_tokens))
     }
 
     /// Not a probe-budgeted pod (its breaker, or the model's, is not closed).
@@ -377,7 +470,7 @@ pub struct Router {
     pools: Vec<PoolRt>,
     counters: Counters,
     events: Vec<BreakerEvent>,
-    /// Running mean of request body sizes, for [`Router::request_weight`].
+    /// Running mean of request body sizes, for [`Router::request_size`].
     mean_body_bytes: Option<f64>,
 }
 
@@ -591,6 +684,21 @@ impl Router {
                         f64::from(sig.running.unwrap_or(0)) + f64::from(sig.waiting.unwrap_or(0)),
                     );
                 }
+                match (sig.kv_capacity_tokens, sig.kv_usage) {
+                    (Some(cap), Some(used)) => {
+                        if pod.kv_seq != Some(sig.sequence) {
+                            let cap = cap as f64;
+                            pod.kv_seq = Some(sig.sequence);
+                            pod.kv_cap = Some(cap);
+                            pod.snap_kv = used * cap;
+                            pod.inflight_kv_base = pod.inflight_kv;
+                        }
+                    }
+                    _ => {
+                        pod.kv_cap = None;
+                        pod.kv_seq = None;
+                    }
+                }
                 if sig.hardware_fault {
                     if let Some(t) =
                         pod.breaker
@@ -673,11 +781,24 @@ impl Router {
         p.views = views;
     }
 
-    /// Decides where one request of `model` (None: any) goes, at `now_ms`.
+    /// Decides where one request of `model` (None: any) goes, at `now_ms`, not knowing its
+    /// size ([`RequestSize::UNIT`]).
     pub fn decide(
         &mut self,
         pool_idx: usize,
         model: Option<&str>,
+        now_ms: u64,
+        rng: &mut (impl RngCore + ?Sized),
+    ) -> Decision {
+        self.decide_for(pool_idx, model, RequestSize::UNIT, now_ms, rng)
+    }
+
+    /// Decides where one request of `model` (None: any) and `size` goes, at `now_ms`.
+    pub fn decide_for(
+        &mut self,
+        pool_idx: usize,
+        model: Option<&str>,
+        size: RequestSize,
         now_ms: u64,
         rng: &mut (impl RngCore + ?Sized),
     ) -> Decision {
@@ -753,14 +874,31 @@ impl Router {
                     break;
                 }
             }
+            let need = size.kv_tokens;
+            let key = |id: u32| {
+                p.pods
+                    .get(id as usize)
+                    .map_or((true, f64::INFINITY), |r| r.pick_key(need))
+            };
             if let Some(b) = second {
-                let key = |id: u32| {
-                    p.pods
-                        .get(id as usize)
-                        .map_or((true, f64::INFINITY), PodRt::pick_key)
-                };
                 if key(b) < key(a) {
                     chosen = b;
+                }
+            }
+            // A request that fits neither candidate's KV cache would wait at the head of that
+            // pod's queue, and every request behind it with it: look further for one it fits.
+            let fits = |id: u32| p.pods.get(id as usize).is_some_and(|r| r.fits(need));
+            if !fits(chosen) {
+                for _ in 0..KV_EXTRA_DRAWS {
+                    let Some(&c) = view.slots.get(draw(view, total, rng)) else {
+                        continue;
+                    };
+                    if key(c) < key(chosen) {
+                        chosen = c;
+                    }
+                    if fits(chosen) {
+                        break;
+                    }
                 }
             }
         }
@@ -812,43 +950,64 @@ impl Router {
         }
     }
 
-    /// How much one request counts in this VM's in-flight estimate: its body size over the
-    /// running mean of the body sizes seen (an EWMA, so a sidecar calibrates to its own
-    /// traffic), clamped to [0.25, 16]. A 4000-token prompt among 250-token ones counts ~16:
-    /// a burst of long prompts from one sidecar spreads over pods instead of filling one pod's
-    /// KV cache before the next snapshot shows it. None (body not read): 1.
-    pub fn request_weight(&mut self, body_bytes: Option<usize>) -> f64 {
+    /// How much one request counts in this VM's in-flight estimate, from its body size (None:
+    /// not known; the glue passes `content-length` when it did not read the body) and its
+    /// output reservation (`max_tokens`, None when the request sets none):
+    /// - `weight`: its body size over the running mean of the body sizes seen (an EWMA, so a
+    ///   sidecar calibrates to its own traffic), clamped to [0.25, 16]. A 4000-token prompt
+    ///   among 250-token ones counts ~16 seats on pods that do not report their KV cache: a
+    ///   burst of long prompts from one sidecar spreads over pods instead of filling one pod's
+    ///   KV cache before the next snapshot shows it. Body size unknown: 1.
+    /// - `kv_tokens`: the KV-cache tokens it will hold at most, prompt (body bytes / 4, the
+    ///   usual characters per token of English text; JSON framing counts too) plus output
+    ///   reservation.
+    pub fn request_size(
+        &mut self,
+        body_bytes: Option<usize>,
+        max_output_tokens: Option<u64>,
+    ) -> RequestSize {
+        let prompt = body_bytes.map_or(0.0, |b| (b as f64 / PROMPT_BYTES_PER_TOKEN).ceil());
+        let output = max_output_tokens.map_or(0.0, |t| t as f64);
+        let kv_tokens = (prompt + output).min(MAX_REQUEST_KV_TOKENS);
         let Some(b) = body_bytes else {
-            return 1.0;
+            return RequestSize {
+                weight: 1.0,
+                kv_tokens,
+            };
         };
         let b = (b as f64).max(1.0);
         // Against the mean before this request, then fold it in.
         let mean = self.mean_body_bytes.unwrap_or(b).max(1.0);
         self.mean_body_bytes = Some(mean + 0.02 * (b - mean));
-        (b / mean).clamp(0.25, 16.0)
+        RequestSize {
+            weight: (b / mean).clamp(0.25, 16.0),
+            kv_tokens,
+        }
     }
 
-    /// Records that a request of `weight` ([`Router::request_weight`]) was sent to `pod`
-    /// (serving address): it counts as in flight until [`Router::on_request_end`] with the
-    /// same weight.
-    pub fn on_request_start(&mut self, pool_idx: usize, pod: &str, weight: f64) {
+    /// Records that a request of `size` ([`Router::request_size`]) was sent to `pod` (serving
+    /// address): it counts as in flight until [`Router::on_request_end`] with the same size.
+    pub fn on_request_start(&mut self, pool_idx: usize, pod: &str, size: RequestSize) {
         self.with_pod(pool_idx, pod, |rt| {
             rt.inflight = rt.inflight.saturating_add(1);
-            rt.inflight_w += weight;
+            rt.inflight_w += size.weight;
+            rt.inflight_kv += size.kv_tokens;
         });
     }
 
     /// Records that a request counted by [`Router::on_request_start`] ended, however it ended
     /// (answered, failed, cancelled): call it exactly once per start.
-    pub fn on_request_end(&mut self, pool_idx: usize, pod: &str, weight: f64) {
+    pub fn on_request_end(&mut self, pool_idx: usize, pod: &str, size: RequestSize) {
         self.with_pod(pool_idx, pod, |rt| {
             rt.inflight = rt.inflight.saturating_sub(1);
-            rt.inflight_w = if rt.inflight == 0 {
+            if rt.inflight == 0 {
                 // Nothing left in flight: drop rounding residue.
-                0.0
+                rt.inflight_w = 0.0;
+                rt.inflight_kv = 0.0;
             } else {
-                rt.inflight_w - weight
-            };
+                rt.inflight_w -= size.weight;
+                rt.inflight_kv -= size.kv_tokens;
+            }
         });
     }
 
@@ -1048,7 +1207,8 @@ impl Router {
                     picks: r.picks,
                     inflight: r.inflight,
                     load: r.load(),
-                    queued: r.pick_key().0,
+                    queued: r.pick_key(0.0).0,
+                    kv: r.kv_used().zip(r.kv_cap).map(|(u, c)| u / c),
                     metrics_age_ms: entry
                         .and_then(|e| e.signals.as_ref())
                         .map(|s| s.age_ms(now_ms)),

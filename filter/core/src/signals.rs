@@ -54,6 +54,10 @@ pub struct PodSignals {
     pub running: Option<u32>,
     /// Max concurrently running sequences, when known (> 0).
     pub queue_capacity: Option<u32>,
+    /// KV-cache use 0..=1 as the model server reports it (not the GPU memory fallback).
+    pub kv_usage: Option<f64>,
+    /// KV-cache capacity in tokens, when known (> 0).
+    pub kv_capacity_tokens: Option<u64>,
     /// TTFT p99 (else e2e p99), ms, ≥ 0.
     pub p99_ms: Option<f64>,
     /// Sum of Xid error counts over GPUs (for fault detection).
@@ -160,6 +164,17 @@ impl PodSignals {
             }
             other => other,
         };
+        let kv_capacity_tokens = match inf.and_then(|s| s.kv_capacity_tokens) {
+            Some(0) => {
+                issues.push(SignalIssue {
+                    field: "inference.kv_capacity_tokens".into(),
+                    value: "0".into(),
+                    action: "zero: dropped",
+                });
+                None
+            }
+            other => other,
+        };
         let ttft = inf
             .and_then(|s| s.ttft.as_ref())
             .filter(|q| q.samples > 0)
@@ -190,6 +205,8 @@ impl PodSignals {
             waiting,
             running,
             queue_capacity,
+            kv_usage: kv,
+            kv_capacity_tokens,
             p99_ms,
             xid_total,
             ecc_total,
@@ -347,7 +364,30 @@ mod tests {
             i.kv_cache_usage = Some(0.3);
         }
         let (s, _) = PodSignals::from_proto(&p, 0);
-        assert_eq!(s.unwrap().memory, Some(0.3));
+        let s = s.unwrap();
+        assert_eq!(s.memory, Some(0.3));
+        assert_eq!(s.kv_usage, Some(0.3));
+    }
+
+    #[test]
+    fn kv_capacity_is_kept_and_zero_is_dropped_with_an_issue() {
+        let mut p = snap("10.0.0.1:8000");
+        if let Some(i) = p.inference.as_mut() {
+            i.kv_capacity_tokens = Some(12_496);
+        }
+        let (s, issues) = PodSignals::from_proto(&p, 0);
+        let s = s.unwrap();
+        assert!(issues.is_empty());
+        assert_eq!(s.kv_capacity_tokens, Some(12_496));
+        // GPU memory is a memory signal but not KV use.
+        assert_eq!(s.kv_usage, None);
+        if let Some(i) = p.inference.as_mut() {
+            i.kv_capacity_tokens = Some(0);
+        }
+        let (s, issues) = PodSignals::from_proto(&p, 0);
+        assert_eq!(s.unwrap().kv_capacity_tokens, None);
+        assert_eq!(issues[0].field, "inference.kv_capacity_tokens");
+        assert_eq!(issues[0].value, "0");
     }
 
     #[test]

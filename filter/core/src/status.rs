@@ -27,6 +27,7 @@ pub fn scoreboard(router: &Router, now_ms: u64) -> Value {
                         "inflight": s.inflight,
                         "load": s.load,
                         "queued": s.queued,
+                        "kv": s.kv,
                         "metricsAgeMs": s.metrics_age_ms,
                     })
                 })

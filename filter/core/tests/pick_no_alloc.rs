@@ -11,7 +11,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use ai_lb_filter_core::config::FilterConfig;
-use ai_lb_filter_core::picker::{Decision, Router};
+use ai_lb_filter_core::picker::{Decision, RequestSize, Router};
 use ai_lb_proto::{
     GpuStats, InferenceStats, PeerState, PeerStatus, PodIdentity, PodSnapshot, PoolEvent,
 };
@@ -62,6 +62,8 @@ fn router(n: usize) -> (Router, Vec<String>) {
                     running: Some((i % 9) as u32),
                     queue_capacity: Some(8),
                     kv_cache_usage: Some((i % 7) as f64 / 10.0),
+                    // Half the pods report their KV capacity (the KV-aware path), half not.
+                    kv_capacity_tokens: (i % 2 == 0).then_some(12_500),
                     ..Default::default()
                 }),
                 ..Default::default()
@@ -93,13 +95,18 @@ fn a_pick_with_its_start_and_end_allocates_nothing() {
     let before = ALLOCS.load(Ordering::Relaxed);
     let mut steered = 0;
     for k in 0..10_000usize {
-        if let Decision::Steer { ranked, .. } = r.decide(0, None, 1000, &mut rng) {
+        // Every fifth request is a long prompt that fits few KV caches (extra draws).
+        let size = RequestSize {
+            weight: 1.0,
+            kv_tokens: if k % 5 == 0 { 9_000.0 } else { 400.0 },
+        };
+        if let Decision::Steer { ranked, .. } = r.decide_for(0, None, size, 1000, &mut rng) {
             steered += 1;
             // The glue passes the chosen pod's address (written into the routing header).
             let a = &addrs[k % addrs.len()];
             let _ = ranked.first();
-            r.on_request_start(0, a, 1.0);
-            r.on_request_end(0, a, 1.0);
+            r.on_request_start(0, a, size);
+            r.on_request_end(0, a, size);
         }
     }
     let after = ALLOCS.load(Ordering::Relaxed);

@@ -2,7 +2,7 @@
 
 use ai_lb_filter_core::breaker::{Breaker, BreakerState, Outcome};
 use ai_lb_filter_core::config::{BreakerConfig, Cutoffs, FilterConfig, PickStrategy, Weights};
-use ai_lb_filter_core::picker::{Decision, FallbackReason, Router};
+use ai_lb_filter_core::picker::{Decision, FallbackReason, RequestSize, Router};
 use ai_lb_filter_core::{score, PodSignals, PoolState};
 use ai_lb_proto::{
     GpuStats, InferenceStats, LatencyQuantiles, ModelInfo, PeerState, PeerStatus, PodIdentity,
@@ -92,6 +92,14 @@ fn inference(ev: &mut PoolEvent, i: usize) -> &mut InferenceStats {
         .inference
         .as_mut()
         .unwrap()
+}
+
+/// A request of `weight` seats and no KV estimate.
+fn weighted(weight: f64) -> RequestSize {
+    RequestSize {
+        weight,
+        kv_tokens: 0.0,
+    }
 }
 
 fn merge(base: &mut serde_json::Value, extra: serde_json::Value) {
@@ -433,7 +441,7 @@ fn inflight_since_snapshot_lowers_share_until_next_snapshot() {
         r#"{"cutoffs":{"maxQueue":4},"pickStrategy":"proportional"}"#,
     );
     for _ in 0..4 {
-        r.on_request_start(0, &addr(0), 1.0);
+        r.on_request_start(0, &addr(0), RequestSize::UNIT);
     }
     // Pod 0 weight halves: 1/(1+4/4).
     let c = counts(&mut r, 2, 30_000, 8, 1000);
@@ -451,7 +459,7 @@ fn start_many(r: &mut Router, n: usize, picks: usize, seed: u64, now: u64) -> Ve
     for _ in 0..picks {
         let d = r.decide(0, None, now, &mut rng);
         let a = chosen(r, &d).unwrap();
-        r.on_request_start(0, &a, 1.0);
+        r.on_request_start(0, &a, RequestSize::UNIT);
         c[(0..n).position(|i| addr(i) == a).unwrap()] += 1;
     }
     c
@@ -530,7 +538,7 @@ fn two_choices_rebases_on_each_snapshot_so_lost_ends_do_not_accumulate() {
     let mut r = router(&[pod(0.2); 4], "");
     // 30 requests to pod 0 whose ends this sidecar never saw (e.g. a VM that missed them).
     for _ in 0..30 {
-        r.on_request_start(0, &addr(0), 1.0);
+        r.on_request_start(0, &addr(0), RequestSize::UNIT);
     }
     assert_eq!(start_many(&mut r, 4, 30, 1, 1000)[0], 0);
     // The next snapshot says pod 0 is idle again: it counts as idle, the 30 are forgotten.
@@ -539,7 +547,7 @@ fn two_choices_rebases_on_each_snapshot_so_lost_ends_do_not_accumulate() {
     assert!(c[0] > 8_000, "{c:?}");
     // Ends after a snapshot move the estimate down (never below zero).
     for _ in 0..10 {
-        r.on_request_end(0, &addr(1), 1.0);
+        r.on_request_end(0, &addr(1), RequestSize::UNIT);
     }
     let c = counts(&mut r, 4, 40_000, 3, 1100);
     assert!(c.iter().all(|n| *n > 8_000), "{c:?}");
@@ -549,8 +557,8 @@ fn two_choices_rebases_on_each_snapshot_so_lost_ends_do_not_accumulate() {
 fn two_choices_never_picks_a_cut_pod_even_when_it_is_idle() {
     let mut r = router(&[pod(0.2), pod(0.97), pod(0.3)], "");
     for _ in 0..50 {
-        r.on_request_start(0, &addr(0), 1.0);
-        r.on_request_start(0, &addr(2), 1.0);
+        r.on_request_start(0, &addr(0), RequestSize::UNIT);
+        r.on_request_start(0, &addr(2), RequestSize::UNIT);
     }
     let c = counts(&mut r, 3, 20_000, 4, 1000);
     assert_eq!(c[1], 0, "{c:?}");
@@ -578,22 +586,22 @@ fn a_pod_with_requests_waiting_counts_as_full() {
 #[test]
 fn request_weight_follows_body_size_against_the_running_mean() {
     let mut r = router(&[pod(0.2); 4], "");
-    assert_eq!(r.request_weight(None), 1.0);
+    assert_eq!(r.request_size(None, None).weight, 1.0);
     for _ in 0..500 {
-        r.request_weight(Some(1000));
+        r.request_size(Some(1000), None).weight;
     }
-    let w = r.request_weight(Some(16_000));
+    let w = r.request_size(Some(16_000), None).weight;
     assert!((w - 16.0).abs() < 1.0, "{w}");
-    assert_eq!(r.request_weight(Some(10)), 0.25);
-    assert_eq!(r.request_weight(Some(10_000_000)), 16.0);
+    assert_eq!(r.request_size(Some(10), None).weight, 0.25);
+    assert_eq!(r.request_size(Some(10_000_000), None).weight, 16.0);
     // A heavy request spreads the next ones: after one weight-16 start on pod 0, the next
     // 12 equal starts from this sidecar avoid it.
     let mut r = router(&[pod(0.2); 4], r#"{"cutoffs":{"maxQueue":8}}"#);
-    r.on_request_start(0, &addr(0), 16.0);
+    r.on_request_start(0, &addr(0), weighted(16.0));
     let c = start_many(&mut r, 4, 12, 3, 1000);
     assert_eq!(c[0], 0, "{c:?}");
     // Its end takes the same weight back out.
-    r.on_request_end(0, &addr(0), 16.0);
+    r.on_request_end(0, &addr(0), weighted(16.0));
     let c = counts(&mut r, 4, 40_000, 4, 1000);
     assert!(c[0] > 10_000, "{c:?}");
 }
@@ -615,14 +623,14 @@ fn a_long_prompt_keeps_its_weight_across_snapshots() {
     let mut r = Router::new(config(""));
     r.apply_pool_event(0, &busy(1), 1000);
     for _ in 0..500 {
-        r.request_weight(Some(1_100));
+        r.request_size(Some(1_100), None).weight;
     }
-    let w = r.request_weight(Some(16_000));
+    let w = r.request_size(Some(16_000), None).weight;
     assert!(w > 10.0, "{w}");
     let mut rng = ChaCha8Rng::seed_from_u64(21);
     let d = r.decide(0, None, 1000, &mut rng);
     let long = chosen(&r, &d).unwrap();
-    r.on_request_start(0, &long, w);
+    r.on_request_start(0, &long, weighted(w));
     let mut ev = busy(2);
     let i = (0..8).position(|i| addr(i) == long).unwrap();
     // The snapshot now shows the long request: 7 running there.
@@ -637,6 +645,127 @@ fn a_long_prompt_keeps_its_weight_across_snapshots() {
     r.apply_pool_event(0, &ev, 1100);
     let c = start_many(&mut r, 8, 14, 22, 1100);
     assert_eq!(c[i], 0, "{c:?}");
+}
+
+/// Eight equal pods reporting a KV cache of `cap` tokens with the given uses, 4 of 8 seats
+/// taken, sequence `seq`.
+fn kv_event(uses: &[f64], cap: u64, seq: u64) -> PoolEvent {
+    let mut ev = event(&vec![pod(0.5); uses.len()], seq);
+    for (i, u) in uses.iter().enumerate() {
+        let inf = inference(&mut ev, i);
+        inf.running = Some(4);
+        inf.queue_capacity = Some(8);
+        inf.kv_cache_usage = Some(*u);
+        inf.kv_capacity_tokens = Some(cap);
+    }
+    ev
+}
+
+/// Like `counts`, for requests of `size` (not started).
+fn counts_for(r: &mut Router, n: usize, size: RequestSize, picks: usize, seed: u64) -> Vec<usize> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut c = vec![0usize; n];
+    for _ in 0..picks {
+        let d = r.decide_for(0, None, size, 1000, &mut rng);
+        let a = chosen(r, &d).unwrap();
+        c[(0..n).position(|i| addr(i) == a).unwrap()] += 1;
+    }
+    c
+}
+
+/// Default-weight score of a `kv_event` pod with KV use `u` (GPU 0.5, nothing waiting, p99 0).
+fn kv_pod_score(u: f64) -> f64 {
+    0.35 * 0.5 + 0.25 + 0.25 + 0.15 * (1.0 - u)
+}
+
+fn kv(tokens: f64) -> RequestSize {
+    RequestSize {
+        weight: 1.0,
+        kv_tokens: tokens,
+    }
+}
+
+#[test]
+fn request_size_estimates_kv_tokens_from_body_and_max_tokens() {
+    let mut r = router(&[pod(0.2)], "");
+    assert_eq!(r.request_size(None, None), RequestSize::UNIT);
+    assert_eq!(r.request_size(None, Some(100)).kv_tokens, 100.0);
+    // 16 001 bytes: ceil(/4) = 4001 prompt tokens, plus the output reservation.
+    assert_eq!(r.request_size(Some(16_001), Some(1000)).kv_tokens, 5001.0);
+    // A absurd max_tokens is bounded, so in-flight sums stay finite.
+    assert_eq!(r.request_size(None, Some(u64::MAX)).kv_tokens, 1e9);
+}
+
+#[test]
+fn a_prompt_that_does_not_fit_a_kv_cache_goes_where_it_fits() {
+    // Pods 0-3 have 8 750 of 12 500 KV tokens in use (long prompts running), pods 4-7 2 500:
+    // a 5 000-token request fits only pods 4-7. Same seats everywhere, same scores.
+    let uses = [0.7, 0.7, 0.7, 0.7, 0.2, 0.2, 0.2, 0.2];
+    let mut r = Router::new(config(""));
+    r.apply_pool_event(0, &kv_event(&uses, 12_500, 1), 1000);
+    let c = counts_for(&mut r, 8, kv(5000.0), 20_000, 31);
+    let misfits: usize = c[..4].iter().sum();
+    // Only when all six candidates (two, then four more) land on pods 0-3: 0.5^6 = 1.6 %.
+    assert!((misfits as f64 / 20_000.0) < 0.025, "{c:?}");
+    // A short request fits everywhere; it still prefers the emptier KV caches (the fuller
+    // resource is the load), so pods 0-3 get it only when both candidates are among them:
+    // first draw there, then a distinct second one there too (KV use is also the score's
+    // memory term, so their scores are lower).
+    let c = counts_for(&mut r, 8, kv(300.0), 40_000, 32);
+    let share: f64 = c[..4].iter().sum::<usize>() as f64 / 40_000.0;
+    let (full, empty) = (kv_pod_score(0.7), kv_pod_score(0.2));
+    let want = 4.0 * full / (4.0 * full + 4.0 * empty) * (3.0 * full / (3.0 * full + 4.0 * empty));
+    assert!((share - want).abs() < 0.015, "{share} want {want} {c:?}");
+}
+
+#[test]
+fn kv_estimate_counts_this_sidecars_requests_until_a_snapshot_shows_them() {
+    // Two empty pods of 12 500 KV tokens; this sidecar sends two 5 000-token prompts to pod
+    // 0 (say its only candidate earlier). A third no longer fits pod 0: it goes to pod 1.
+    let mut r = Router::new(config(""));
+    r.apply_pool_event(0, &kv_event(&[0.0, 0.0], 12_500, 1), 1000);
+    r.on_request_start(0, &addr(0), kv(5000.0));
+    r.on_request_start(0, &addr(0), kv(5000.0));
+    // Pod 0 only when every one of the 8 draws lands on it (0.5^8 = 0.4 %).
+    let c = counts_for(&mut r, 2, kv(5000.0), 2_000, 41);
+    assert!(c[0] <= 20, "{c:?}");
+    // The next snapshot shows them (8 000 held after prefill): the estimate re-bases on it
+    // and still does not fit a third.
+    r.apply_pool_event(0, &kv_event(&[0.64, 0.0], 12_500, 2), 1100);
+    let c = counts_for(&mut r, 2, kv(5000.0), 2_000, 42);
+    assert!(c[0] <= 20, "{c:?}");
+    // A started request counts one seat on a pod that reports its KV cache, whatever its
+    // body weight (its size is in the KV estimate instead): 4 running + 1 of 8 seats.
+    r.on_request_start(0, &addr(1), weighted(16.0));
+    let st = r.pod_status(0, 1100);
+    assert!((st[1].load - 5.0 / 8.0).abs() < 1e-9, "{}", st[1].load);
+    assert!((st[0].kv.unwrap() - 0.64).abs() < 1e-9);
+    // Both end and a snapshot shows pod 0 empty again: it fits.
+    r.on_request_end(0, &addr(0), kv(5000.0));
+    r.on_request_end(0, &addr(0), kv(5000.0));
+    r.apply_pool_event(0, &kv_event(&[0.0, 0.3], 12_500, 3), 1200);
+    let c = counts_for(&mut r, 2, kv(5000.0), 2_000, 43);
+    assert!(c[0] > 1_000, "{c:?}");
+    let v = ai_lb_filter_core::status::scoreboard(&r, 1200);
+    assert_eq!(v["pools"][0]["pods"][0]["kv"], 0.0);
+}
+
+#[test]
+fn without_kv_capacity_no_request_is_judged_by_kv() {
+    // Same uses as above but no capacity reported: a 5 000-token request is not steered
+    // away from the fuller pods by KV (only seats and score count).
+    let mut ev = kv_event(&[0.7, 0.7, 0.2, 0.2], 12_500, 1);
+    for i in 0..4 {
+        inference(&mut ev, i).kv_capacity_tokens = None;
+    }
+    let mut r = Router::new(config(""));
+    r.apply_pool_event(0, &ev, 1000);
+    let c = counts_for(&mut r, 4, kv(5000.0), 20_000, 51);
+    // Score-proportional: both candidates have free seats and equal seat loads.
+    let share = (c[0] + c[1]) as f64 / 20_000.0;
+    let want = kv_pod_score(0.7) / (kv_pod_score(0.7) + kv_pod_score(0.2));
+    assert!((share - want).abs() < 0.015, "{share} want {want} {c:?}");
+    assert_eq!(r.pod_status(0, 1000)[0].kv, None);
 }
 
 #[test]

@@ -21,7 +21,7 @@ use ai_lb_filter_core::admission::stats::{MAX_TENANTS, OTHER_TENANT};
 use ai_lb_filter_core::admission::{tenant, AdmissionConfig, UsageScanner};
 use ai_lb_filter_core::breaker::BreakerState;
 use ai_lb_filter_core::error::ConfigError;
-use ai_lb_filter_core::picker::Router;
+use ai_lb_filter_core::picker::{RequestSize, Router};
 use ai_lb_filter_core::score::CutReason;
 
 use crate::host;
@@ -79,8 +79,8 @@ pub struct HeldReq {
     pub pool: usize,
     pub model: Option<String>,
     pub stat_tenant: String,
-    /// The request's in-flight weight (see `Router::request_weight`).
-    pub weight: f64,
+    /// The request's in-flight size (see `Router::request_size`).
+    pub size: RequestSize,
 }
 
 /// Admission state of one VM: the config, the tenants that have their own stats, and the

@@ -13,7 +13,7 @@ use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, LogLevel};
 
 use ai_lb_filter_core::breaker::BreakerState;
-use ai_lb_filter_core::picker::Decision;
+use ai_lb_filter_core::picker::{Decision, RequestSize};
 use ai_lb_filter_core::status::scoreboard_json;
 
 use ai_lb_filter_core::admission::config::TenantKeySource;
@@ -58,10 +58,12 @@ pub struct Request {
     started_ms: u64,
     ttft_ms: Option<u64>,
     attempts: Option<u32>,
-    /// Body size when the body was read (for the request's in-flight weight).
+    /// Body size: the buffered body's, else `content-length` (for the request's size).
     body_bytes: Option<usize>,
-    /// What this request counts in the router's in-flight estimate (start and end alike).
-    weight: f64,
+    /// The body's output reservation (`max_completion_tokens` or `max_tokens`, times `n`).
+    max_output_tokens: Option<u64>,
+    /// What this request counts in the router's in-flight estimates (start and end alike).
+    size: RequestSize,
 }
 
 impl Request {
@@ -82,7 +84,8 @@ impl Request {
             ttft_ms: None,
             attempts: None,
             body_bytes: None,
-            weight: 1.0,
+            max_output_tokens: None,
+            size: RequestSize::UNIT,
         }
     }
 
@@ -97,7 +100,7 @@ impl Request {
             return;
         };
         if let Some((ranked, score)) =
-            steer(&mut guard, pool, self.model.as_deref(), now, self.weight)
+            steer(&mut guard, pool, self.model.as_deref(), now, self.size)
         {
             self.ranked = ranked;
             self.chosen_score = score;
@@ -108,7 +111,9 @@ impl Request {
     /// for the current callback.
     fn gate_and_route(&mut self, now: u64) -> Action {
         if let Ok(mut s) = self.state.try_borrow_mut() {
-            self.weight = s.router.request_weight(self.body_bytes);
+            self.size = s
+                .router
+                .request_size(self.body_bytes, self.max_output_tokens);
         }
         match self.priority_gate(now) {
             Gate::Route => {
@@ -173,7 +178,7 @@ impl Request {
                         pool,
                         model: self.model.clone(),
                         stat_tenant: a.stat_tenant.clone(),
-                        weight: self.weight,
+                        size: self.size,
                     },
                 );
                 a.count(metrics, "held", 1);
@@ -246,8 +251,10 @@ impl Request {
     fn body_done(&mut self, body: &[u8]) -> Action {
         let now = host::now_ms();
         self.body_bytes = Some(body.len());
+        let fields = body::routing_fields(body);
+        self.max_output_tokens = fields.max_output_tokens;
         if self.model_from_body {
-            self.model = body::model_of(body);
+            self.model = fields.model;
         }
         if self.adm_body {
             self.adm_body = false;
@@ -315,7 +322,7 @@ impl Request {
         // let its local breaker record (the shared breaker below is authoritative). A
         // cancelled request teaches the breaker nothing.
         if let Some(c) = chosen.as_deref() {
-            router.on_request_end(pool, c, self.weight);
+            router.on_request_end(pool, c, self.size);
             if let Some((_, o)) = pairs.iter().find(|(p, _)| *p == c) {
                 let _ = router.on_outcome(pool, c, model, o, now);
             }
@@ -356,7 +363,7 @@ pub fn steer(
     pool: usize,
     model: Option<&str>,
     now: u64,
-    weight: f64,
+    size: RequestSize,
 ) -> Option<(String, f64)> {
     let State {
         router,
@@ -366,7 +373,7 @@ pub fn steer(
         ..
     } = state;
     let mut chosen_score = 0.0;
-    let ranked = match router.decide(pool, model, now, rng) {
+    let ranked = match router.decide_for(pool, model, size, now, rng) {
         Decision::Steer {
             ranked,
             chosen_score: c,
@@ -390,7 +397,7 @@ pub fn steer(
     }
     let written = scratch.clone();
     let chosen = written.split(',').next()?;
-    router.on_request_start(pool, chosen, weight);
+    router.on_request_start(pool, chosen, size);
     metrics.pick(chosen);
     // A half-open pod's probe budget is shared by every VM.
     if router
@@ -479,6 +486,11 @@ impl HttpContext for Request {
         if self.model_from_body || self.adm_body {
             self.waiting_body = true;
             return Action::Pause;
+        }
+        // The body is not read: its declared length still sizes the prompt.
+        if !end_of_stream {
+            self.body_bytes =
+                host::request_header("content-length").and_then(|v| v.trim().parse::<usize>().ok());
         }
         self.gate_and_route(now)
     }

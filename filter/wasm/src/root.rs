@@ -624,7 +624,7 @@ fn held_tick(state: &Rc<RefCell<State>>, now: u64) {
         }
         // The routing header is written on the held request's context, then it resumes.
         if let Ok(mut s) = state.try_borrow_mut() {
-            if let Some(r) = crate::http::steer(&mut s, h.pool, h.model.as_deref(), now, h.weight) {
+            if let Some(r) = crate::http::steer(&mut s, h.pool, h.model.as_deref(), now, h.size) {
                 if let Some(rt) = s.admission.as_mut() {
                     rt.resumed.insert(id, r);
                 }
