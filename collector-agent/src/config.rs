@@ -70,6 +70,9 @@ pub struct RawArgs {
     /// Maximum concurrently running sequences, when the model server does not say.
     #[arg(long, env = "AI_LB_AGENT_QUEUE_CAPACITY")]
     pub queue_capacity: Option<String>,
+    /// KV-cache capacity in tokens; wins over the model server's own figure.
+    #[arg(long, env = "AI_LB_AGENT_KV_CAPACITY_TOKENS")]
+    pub kv_capacity_tokens: Option<String>,
     /// [default: 100ms]
     #[arg(long, env = "AI_LB_AGENT_SAMPLE_INTERVAL")]
     pub sample_interval: Option<String>,
@@ -112,6 +115,7 @@ pub struct FileArgs {
     #[serde(default, alias = "model")]
     pub models: Vec<String>,
     pub queue_capacity: Option<serde_yaml::Value>,
+    pub kv_capacity_tokens: Option<serde_yaml::Value>,
     pub sample_interval: Option<String>,
     pub window: Option<String>,
     pub watch_min_interval: Option<String>,
@@ -151,14 +155,20 @@ impl RawArgs {
         if self.models.is_empty() {
             self.models = file.models;
         }
-        let qc = file.queue_capacity.map(|v| match v {
+        // Numbers in the file (`queue-capacity: 64`) keep their text, so validation reports
+        // them as written.
+        let text = |v: serde_yaml::Value| match v {
             serde_yaml::Value::String(s) => s,
             other => serde_yaml::to_string(&other)
                 .unwrap_or_default()
                 .trim()
                 .to_string(),
-        });
-        fill(&mut self.queue_capacity, qc);
+        };
+        fill(&mut self.queue_capacity, file.queue_capacity.map(text));
+        fill(
+            &mut self.kv_capacity_tokens,
+            file.kv_capacity_tokens.map(text),
+        );
         fill(&mut self.sample_interval, file.sample_interval);
         fill(&mut self.window, file.window);
         fill(&mut self.watch_min_interval, file.watch_min_interval);
@@ -238,6 +248,8 @@ pub struct AgentConfig {
     pub engine: EngineChoice,
     pub models: Vec<String>,
     pub queue_capacity: Option<u32>,
+    /// KV-cache capacity in tokens; wins over the model server's when set.
+    pub kv_capacity_tokens: Option<u64>,
     pub sample_interval: Duration,
     pub window: Duration,
     pub watch_min_interval: Duration,
@@ -440,6 +452,13 @@ impl TryFrom<RawArgs> for AgentConfig {
                 _ => return Err(invalid("queue-capacity", v, "a positive integer")),
             },
         };
+        let kv_capacity_tokens = match raw.kv_capacity_tokens.as_deref() {
+            None => None,
+            Some(v) => match v.trim().parse::<u64>() {
+                Ok(n) if n > 0 => Some(n),
+                _ => return Err(invalid("kv-capacity-tokens", v, "a positive integer")),
+            },
+        };
         let ms = Duration::from_millis;
         let sample_interval = duration_in(
             "sample-interval",
@@ -520,6 +539,7 @@ impl TryFrom<RawArgs> for AgentConfig {
             engine,
             models,
             queue_capacity,
+            kv_capacity_tokens,
             sample_interval,
             window,
             watch_min_interval,
@@ -598,6 +618,7 @@ mod tests {
             ),
             (&["--engine", "llama.cpp"], "--engine"),
             (&["--queue-capacity", "-3"], "--queue-capacity"),
+            (&["--kv-capacity-tokens", "0"], "--kv-capacity-tokens"),
             (&["--window", "10"], "--window"),
             (&["--window", "10ms", "--sample-interval", "1s"], "--window"),
             (&["--heartbeat", "0"], "--heartbeat"),
@@ -621,6 +642,35 @@ mod tests {
     }
 
     #[test]
+    fn kv_capacity_tokens_must_be_a_positive_integer() {
+        let ok = cfg(&[
+            "--serving-address",
+            "10.0.0.1:8000",
+            "--kv-capacity-tokens",
+            "400000",
+        ])
+        .unwrap();
+        assert_eq!(ok.kv_capacity_tokens, Some(400_000));
+        let unset = cfg(&["--serving-address", "10.0.0.1:8000"]).unwrap();
+        assert_eq!(unset.kv_capacity_tokens, None);
+        for bad in ["0", "-3", "abc", "1.5", ""] {
+            let e = cfg(&[
+                "--serving-address",
+                "10.0.0.1:8000",
+                "--kv-capacity-tokens",
+                bad,
+            ])
+            .expect_err(bad);
+            assert_eq!(
+                e.to_string(),
+                format!(
+                    "invalid value {bad:?} for --kv-capacity-tokens: expected a positive integer"
+                )
+            );
+        }
+    }
+
+    #[test]
     fn durations_parse() {
         let d = |s| parse_duration("x", s);
         assert_eq!(d("100ms").unwrap(), Duration::from_millis(100));
@@ -639,7 +689,7 @@ mod tests {
         let path = dir.path().join("agent.yaml");
         std::fs::write(
             &path,
-            "serving-address: 10.0.0.2:8000\nsample-interval: 250ms\nheartbeat: 2s\npeers: [a:1, b:2]\nqueue-capacity: 64\n",
+            "serving-address: 10.0.0.2:8000\nsample-interval: 250ms\nheartbeat: 2s\npeers: [a:1, b:2]\nqueue-capacity: 64\nkv-capacity-tokens: 400000\n",
         )
         .unwrap();
         let c = AgentConfig::from_args([
@@ -657,6 +707,7 @@ mod tests {
         assert_eq!(c.heartbeat, Duration::from_millis(500));
         assert_eq!(c.peers, vec!["a:1".to_string(), "b:2".to_string()]);
         assert_eq!(c.queue_capacity, Some(64));
+        assert_eq!(c.kv_capacity_tokens, Some(400_000));
 
         let toml_path = dir.path().join("agent.toml");
         std::fs::write(
@@ -667,6 +718,18 @@ mod tests {
         let c = AgentConfig::from_args(["ai-lb-agent", "--config", toml_path.to_str().unwrap()])
             .unwrap();
         assert_eq!(c.window, Duration::from_secs(5));
+
+        std::fs::write(
+            &path,
+            "serving-address: 10.0.0.2:8000\ngpu-source: none\nkv-capacity-tokens: 0\n",
+        )
+        .unwrap();
+        let e = AgentConfig::from_args(["ai-lb-agent", "--config", path.to_str().unwrap()])
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            r#"invalid value "0" for --kv-capacity-tokens: expected a positive integer"#
+        );
 
         std::fs::write(&path, "serving-adress: 10.0.0.2:8000\n").unwrap();
         let e = AgentConfig::from_args(["ai-lb-agent", "--config", path.to_str().unwrap()])

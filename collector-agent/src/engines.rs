@@ -3,6 +3,14 @@
 //! ENVOY_FACTS.md "Model servers' own metrics"), and turns one scraped page into unit-normalised
 //! values: times in ms, ratios in 0..1. Several `model_name` series are summed for counts and
 //! histograms; for ratios (KV-cache use) the highest is kept, because ratios do not add.
+//!
+//! KV-cache capacity in tokens: vLLM states it in the labels of its info metric
+//! `vllm:cache_config_info` (`num_gpu_blocks` × `block_size`; vllm/v1/metrics/loggers.py
+//! `log_metrics_info`), SGLang as the gauge `sglang:max_total_num_tokens`
+//! (sglang/srt/metrics/collector.py); TGI and Triton are not read for it (the operator's
+//! `--kv-capacity-tokens` covers them). One pod runs one engine, so when several series carry
+//! the capacity (one per data-parallel `engine` or TP rank) the first valid one in page order
+//! is taken, not their sum.
 
 use crate::prometheus::{parse_float, Exposition, Sample};
 use crate::sources::Rejected;
@@ -138,6 +146,22 @@ impl Sel {
     }
 }
 
+/// Where an engine states its KV-cache capacity in tokens.
+#[derive(Debug)]
+enum KvCapacity {
+    /// Not read from the page.
+    Unknown,
+    /// A gauge whose value is the capacity in tokens.
+    Tokens(&'static str),
+    /// An info metric (value 1) whose labels give the number of GPU blocks and the tokens per
+    /// block; capacity = blocks × block size.
+    BlockLabels {
+        name: &'static str,
+        blocks: &'static str,
+        block_size: &'static str,
+    },
+}
+
 /// A histogram family and the factor that converts its unit to ms.
 #[derive(Debug)]
 struct Hist {
@@ -152,6 +176,7 @@ struct EngineSpec {
     running: &'static [Sel],
     kv_cache: &'static [Sel],
     queue_capacity: &'static [Sel],
+    kv_capacity: KvCapacity,
     ttft: &'static [Hist],
     e2e: &'static [Hist],
     inter_token: &'static [Hist],
@@ -183,6 +208,11 @@ static VLLM: EngineSpec = EngineSpec {
         Sel::name("vllm:gpu_cache_usage_perc"),
     ],
     queue_capacity: &[],
+    kv_capacity: KvCapacity::BlockLabels {
+        name: "vllm:cache_config_info",
+        blocks: "num_gpu_blocks",
+        block_size: "block_size",
+    },
     ttft: &[Hist {
         name: "vllm:time_to_first_token_seconds",
         to_ms: S,
@@ -218,7 +248,10 @@ static SGLANG: EngineSpec = EngineSpec {
     waiting: &[Sel::name("sglang:num_queue_reqs")],
     running: &[Sel::name("sglang:num_running_reqs")],
     kv_cache: &[Sel::name("sglang:token_usage")],
+    // SGLang exports no hard cap on running requests (its `max_running_requests_under_SLO` is
+    // an SLO estimate with no setter in the scheduler); `--queue-capacity` covers it.
     queue_capacity: &[],
+    kv_capacity: KvCapacity::Tokens("sglang:max_total_num_tokens"),
     ttft: &[Hist {
         name: "sglang:time_to_first_token_seconds",
         to_ms: S,
@@ -251,6 +284,7 @@ static TGI: EngineSpec = EngineSpec {
     running: &[Sel::name("tgi_batch_current_size")],
     kv_cache: &[],
     queue_capacity: &[],
+    kv_capacity: KvCapacity::Unknown,
     ttft: &[],
     e2e: &[Hist {
         name: "tgi_request_duration",
@@ -292,6 +326,7 @@ static TRITON: EngineSpec = EngineSpec {
         "request_type",
         &["max"],
     )],
+    kv_capacity: KvCapacity::Unknown,
     ttft: &[Hist {
         name: "nv_inference_first_response_histogram_ms",
         to_ms: 1.0,
@@ -322,6 +357,8 @@ pub struct Extracted {
     pub running: Option<u32>,
     pub kv_cache_usage: Option<f64>,
     pub queue_capacity: Option<u32>,
+    /// KV-cache capacity in tokens, as the engine states it.
+    pub kv_capacity_tokens: Option<u64>,
     /// Cumulative histograms with bounds in ms.
     pub ttft: Option<HistogramSnapshot>,
     pub e2e: Option<HistogramSnapshot>,
@@ -357,6 +394,7 @@ pub fn extract(kind: EngineKind, page: &Exposition<'_>) -> Extracted {
                 .push(reject(field, v, "KV-cache usage outside 0..1"));
         }
     }
+    x.kv_capacity_tokens = kv_capacity(page, &spec.kv_capacity, &mut x.rejected);
     x.ttft = histogram(page, spec.ttft, &mut x.rejected);
     x.e2e = histogram(page, spec.e2e, &mut x.rejected);
     x.inter_token = histogram(page, spec.inter_token, &mut x.rejected);
@@ -394,6 +432,7 @@ pub fn extract(kind: EngineKind, page: &Exposition<'_>) -> Extracted {
 
     x.found_any = had_counts
         || x.kv_cache_usage.is_some()
+        || x.kv_capacity_tokens.is_some()
         || x.ttft.is_some()
         || x.e2e.is_some()
         || x.inter_token.is_some()
@@ -445,6 +484,87 @@ fn count_value(v: Option<(String, f64)>, rejected: &mut Vec<Rejected>) -> Option
         None
     } else {
         Some(v.round() as u32)
+    }
+}
+
+/// The KV-cache capacity in tokens from the first valid series in page order; every invalid
+/// series seen (zero, fractional or unparsable value, missing label) is rejected by name.
+fn kv_capacity(
+    page: &Exposition<'_>,
+    how: &KvCapacity,
+    rejected: &mut Vec<Rejected>,
+) -> Option<u64> {
+    let mut found = None;
+    match *how {
+        KvCapacity::Unknown => {}
+        KvCapacity::Tokens(name) => {
+            for s in page.samples_named(name) {
+                // Exact in f64 up to 2^53; no KV cache comes near.
+                let v = s.value;
+                if v >= 1.0 && v.fract() == 0.0 && v <= 9_007_199_254_740_992.0 {
+                    found = found.or(Some(v as u64));
+                } else {
+                    rejected.push(Rejected {
+                        field: name.to_string(),
+                        value: v.to_string(),
+                        reason: format!(
+                            "line {}: KV-cache capacity must be a positive whole number of tokens",
+                            s.line
+                        ),
+                    });
+                }
+            }
+        }
+        KvCapacity::BlockLabels {
+            name,
+            blocks,
+            block_size,
+        } => {
+            for s in page.samples_named(name) {
+                let n = positive_label(s, name, blocks, rejected);
+                let size = positive_label(s, name, block_size, rejected);
+                let (Some(n), Some(size)) = (n, size) else {
+                    continue;
+                };
+                match n.checked_mul(size) {
+                    Some(tokens) => found = found.or(Some(tokens)),
+                    None => rejected.push(Rejected {
+                        field: format!("{name}{{{blocks}}}"),
+                        value: n.to_string(),
+                        reason: format!(
+                            "line {}: {blocks} x {block_size} ({size}) overflows u64",
+                            s.line
+                        ),
+                    }),
+                }
+            }
+        }
+    }
+    found
+}
+
+/// Label `label` of `s` as a positive integer, or a rejection naming `metric{label}` and the
+/// label's text.
+fn positive_label(
+    s: &Sample<'_>,
+    metric: &str,
+    label: &str,
+    rejected: &mut Vec<Rejected>,
+) -> Option<u64> {
+    let text = s.label(label);
+    match text.map(|t| t.trim().parse::<u64>()) {
+        Some(Ok(n)) if n > 0 => Some(n),
+        _ => {
+            rejected.push(Rejected {
+                field: format!("{metric}{{{label}}}"),
+                value: text.unwrap_or("").to_string(),
+                reason: match text {
+                    None => format!("line {}: label {label} missing", s.line),
+                    Some(_) => format!("line {}: {label} must be a positive integer", s.line),
+                },
+            });
+            None
+        }
     }
 }
 
@@ -621,5 +741,132 @@ mod tests {
             fields,
             vec!["vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"]
         );
+    }
+
+    /// vLLM V1's info metric as prometheus_client prints it (labels sorted, value `1.0`).
+    fn vllm_cache_info(block_size: &str, num_gpu_blocks: &str) -> String {
+        format!(
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
+             # TYPE vllm:cache_config_info gauge\n\
+             vllm:cache_config_info{{block_size=\"{block_size}\",cache_dtype=\"auto\",\
+             enable_prefix_caching=\"True\",engine=\"0\",gpu_memory_utilization=\"0.9\",\
+             num_cpu_blocks=\"None\",num_gpu_blocks=\"{num_gpu_blocks}\"}} 1.0\n\
+             vllm:num_requests_running{{engine=\"0\",model_name=\"m\"}} 1.0\n"
+        )
+    }
+
+    #[test]
+    fn vllm_kv_capacity_is_blocks_times_block_size_from_labels() {
+        let text = vllm_cache_info("16", "2048");
+        let x = extract(EngineKind::Vllm, &parse(&text).unwrap());
+        assert_eq!(x.kv_capacity_tokens, Some(32_768));
+        assert!(x.rejected.is_empty(), "{:?}", x.rejected);
+    }
+
+    #[test]
+    fn vllm_zero_blocks_is_rejected_naming_the_label() {
+        let text = vllm_cache_info("16", "0");
+        let x = extract(EngineKind::Vllm, &parse(&text).unwrap());
+        assert_eq!(x.kv_capacity_tokens, None);
+        assert_eq!(x.running, Some(1), "the rest of the page is still read");
+        assert_eq!(x.rejected.len(), 1, "{:?}", x.rejected);
+        assert_eq!(
+            x.rejected[0].field,
+            "vllm:cache_config_info{num_gpu_blocks}"
+        );
+        assert_eq!(x.rejected[0].value, "0");
+    }
+
+    #[test]
+    fn vllm_unparsable_labels_are_rejected_not_panics() {
+        // vLLM prints Python's `None` before the KV cache is profiled.
+        for (bs, blocks, field, value) in [
+            ("16", "None", "num_gpu_blocks", "None"),
+            ("16", "-3", "num_gpu_blocks", "-3"),
+            ("16", "2048.5", "num_gpu_blocks", "2048.5"),
+            ("sixteen", "2048", "block_size", "sixteen"),
+            ("0", "2048", "block_size", "0"),
+        ] {
+            let text = vllm_cache_info(bs, blocks);
+            let x = extract(EngineKind::Vllm, &parse(&text).unwrap());
+            assert_eq!(x.kv_capacity_tokens, None, "{bs} {blocks}");
+            assert_eq!(x.rejected.len(), 1, "{bs} {blocks}: {:?}", x.rejected);
+            let r = &x.rejected[0];
+            assert_eq!(r.field, format!("vllm:cache_config_info{{{field}}}"));
+            assert_eq!(r.value, value);
+            assert!(r.reason.contains(field), "{r:?}");
+        }
+        let huge = vllm_cache_info("16", &u64::MAX.to_string());
+        let x = extract(EngineKind::Vllm, &parse(&huge).unwrap());
+        assert_eq!(x.kv_capacity_tokens, None);
+        assert!(
+            x.rejected[0].reason.contains("overflows"),
+            "{:?}",
+            x.rejected
+        );
+        let missing = "vllm:cache_config_info{block_size=\"16\"} 1\n";
+        let x = extract(EngineKind::Vllm, &parse(missing).unwrap());
+        assert_eq!(x.kv_capacity_tokens, None);
+        assert_eq!(x.rejected[0].value, "");
+        assert!(x.rejected[0].reason.contains("missing"), "{:?}", x.rejected);
+    }
+
+    #[test]
+    fn vllm_kv_capacity_missing_is_none() {
+        let p = parse("vllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.5\n").unwrap();
+        let x = extract(EngineKind::Vllm, &p);
+        assert_eq!(x.kv_capacity_tokens, None);
+        assert!(x.rejected.is_empty(), "{:?}", x.rejected);
+    }
+
+    #[test]
+    fn vllm_several_engines_take_the_first_valid_series() {
+        let p = parse(
+            "vllm:cache_config_info{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"None\"} 1\n\
+             vllm:cache_config_info{block_size=\"16\",engine=\"1\",num_gpu_blocks=\"100\"} 1\n\
+             vllm:cache_config_info{block_size=\"16\",engine=\"2\",num_gpu_blocks=\"200\"} 1\n",
+        )
+        .unwrap();
+        let x = extract(EngineKind::Vllm, &p);
+        assert_eq!(x.kv_capacity_tokens, Some(1600), "first valid, not the sum");
+        assert_eq!(x.rejected.len(), 1, "{:?}", x.rejected);
+        assert!(x.found_any);
+    }
+
+    #[test]
+    fn sglang_kv_capacity_is_max_total_num_tokens() {
+        let p = parse(
+            "# TYPE sglang:max_total_num_tokens gauge\n\
+             sglang:max_total_num_tokens{engine_type=\"unified\",model_name=\"q\",tp_rank=\"0\"} 471258.0\n\
+             sglang:max_total_num_tokens{engine_type=\"unified\",model_name=\"q\",tp_rank=\"1\"} 471258.0\n",
+        )
+        .unwrap();
+        let x = extract(EngineKind::Sglang, &p);
+        assert_eq!(
+            x.kv_capacity_tokens,
+            Some(471_258),
+            "TP ranks share one pool"
+        );
+        assert_eq!(x.queue_capacity, None);
+        assert!(x.rejected.is_empty(), "{:?}", x.rejected);
+
+        for bad in ["0", "-5", "12.5"] {
+            let text = format!("sglang:max_total_num_tokens {bad}\n");
+            let p = parse(&text).unwrap();
+            let x = extract(EngineKind::Sglang, &p);
+            assert_eq!(x.kv_capacity_tokens, None, "{bad}");
+            assert_eq!(x.rejected.len(), 1, "{bad}: {:?}", x.rejected);
+            assert_eq!(x.rejected[0].field, "sglang:max_total_num_tokens");
+        }
+    }
+
+    #[test]
+    fn tgi_and_triton_state_no_kv_capacity() {
+        let p = parse(
+            "tgi_queue_size 1\nnv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=\"max\"} 9\n",
+        )
+        .unwrap();
+        assert_eq!(extract(EngineKind::Tgi, &p).kv_capacity_tokens, None);
+        assert_eq!(extract(EngineKind::Triton, &p).kv_capacity_tokens, None);
     }
 }

@@ -391,6 +391,7 @@ pub fn start(cfg: &AgentConfig, args: StartArgs) -> std::io::Result<RunningAgent
         engine: cfg.engine.to_proto(),
         models: cfg.models.clone(),
         queue_capacity: cfg.queue_capacity,
+        kv_capacity_tokens: cfg.kv_capacity_tokens,
     };
     let sampler = Sampler::new(
         args.sources,

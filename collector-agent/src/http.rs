@@ -308,7 +308,7 @@ fn render_snapshot(o: &mut Out, s: &PodSnapshot) {
     }
 
     let Some(inf) = &s.inference else { return };
-    let scalars: [(&str, &str, Option<f64>); 6] = [
+    let scalars: [(&str, &str, Option<f64>); 7] = [
         (
             "ai_lb_agent_queue_waiting",
             "Requests waiting.",
@@ -323,6 +323,11 @@ fn render_snapshot(o: &mut Out, s: &PodSnapshot) {
             "ai_lb_agent_queue_capacity",
             "Maximum concurrently running sequences.",
             inf.queue_capacity.map(f64::from),
+        ),
+        (
+            "ai_lb_agent_kv_capacity_tokens",
+            "KV-cache capacity in tokens.",
+            inf.kv_capacity_tokens.map(|t| t as f64),
         ),
         (
             "ai_lb_agent_kv_cache_usage_ratio",
@@ -375,6 +380,28 @@ fn render_snapshot(o: &mut Out, s: &PodSnapshot) {
 mod tests {
     use super::*;
     use ai_lb_proto::v1::SourceStatus;
+
+    #[test]
+    fn capacities_are_exported_next_to_each_other() {
+        let s = PodSnapshot {
+            inference: Some(ai_lb_proto::v1::InferenceStats {
+                queue_capacity: Some(256),
+                kv_capacity_tokens: Some(400_000),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let mut o = Out(String::new());
+        render_snapshot(&mut o, &s);
+        let l = "pod=\"\",namespace=\"\",address=\"\"";
+        for line in [
+            format!("ai_lb_agent_queue_capacity{{{l}}} 256"),
+            format!("ai_lb_agent_kv_capacity_tokens{{{l}}} 400000"),
+            "# TYPE ai_lb_agent_kv_capacity_tokens gauge".to_string(),
+        ] {
+            assert!(o.0.lines().any(|x| x == line), "missing {line}\n{}", o.0);
+        }
+    }
 
     #[test]
     fn readiness_needs_a_fresh_source() {

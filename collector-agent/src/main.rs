@@ -83,6 +83,7 @@ fn build_sources(cfg: &AgentConfig) -> anyhow::Result<Sources> {
             };
             opts.window = cfg.window;
             opts.queue_capacity = cfg.queue_capacity;
+            opts.kv_capacity_tokens = cfg.kv_capacity_tokens;
             opts.model_names = cfg.models.clone();
             let src = ModelServerSource::new(opts)
                 .map_err(|e| anyhow::anyhow!("--model-server-url {url}: {e}"))?;

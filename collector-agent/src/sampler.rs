@@ -54,6 +54,8 @@ pub struct IdentityConfig {
     pub models: Vec<String>,
     /// Configured queue capacity; wins over the model server's when set.
     pub queue_capacity: Option<u32>,
+    /// Configured KV-cache capacity in tokens; wins over the model server's when set.
+    pub kv_capacity_tokens: Option<u64>,
 }
 
 /// One published sample. `snapshot.age_ms` is 0 and `last_success_age_ms` are relative to
@@ -259,8 +261,13 @@ pub fn merge(
             }
         }
     }
-    if let (Some(cap), Some(inf)) = (identity.queue_capacity, inference.as_mut()) {
-        inf.queue_capacity = Some(cap);
+    if let Some(inf) = inference.as_mut() {
+        if let Some(cap) = identity.queue_capacity {
+            inf.queue_capacity = Some(cap);
+        }
+        if let Some(tokens) = identity.kv_capacity_tokens {
+            inf.kv_capacity_tokens = Some(tokens);
+        }
     }
     let mut sources: Vec<SourceStatus> = tracks.iter().map(|t| t.status(now)).collect();
     sources.extend(absent.iter().map(|n| SourceStatus {
@@ -327,8 +334,8 @@ fn moved_rel(a: Option<f64>, b: Option<f64>, rel: f64, min_abs: f64) -> bool {
 
 /// Whether `next` differs from `prev` (the last snapshot watchers were woken for) enough to push:
 /// any source state/reason change, identity/engine/model change, GPU set or error counters,
-/// GPU utilisation / memory / KV / error rate beyond `th.ratio`, queue or P99s beyond their
-/// relative thresholds.
+/// any change of queue or KV-cache capacity, GPU utilisation / memory / KV / error rate beyond
+/// `th.ratio`, queue or P99s beyond their relative thresholds.
 pub fn meaningful_change(prev: &PodSnapshot, next: &PodSnapshot, th: &Thresholds) -> bool {
     if prev.identity != next.identity || prev.agent_instance != next.agent_instance {
         return true;
@@ -373,6 +380,7 @@ pub fn meaningful_change(prev: &PodSnapshot, next: &PodSnapshot, th: &Thresholds
             moved_rel(f(a.waiting), f(b.waiting), th.queue_rel, 1.0)
                 || moved_rel(f(a.running), f(b.running), th.queue_rel, 1.0)
                 || a.queue_capacity != b.queue_capacity
+                || a.kv_capacity_tokens != b.kv_capacity_tokens
                 || moved_ratio(a.kv_cache_usage, b.kv_cache_usage, th.ratio)
                 || moved_ratio(a.error_rate, b.error_rate, th.ratio)
                 || moved_rel(p99(&a.ttft), p99(&b.ttft), th.latency_rel, 1.0)
@@ -579,6 +587,53 @@ mod tests {
         let mut gone = snap(0.50, 10);
         gone.gpus[0].utilization = None;
         assert!(meaningful_change(&a, &gone, &th));
+    }
+
+    #[test]
+    fn kv_capacity_change_is_meaningful() {
+        let th = Thresholds::default();
+        let mut a = snap(0.50, 10);
+        a.inference.as_mut().unwrap().kv_capacity_tokens = Some(400_000);
+        let same = a.clone();
+        assert!(!meaningful_change(&a, &same, &th));
+        let mut grown = a.clone();
+        grown.inference.as_mut().unwrap().kv_capacity_tokens = Some(400_016);
+        assert!(meaningful_change(&a, &grown, &th), "any change is pushed");
+        let mut lost = a.clone();
+        lost.inference.as_mut().unwrap().kv_capacity_tokens = None;
+        assert!(meaningful_change(&a, &lost, &th));
+    }
+
+    #[test]
+    fn configured_capacities_win_over_the_model_server() {
+        let t0 = Instant::now();
+        let mut track = SourceTrack::new("model-server");
+        let reading = Ok(Reading {
+            inference: Some(InferenceStats {
+                queue_capacity: Some(8),
+                kv_capacity_tokens: Some(32_768),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        track.record(&reading, t0);
+        let tracks = [track];
+        let outcomes = [reading];
+        let merged = |id: &IdentityConfig| {
+            merge(id, &tracks, &outcomes, &[], t0, 0, 1, "x")
+                .inference
+                .unwrap()
+        };
+        let engine_says = merged(&IdentityConfig::default());
+        assert_eq!(engine_says.kv_capacity_tokens, Some(32_768));
+        assert_eq!(engine_says.queue_capacity, Some(8));
+        let operator_says = merged(&IdentityConfig {
+            queue_capacity: Some(64),
+            kv_capacity_tokens: Some(400_000),
+            ..Default::default()
+        });
+        assert_eq!(operator_says.kv_capacity_tokens, Some(400_000));
+        assert_eq!(operator_says.queue_capacity, Some(64));
     }
 
     #[test]

@@ -89,6 +89,11 @@ fn vllm_current_names() {
     assert_eq!(st.running, Some(12));
     assert_eq!(st.queue_capacity, None);
     assert_eq!(st.kv_cache_usage, Some(0.42));
+    assert_eq!(
+        st.kv_capacity_tokens,
+        Some(448_000),
+        "cache_config_info: num_gpu_blocks 28000 x block_size 16"
+    );
     assert_q(&st.ttft, 100, 50.0, 59.8);
     assert_q(&st.inter_token, 1000, 17.5, 24.85);
     assert_q(&st.e2e, 100, 800.0, 996.0);
@@ -113,6 +118,10 @@ fn vllm_older_names_and_two_models_summed() {
         Some(0.55),
         "ratios: the highest, not the sum"
     );
+    assert_eq!(
+        st.kv_capacity_tokens, None,
+        "no cache_config_info on the page"
+    );
     assert_q(&st.ttft, 100, 50.0, 59.8);
     assert_q(&st.inter_token, 1000, 17.5, 24.85);
     assert_q(&st.e2e, 100, 800.0, 996.0);
@@ -130,6 +139,11 @@ fn sglang() {
     let st = stats(&r);
     assert_eq!((st.waiting, st.running), (Some(2), Some(9)));
     assert_eq!(st.kv_cache_usage, Some(0.28));
+    assert_eq!(st.kv_capacity_tokens, Some(471_258));
+    assert_eq!(
+        st.queue_capacity, None,
+        "SGLang exports no running-request cap"
+    );
     assert_q(&st.ttft, 100, 50.0, 59.8);
     assert_q(&st.inter_token, 1000, 17.5, 24.85);
     assert_q(&st.e2e, 100, 800.0, 996.0);
@@ -146,6 +160,7 @@ fn tgi() {
     let st = stats(&r);
     assert_eq!((st.waiting, st.running), (Some(6), Some(16)));
     assert_eq!(st.kv_cache_usage, None, "TGI has no KV-cache gauge");
+    assert_eq!(st.kv_capacity_tokens, None);
     assert_absent(&st.ttft);
     assert_q(&st.e2e, 20, 1024.0, 2027.52);
     assert_q(&st.inter_token, 20, 24.0, 31.84);
@@ -163,6 +178,7 @@ fn triton_trtllm() {
     assert_eq!((st.waiting, st.running), (Some(3), Some(7)));
     assert_eq!(st.queue_capacity, Some(256), "from request_type=\"max\"");
     assert_eq!(st.kv_cache_usage, Some(0.25));
+    assert_eq!(st.kv_capacity_tokens, None, "not read for Triton");
     assert_q(&st.ttft, 40, 175.0, 248.5);
     assert_absent(&st.e2e); // nv_inference_request_duration_us is a counter, not a histogram
     assert_absent(&st.inter_token);
@@ -184,6 +200,24 @@ fn configured_queue_capacity_wins() {
         .sample_page(Instant::now(), &fixture("triton.prom"))
         .unwrap();
     assert_eq!(stats(&r).queue_capacity, Some(64));
+}
+
+#[test]
+fn configured_kv_capacity_wins_over_the_page() {
+    let mut o = ModelServerOptions::new("http://127.0.0.1:1");
+    o.kv_capacity_tokens = Some(100_000);
+    let mut s = ModelServerSource::new(o).unwrap();
+    let r = s
+        .sample_page(Instant::now(), &fixture("vllm.prom"))
+        .unwrap();
+    assert_eq!(
+        stats(&r).kv_capacity_tokens,
+        Some(100_000),
+        "not the page's 448 000"
+    );
+    // And it fills in for an engine that states none.
+    let r = s.sample_page(Instant::now(), &fixture("tgi.prom")).unwrap();
+    assert_eq!(stats(&r).kv_capacity_tokens, Some(100_000));
 }
 
 #[test]

@@ -31,6 +31,8 @@ pub struct ModelServerOptions {
     pub window: Duration,
     /// Maximum concurrently running sequences, when the operator knows it (vLLM max_num_seqs).
     pub queue_capacity: Option<u32>,
+    /// KV-cache capacity in tokens, when the operator knows it; wins over the page's.
+    pub kv_capacity_tokens: Option<u64>,
     /// Timeout of each HTTP request.
     pub timeout: Duration,
     /// Model names to report when `/v1/models` does not answer.
@@ -55,6 +57,7 @@ impl ModelServerOptions {
             engine: None,
             window: crate::window::DEFAULT_WINDOW,
             queue_capacity: None,
+            kv_capacity_tokens: None,
             timeout: Duration::from_secs(2),
             model_names: Vec::new(),
             models_refresh: Duration::from_secs(60),
@@ -88,14 +91,22 @@ impl Windows {
 pub struct InferenceTracker {
     window: Duration,
     queue_capacity: Option<u32>,
+    kv_capacity_tokens: Option<u64>,
     windows: Windows,
 }
 
 impl InferenceTracker {
-    pub fn new(window: Duration, queue_capacity: Option<u32>) -> Self {
+    /// `queue_capacity` and `kv_capacity_tokens` are the operator's figures: when set they win
+    /// over the page's.
+    pub fn new(
+        window: Duration,
+        queue_capacity: Option<u32>,
+        kv_capacity_tokens: Option<u64>,
+    ) -> Self {
         Self {
             window,
             queue_capacity,
+            kv_capacity_tokens,
             windows: Windows::new(window),
         }
     }
@@ -155,6 +166,7 @@ impl InferenceTracker {
             request_rate,
             error_rate,
             window_ms: u32::try_from(span.as_millis()).unwrap_or(u32::MAX),
+            kv_capacity_tokens: self.kv_capacity_tokens.or(x.kv_capacity_tokens),
         }
     }
 }
@@ -236,7 +248,11 @@ impl ModelServerSource {
                 detail: format!("HTTP client: {e}"),
             })?;
         Ok(Self {
-            tracker: InferenceTracker::new(opts.window, opts.queue_capacity),
+            tracker: InferenceTracker::new(
+                opts.window,
+                opts.queue_capacity,
+                opts.kv_capacity_tokens,
+            ),
             opts,
             client,
             last_engine: None,

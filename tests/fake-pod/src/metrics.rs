@@ -1,6 +1,8 @@
 //! Decides what `/metrics` says: Prometheus text exposition with the vLLM V1 metric names and
 //! bucket bounds (vllm/v1/metrics/loggers.py), labelled `model_name`, so the agent's vLLM
-//! reader works unchanged against the fake pod.
+//! reader works unchanged against the fake pod. The KV-cache capacity is stated the way vLLM
+//! states it: the info gauge `vllm:cache_config_info` (value 1) whose labels are the cache
+//! config, `num_gpu_blocks` blocks of `block_size` tokens.
 
 use std::fmt::Write;
 
@@ -19,6 +21,9 @@ pub const E2E_BUCKETS: &[f64] = &[
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
     480.0, 960.0, 1920.0, 7680.0,
 ];
+
+/// Tokens per KV-cache block, vLLM's default `--block-size` on CUDA.
+pub const KV_BLOCK_SIZE: u64 = 16;
 
 /// A cumulative Prometheus histogram.
 #[derive(Debug, Clone)]
@@ -97,6 +102,9 @@ pub struct Gauges {
     pub waiting: u64,
     pub running: u64,
     pub kv_cache_usage: f64,
+    /// KV-cache capacity in tokens; shown as `num_gpu_blocks` = this / [`KV_BLOCK_SIZE`]
+    /// (floor, as vLLM allocates whole blocks).
+    pub kv_cache_tokens: u64,
 }
 
 /// Why a request finished, as vLLM labels `finished_reason`.
@@ -163,6 +171,21 @@ impl Metrics {
     pub fn render(&self, model: &str, g: Gauges) -> String {
         let labels = format!("model_name=\"{}\"", escape(model));
         let mut o = String::with_capacity(8192);
+        // vLLM's labels are the CacheConfig fields (str() of each, sorted as prometheus_client
+        // prints them); no model_name. Memory used is 0.9 of total in /sim/gpu, hence 0.9.
+        let cache_config = format!(
+            "block_size=\"{KV_BLOCK_SIZE}\",cache_dtype=\"auto\",enable_prefix_caching=\"False\",\
+             gpu_memory_utilization=\"0.9\",num_cpu_blocks=\"None\",num_gpu_blocks=\"{}\",\
+             num_gpu_blocks_override=\"None\",sliding_window=\"None\"",
+            g.kv_cache_tokens / KV_BLOCK_SIZE
+        );
+        gauge(
+            &mut o,
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            &cache_config,
+            1.0,
+        );
         gauge(
             &mut o,
             "vllm:num_requests_running",
@@ -285,6 +308,7 @@ mod tests {
                 waiting: 3,
                 running: 2,
                 kv_cache_usage: 0.5,
+                kv_cache_tokens: 1000,
             },
         );
         let l = "model_name=\"meta-llama/Llama-3.1-8B-Instruct\"";
@@ -300,6 +324,39 @@ mod tests {
         ] {
             assert!(text.lines().any(|x| x == line), "missing {line}\n{text}");
         }
+    }
+
+    #[test]
+    fn kv_capacity_is_vllm_cache_config_info_in_whole_blocks() {
+        let text = Metrics::new().render(
+            "m",
+            Gauges {
+                waiting: 0,
+                running: 0,
+                kv_cache_usage: 0.0,
+                // 62.5 blocks of 16: vLLM states whole blocks only.
+                kv_cache_tokens: 1000,
+            },
+        );
+        let info: Vec<&str> = text
+            .lines()
+            .filter(|l| l.contains("vllm:cache_config_info"))
+            .collect();
+        assert_eq!(
+            info,
+            vec![
+                "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+                "# TYPE vllm:cache_config_info gauge",
+                "vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",\
+                 enable_prefix_caching=\"False\",gpu_memory_utilization=\"0.9\",\
+                 num_cpu_blocks=\"None\",num_gpu_blocks=\"62\",num_gpu_blocks_override=\"None\",\
+                 sliding_window=\"None\"} 1.0",
+            ]
+        );
+        assert!(
+            !info[2].contains("model_name"),
+            "vLLM's info metric has no model_name"
+        );
     }
 
     #[test]

@@ -520,6 +520,7 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
                 waiting,
                 running: s.running as u64,
                 kv_cache_usage: s.kv_usage,
+                kv_cache_tokens: st.cfg.engine.kv_cache_tokens,
             },
         )
     };

@@ -241,6 +241,27 @@ async fn metrics_use_vllm_names_and_histograms_grow() {
 }
 
 #[tokio::test]
+async fn kv_capacity_is_stated_as_vllm_cache_config_info() {
+    let info = |text: &str| -> String {
+        text.lines()
+            .find(|l| l.starts_with("vllm:cache_config_info{"))
+            .unwrap_or_else(|| panic!("no vllm:cache_config_info\n{text}"))
+            .to_string()
+    };
+    // The preset's 400 000 tokens are 25 000 blocks of 16.
+    let pod = Pod::start(&[]).await;
+    let line = info(&pod.metrics().await);
+    assert!(line.contains("block_size=\"16\""), "{line}");
+    assert!(line.contains("num_gpu_blocks=\"25000\""), "{line}");
+    assert!(line.contains("cache_dtype=\"auto\""), "{line}");
+    assert!(line.ends_with("} 1.0"), "{line}");
+    // --kv-cache-tokens 1000: 62 whole blocks (992 tokens), as vLLM rounds down.
+    let pod = Pod::start(&["--kv-cache-tokens", "1000"]).await;
+    let line = info(&pod.metrics().await);
+    assert!(line.contains("num_gpu_blocks=\"62\""), "{line}");
+}
+
+#[tokio::test]
 async fn control_injects_faults() {
     let pod = Pod::start(&["--pod-name", "pod-f", "--num-gpus", "2"]).await;
     // error_rate 1.0: every request fails with an OpenAI-style 500
