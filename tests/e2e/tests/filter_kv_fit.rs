@@ -1,0 +1,111 @@
+//! Decides whether the filter steers by KV-cache room through the real agent and Envoy: the
+//! fake pods announce their KV capacity like vLLM (`vllm:cache_config_info`), the agents carry
+//! it to the filter, and a long prompt that no longer fits a pod's KV cache goes to the other
+//! pod, while short requests still prefer that pod (it has more seats free). Without KV
+//! awareness both kinds would follow seats alone and go mostly to pod 0.
+//!
+//! Setup (real time, time scale 1): pod 0 has a 10 000-token KV cache and runs one direct
+//! request with a 5 000-token prompt (KV use 0.5 → 0.7 while it decodes, one seat of 8);
+//! pod 1 has a 20 000-token cache and runs six direct short-prompt requests (six seats of 8,
+//! KV use under 0.45). GPU forced equal, so the scores are equal.
+
+mod filter_common;
+
+use std::thread::JoinHandle;
+
+use ai_lb_e2e::envoy::HttpClient;
+use filter_common::*;
+use serde_json::json;
+
+/// A completion request body whose prompt is `tokens` tokens for the fake pod (4 chars each).
+fn body(tokens: usize, max_tokens: u32) -> String {
+    json!({"prompt": "abc ".repeat(tokens), "max_tokens": max_tokens}).to_string()
+}
+
+/// Sends `body` straight to `addr` (not through Envoy) on a thread.
+fn direct(addr: std::net::SocketAddr, body: String) -> JoinHandle<u16> {
+    std::thread::spawn(move || {
+        HttpClient::new(addr)
+            .post_json("/v1/completions", &[("connection", "close")], &body)
+            .map(|r| r.status)
+            .unwrap_or(0)
+    })
+}
+
+#[test]
+fn a_long_prompt_goes_where_it_fits_the_kv_cache_short_ones_where_seats_are_free() {
+    let pool = ai_lb_e2e::envoy::PodPool::start_with(2, 1.0, |i| {
+        let kv = if i == 0 { "10000" } else { "20000" };
+        ["--kv-cache-tokens", kv, "--max-num-seqs", "8"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
+    })
+    .unwrap();
+    for i in 0..2 {
+        pool.control(i, r#"{"gpu_utilization":0.3}"#).unwrap();
+    }
+    // 8 seats per pod (the fake pods' max_num_seqs; the agents here do not announce it).
+    let envoy = envoy_for(
+        &pool,
+        config(json!({"cutoffs": {"stalenessMs": 5000, "maxQueue": 8}})),
+    );
+    let (p0, p1) = (pool.pod_addrs[0].to_string(), pool.pod_addrs[1].to_string());
+    wait_scoreboard(&envoy, "every pod fresh with a KV reading", 30, |sb| {
+        all_fresh(sb, &pool)
+            && [&p0, &p1]
+                .iter()
+                .all(|a| row(sb, a).is_some_and(|r| r["kv"].is_number()))
+    });
+
+    let mut background = vec![direct(pool.pod_addrs[0], body(5000, 2000))];
+    for _ in 0..6 {
+        background.push(direct(pool.pod_addrs[1], body(1, 1500)));
+    }
+    wait_scoreboard(
+        &envoy,
+        "pod 0 half full of KV, pod 1 six seats taken",
+        20,
+        |sb| {
+            let kv0 = row(sb, &p0).and_then(|r| r["kv"].as_f64()).unwrap_or(0.0);
+            let load1 = row(sb, &p1).and_then(|r| r["load"].as_f64()).unwrap_or(0.0);
+            kv0 >= 0.5 && load1 >= 0.74
+        },
+    );
+
+    let mut client = HttpClient::new(envoy.listener);
+    let mut served = |b: &str| {
+        let r = client.post_json("/v1/completions", &[], b).unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.header("x-fake-pod").unwrap_or("none").to_string()
+    };
+    // 6 000 prompt tokens: pod 0 has at most 5 000 free, pod 1 at least 11 000.
+    let long: Vec<String> = (0..10).map(|_| served(&body(6000, 10))).collect();
+    let short: Vec<String> = (0..20).map(|_| served(&body(2, 4))).collect();
+    let sb = scoreboard(&envoy);
+    assert!(
+        background.iter().all(|h| !h.is_finished()),
+        "the background load ended before the checks; the run is inconclusive"
+    );
+
+    let to_pod1 = long.iter().filter(|p| *p == "pod1").count();
+    // Pod 0 only if all eight candidate draws land on it (1/256 each).
+    assert!(
+        to_pod1 >= 9,
+        "long prompts should go where they fit: {long:?}\n{sb:#}"
+    );
+    let to_pod0 = short.iter().filter(|p| *p == "pod0").count();
+    // Both pods are candidates except when three redraws repeat the first (1/8): ~19 of 20.
+    assert!(
+        to_pod0 >= 14,
+        "short requests should go where seats are free: {short:?}\n{sb:#}"
+    );
+    for h in background {
+        assert_eq!(h.join().unwrap(), 200);
+    }
+    assert!(
+        !envoy.wasm_failed(),
+        "wasm trapped:\n{}",
+        envoy.log_tail(40)
+    );
+}
