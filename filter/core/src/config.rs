@@ -77,7 +77,8 @@ impl Default for Weights {
 /// Hard limits that zero a pod's score.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Cutoffs {
-    /// GPU utilisation above this (0..=1] cuts the pod.
+    /// GPU utilisation above this (0..=1] cuts the pod (under `twoChoices` it still takes a
+    /// request when the other drawn pod would queue too and it is the less loaded).
     pub gpu_hard_limit: f64,
     /// Waiting requests at or above this cut the pod; also the queue term's scale.
     pub max_queue: u32,
@@ -475,7 +476,7 @@ struct RawWeights {
     schemars(rename = "Cutoffs")
 )]
 struct RawCutoffs {
-    /// GPU utilisation above this cuts the pod.
+    /// GPU utilisation above this cuts the pod; with `pickStrategy: twoChoices` such a pod still takes a request when the other drawn pod would queue too and it is the less loaded.
     #[serde(default)]
     #[cfg_attr(
         feature = "schema",

@@ -18,6 +18,9 @@ pub struct Counters {
     pub fallback_too_few_pods: u64,
     /// Every candidate scored 0: picked evenly among them.
     pub fail_open: u64,
+    /// Steered to a pod over the GPU hard limit because both drawn candidates would queue
+    /// and it had a free seat (`twoChoices`).
+    pub overflow_over_gpu_limit: u64,
     /// Readings dropped or clamped on entry (see [`crate::signals::SignalIssue`]).
     pub signal_issues: u64,
     /// Snapshots ignored entirely (no valid serving address).
@@ -45,7 +48,7 @@ impl Counters {
     }
 
     /// `(stat name, value)` pairs, stable names for Envoy counters.
-    pub fn iter(&self) -> [(&'static str, u64); 14] {
+    pub fn iter(&self) -> [(&'static str, u64); 15] {
         [
             ("steered", self.steered),
             ("fallback.no_agent_data", self.fallback_no_agent_data),
@@ -53,6 +56,7 @@ impl Counters {
             ("fallback.all_stale", self.fallback_all_stale),
             ("fallback.too_few_pods", self.fallback_too_few_pods),
             ("fail_open", self.fail_open),
+            ("overflow_over_gpu_limit", self.overflow_over_gpu_limit),
             ("signal_issues", self.signal_issues),
             ("snapshots_rejected", self.snapshots_rejected),
             ("pool_events", self.pool_events),

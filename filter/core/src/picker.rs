@@ -16,9 +16,11 @@
 //!   for a distinct second one); a candidate where the request would start at once beats one
 //!   where it would queue, then the lower load wins; on a tie the first draw wins, so with
 //!   nothing in flight the shares are exactly score-proportional.
-//!   - It would queue when the seats are taken (estimated occupancy at or over capacity),
-//!     when the snapshot shows requests waiting (seats or KV cache full), or when the request
-//!     does not fit the pod's estimated free KV cache.
+//!   - Waiting comes in tiers, compared first: none; for a seat (estimated occupancy at or
+//!     over capacity, or the snapshot shows requests waiting), which frees when any running
+//!     request ends; for KV cache (the request does not fit the pod's estimated free KV
+//!     cache, or the snapshot shows requests waiting while seats are free, i.e. the head of
+//!     the queue waits for KV), which frees only when enough running tokens end.
 //!   - Load = the fuller of seats (occupancy over capacity) and KV cache (estimated use plus
 //!     this request, over capacity). KV is judged only for pods that report their KV-cache
 //!     capacity in tokens and its use.
@@ -30,7 +32,12 @@
 //!     in the snapshot: this VM's in-flight count (what least_request sees).
 //!   - Estimated KV use = the snapshot's use × capacity, plus the KV tokens (prompt estimate
 //!     plus `max_tokens`) of this VM's requests started since, minus those ended since.
-//!   - A request that fits neither candidate's KV cache draws up to four more candidates and
+//!   - Overflow: when the request would queue on the chosen pod, one pod cut by the GPU hard
+//!     limit alone (score 0, breakers closed), drawn evenly, competes too, counted as queued:
+//!     it wins only with the lower load (counted as `overflow_over_gpu_limit`). So a hot pod
+//!     gets nothing while the drawn pods have free seats; when the whole pool runs hot,
+//!     cutting it outright only herds its share onto the rest, which then run hot in turn.
+//!   - A request that would wait for KV cache on both candidates draws up to four more and
 //!     takes the best: it would otherwise wait at the head of that pod's queue, holding up
 //!     every request behind it (head-of-line blocking).
 //!
@@ -215,6 +222,9 @@ struct PodRt {
     ema: Option<f64>,
     score: Score,
     cut: Option<CutReason>,
+    /// Cut by the GPU hard limit alone (breakers closed), under `twoChoices`: not drawn, but
+    /// an overflow candidate when the drawn ones would queue (see the module docs).
+    hot: bool,
     cold: bool,
     /// Smoothed score with floor, 0 when cut or refused by the pod breaker.
     base: f64,
@@ -232,6 +242,10 @@ struct PodRt {
     snap_occ: Option<f64>,
     /// Waiting of that snapshot: > 0 means the pod could not admit more (seats or KV full).
     snap_waiting: u32,
+    /// That snapshot showed requests waiting while seats were free (running below the
+    /// reported `queue_capacity`): the head of its queue waits for KV cache, and every new
+    /// request waits behind it until a running request finishes.
+    head_blocked: bool,
     /// Sequence of the snapshot `snap_occ` came from.
     occ_seq: Option<u64>,
     /// KV-cache capacity in tokens of the latest snapshot; None when it does not report both
@@ -265,6 +279,7 @@ impl PodRt {
                 has_terms: false,
             },
             cut: None,
+            hot: false,
             cold: true,
             base: 0.0,
             shown: 0.0,
@@ -274,6 +289,7 @@ impl PodRt {
             inflight_base: 0.0,
             snap_occ: None,
             snap_waiting: 0,
+            head_blocked: false,
             occ_seq: None,
             kv_cap: None,
             snap_kv: 0.0,
@@ -343,14 +359,29 @@ impl PodRt {
         self.load_with(0.0)
     }
 
+    /// Whether a request holding `kv_tokens` would wait for KV cache there: it does not fit
+    /// the estimated free KV cache, or the queue's head already waits for KV.
+    fn waits_for_kv(&self, kv_tokens: f64) -> bool {
+        self.head_blocked || !self.fits(kv_tokens)
+    }
+
     /// What two candidates are compared by for a request holding `kv_tokens` (lower wins):
-    /// first whether it would queue (seats taken at or over capacity, requests waiting in the
-    /// snapshot, or it does not fit the estimated free KV cache), then the load with it. The
-    /// score has already had its say in which two pods were drawn; dividing by it here would
-    /// let a small score difference outweigh a long prompt's size. Idle pods tie.
-    fn pick_key(&self, kv_tokens: f64) -> (bool, f64) {
-        let queued = self.seat_load() >= 1.0 || self.snap_waiting > 0 || !self.fits(kv_tokens);
-        (queued, self.load_with(kv_tokens))
+    /// first how long it would wait, in tiers: 0 = starts at once; 1 = queues for a seat (seats
+    /// taken at or over capacity, or requests waiting in the snapshot), which frees when any
+    /// running request ends; 2 = waits for KV cache ([`PodRt::waits_for_kv`]), which frees
+    /// only when enough running tokens end (a long prompt holds it for seconds). Then the load
+    /// with it. The score has already had its say in which two pods were drawn; dividing by
+    /// it here would let a small score difference outweigh a long prompt's size. Idle pods
+    /// tie.
+    fn pick_key(&self, kv_tokens: f64) -> (u8, f64) {
+        let tier = if self.waits_for_kv(kv_tokens) {
+            2
+        } else if self.hot || self.seat_load() >= 1.0 || self.snap_waiting > 0 {
+            1
+        } else {
+            0
+        };
+        (tier, self.load_with(kv_tokens))
     }
 
     /// Not a probe-budgeted pod (its breaker, or the model's, is not closed).
@@ -384,6 +415,8 @@ struct View {
     w: Vec<f64>,
     tree: Vec<f64>,
     order: Vec<u32>,
+    /// Pods cut only by the GPU hard limit ([`PodRt::hot`]): `twoChoices` overflow candidates.
+    hot: Vec<u32>,
     verdict: Verdict,
 }
 
@@ -396,6 +429,7 @@ impl View {
             w: Vec::new(),
             tree: Vec::new(),
             order: Vec::new(),
+            hot: Vec::new(),
             verdict: Verdict::Fallback(FallbackReason::NoAgentData),
         }
     }
@@ -680,6 +714,10 @@ impl Router {
                     pod.occ_seq = Some(sig.sequence);
                     pod.inflight_base = f64::from(pod.inflight);
                     pod.snap_waiting = sig.waiting.unwrap_or(0);
+                    pod.head_blocked = pod.snap_waiting > 0
+                        && sig
+                            .queue_capacity
+                            .is_some_and(|c| sig.running.unwrap_or(0) < c);
                     pod.snap_occ = Some(
                         f64::from(sig.running.unwrap_or(0)) + f64::from(sig.waiting.unwrap_or(0)),
                     );
@@ -765,6 +803,12 @@ impl Router {
                 pod.ema.unwrap_or(0.0)
             };
             pod.shown = if pod.cut.is_some() { 0.0 } else { value };
+            // Cut by the GPU hard limit alone: an overflow candidate under twoChoices.
+            pod.hot = cfg.pick_strategy == PickStrategy::TwoChoices
+                && pod.cut == Some(CutReason::GpuHardLimit)
+                && !pod.cold
+                && pod.breaker.admits(&cfg.breaker)
+                && pod.breaker.state() == BreakerState::Closed;
             pod.base = if pod.cut.is_some() || (pod.cold && mean_n == 0) {
                 0.0
             } else {
@@ -846,7 +890,22 @@ impl Router {
                 self.counters.fallback_no_agent_data += 1;
                 return Decision::Fallback(FallbackReason::NoAgentData);
             }
-            let start = usize::try_from(rng.next_u64() % n as u64).unwrap_or(0);
+            let mut start = usize::try_from(rng.next_u64() % n as u64).unwrap_or(0);
+            if cfg.pick_strategy == PickStrategy::TwoChoices && n > 1 {
+                // Every pod cut (e.g. the whole pool over the GPU limit): two even draws, the
+                // one that can take the request sooner, as least_request would.
+                let other =
+                    (start + 1 + usize::try_from(rng.next_u64() % (n as u64 - 1)).unwrap_or(0)) % n;
+                let key = |slot: usize| {
+                    view.slots
+                        .get(slot)
+                        .and_then(|id| p.pods.get(*id as usize))
+                        .map_or((u8::MAX, f64::INFINITY), |r| r.pick_key(size.kv_tokens))
+                };
+                if key(other) < key(start) {
+                    start = other;
+                }
+            }
             for k in 0..n.min(cfg.fallback_endpoints + 1) {
                 if let Some(id) = view.slots.get((start + k) % n) {
                     ranked.push(*id);
@@ -878,7 +937,7 @@ impl Router {
             let key = |id: u32| {
                 p.pods
                     .get(id as usize)
-                    .map_or((true, f64::INFINITY), |r| r.pick_key(need))
+                    .map_or((u8::MAX, f64::INFINITY), |r| r.pick_key(need))
             };
             if let Some(b) = second {
                 if key(b) < key(a) {
@@ -887,7 +946,11 @@ impl Router {
             }
             // A request that fits neither candidate's KV cache would wait at the head of that
             // pod's queue, and every request behind it with it: look further for one it fits.
-            let fits = |id: u32| p.pods.get(id as usize).is_some_and(|r| r.fits(need));
+            let fits = |id: u32| {
+                p.pods
+                    .get(id as usize)
+                    .is_some_and(|r| !r.waits_for_kv(need))
+            };
             if !fits(chosen) {
                 for _ in 0..KV_EXTRA_DRAWS {
                     let Some(&c) = view.slots.get(draw(view, total, rng)) else {
@@ -898,6 +961,19 @@ impl Router {
                     }
                     if fits(chosen) {
                         break;
+                    }
+                }
+            }
+            // Overflow: the request would queue on the chosen pod, so one pod over the GPU
+            // hard limit, drawn evenly, competes too (as queued, so it wins only with the
+            // lower load). The hard limit keeps load off a hot pod while others have room;
+            // once they queue too, cutting it only herds its share onto them.
+            if key(chosen).0 > 0 && !view.hot.is_empty() {
+                let i = usize::try_from(rng.next_u64() % view.hot.len() as u64).unwrap_or(0);
+                if let Some(&h) = view.hot.get(i) {
+                    if key(h) < key(chosen) {
+                        chosen = h;
+                        self.counters.overflow_over_gpu_limit += 1;
                     }
                 }
             }
@@ -1207,7 +1283,7 @@ impl Router {
                     picks: r.picks,
                     inflight: r.inflight,
                     load: r.load(),
-                    queued: r.pick_key(0.0).0,
+                    queued: r.pick_key(0.0).0 > 0,
                     kv: r.kv_used().zip(r.kv_cap).map(|(u, c)| u / c),
                     metrics_age_ms: entry
                         .and_then(|e| e.signals.as_ref())
@@ -1241,6 +1317,7 @@ fn build_view(v: &mut View, p: &PoolRt, cfg: &FilterConfig) {
     v.slots.clear();
     v.w.clear();
     v.order.clear();
+    v.hot.clear();
     v.slot_of.clear();
     v.slot_of.resize(p.pods.len(), NONE);
     let mut fresh = 0usize;
@@ -1266,6 +1343,13 @@ fn build_view(v: &mut View, p: &PoolRt, cfg: &FilterConfig) {
         }
         v.slots.push(u32::try_from(i).unwrap_or(NONE));
         v.w.push(effective(pod, model, cfg));
+        if pod.hot
+            && pod
+                .model_breaker(model)
+                .is_none_or(|b| b.state() == BreakerState::Closed)
+        {
+            v.hot.push(u32::try_from(i).unwrap_or(NONE));
+        }
         if pod.score.has_terms {
             if pod.score.cut == Some(CutReason::Stale) {
                 stale += 1;

@@ -588,7 +588,7 @@ fn request_weight_follows_body_size_against_the_running_mean() {
     let mut r = router(&[pod(0.2); 4], "");
     assert_eq!(r.request_size(None, None).weight, 1.0);
     for _ in 0..500 {
-        r.request_size(Some(1000), None).weight;
+        r.request_size(Some(1000), None);
     }
     let w = r.request_size(Some(16_000), None).weight;
     assert!((w - 16.0).abs() < 1.0, "{w}");
@@ -623,7 +623,7 @@ fn a_long_prompt_keeps_its_weight_across_snapshots() {
     let mut r = Router::new(config(""));
     r.apply_pool_event(0, &busy(1), 1000);
     for _ in 0..500 {
-        r.request_size(Some(1_100), None).weight;
+        r.request_size(Some(1_100), None);
     }
     let w = r.request_size(Some(16_000), None).weight;
     assert!(w > 10.0, "{w}");
@@ -751,6 +751,82 @@ fn kv_estimate_counts_this_sidecars_requests_until_a_snapshot_shows_them() {
 }
 
 #[test]
+fn waiting_behind_a_kv_blocked_head_is_worse_than_waiting_for_a_seat() {
+    // Pod 0: 2 of 8 seats running and 3 waiting: seats are free, so its queue's head waits for
+    // KV cache (a long prompt) and new requests wait behind it for seconds. Pod 1: all 8
+    // seats running and 4 waiting: queued too, and fuller by count, but a seat frees as soon
+    // as any request ends. A short request goes to pod 1 whenever both are candidates.
+    let mut ev = kv_event(&[0.3, 0.3], 12_500, 1);
+    for (i, running, waiting) in [(0, 2, 3), (1, 8, 4)] {
+        let inf = inference(&mut ev, i);
+        inf.running = Some(running);
+        inf.waiting = Some(waiting);
+    }
+    let mut r = Router::new(config(""));
+    r.apply_pool_event(0, &ev, 1000);
+    let c = counts_for(&mut r, 2, kv(300.0), 20_000, 61);
+    // Pod 0 only when every one of the 8 draws lands on it.
+    assert!((c[0] as f64 / 20_000.0) < 0.01, "{c:?}");
+    // Without a reported queue capacity the head cannot be judged: both merely queue, and
+    // with seats far from maxQueue (64) the equal KV use decides, a tie: the first draw
+    // wins, about half each.
+    for i in 0..2 {
+        inference(&mut ev, i).queue_capacity = None;
+    }
+    let mut r = Router::new(config(""));
+    r.apply_pool_event(0, &ev, 1000);
+    let c = counts_for(&mut r, 2, kv(300.0), 20_000, 62);
+    assert!((c[0] as f64 / 20_000.0) > 0.4, "{c:?}");
+}
+
+#[test]
+fn a_pod_over_the_gpu_limit_takes_requests_only_when_the_other_would_queue_too() {
+    // Pod 0 is over the GPU hard limit (cut, score 0 on the scoreboard) with 2 of 8 seats
+    // taken; pods 1 and 2 are cool. While they have free seats, pod 0 gets nothing.
+    let ev = |cool_running: u32, cool_waiting: u32, seq: u64| {
+        let mut ev = event(&[pod(0.97), pod(0.5), pod(0.5)], seq);
+        for (i, running, waiting) in [
+            (0, 2, 0),
+            (1, cool_running, cool_waiting),
+            (2, cool_running, cool_waiting),
+        ] {
+            let inf = inference(&mut ev, i);
+            inf.running = Some(running);
+            inf.waiting = Some(waiting);
+            inf.queue_capacity = Some(8);
+        }
+        ev
+    };
+    let mut r = Router::new(config(""));
+    r.apply_pool_event(0, &ev(4, 0, 1), 1000);
+    assert_eq!(counts(&mut r, 3, 10_000, 71, 1000)[0], 0);
+    assert_eq!(r.counters().overflow_over_gpu_limit, 0);
+    assert_eq!(r.pod_status(0, 1000)[0].score, 0.0);
+    // Both cool pods full with requests waiting: a request would queue anywhere, and pod 0
+    // is the least loaded, so it takes every request it is a candidate for (counted).
+    r.apply_pool_event(0, &ev(8, 3, 2), 1100);
+    let c = counts(&mut r, 3, 10_000, 72, 1100);
+    assert!(c[0] > 5_000, "{c:?}");
+    assert_eq!(r.counters().overflow_over_gpu_limit, c[0] as u64);
+    assert_eq!(r.pod_status(0, 1100)[0].score, 0.0);
+    // With its breaker open it gets nothing, queue or not.
+    let mut r = Router::new(config(""));
+    r.apply_pool_event(0, &ev(8, 3, 1), 1000);
+    let err = Outcome {
+        status: Some(503),
+        ..Default::default()
+    };
+    for t in 0..2 {
+        let _ = r.on_outcome(0, &addr(0), None, &err, 1000 + t);
+    }
+    assert_eq!(counts(&mut r, 3, 10_000, 73, 1010)[0], 0);
+    // Under `proportional` the cut is a plain cut.
+    let mut r = Router::new(config(r#"{"pickStrategy":"proportional"}"#));
+    r.apply_pool_event(0, &ev(8, 3, 1), 1000);
+    assert_eq!(counts(&mut r, 3, 10_000, 74, 1000)[0], 0);
+}
+
+#[test]
 fn without_kv_capacity_no_request_is_judged_by_kv() {
     // Same uses as above but no capacity reported: a 5 000-token request is not steered
     // away from the fuller pods by KV (only seats and score count).
@@ -864,15 +940,21 @@ proptest! {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let mut buf = String::new();
         for _ in 0..50 {
+            let overflows = r.counters().overflow_over_gpu_limit;
             let d = r.decide(0, None, now, &mut rng);
+            let overflowed = r.counters().overflow_over_gpu_limit - overflows;
             if let Decision::Steer { ranked, chosen_score } = d {
                 prop_assert!((0.0..=1.0).contains(&chosen_score));
                 r.write_ranked(0, &ranked, &mut buf);
-                for a in buf.split(',') {
+                for (k, a) in buf.split(',').enumerate() {
                     let i = (0..pods.len()).position(|i| addr(i) == a).unwrap();
                     let p = pods[i];
+                    let gpu_cut = p.gpu.is_some_and(|g| g > 0.9);
                     prop_assert!(!failing[i], "open breaker pod {i} steered to");
-                    prop_assert!(p.gpu.is_none_or(|g| g <= 0.9), "gpu-cut pod {i}");
+                    // A GPU-cut pod only as the chosen pod of a counted overflow (the
+                    // drawn pods would have queued), never as a fallback.
+                    prop_assert!(!gpu_cut || (k == 0 && overflowed == 1), "gpu-cut pod {i}");
+                    prop_assert!(k > 0 || gpu_cut || overflowed == 0, "overflow not to a gpu-cut pod");
                     prop_assert!(p.gpu.is_none() || p.waiting < 64, "queue-cut pod {i}");
                     prop_assert!(p.age_ms + (now - 1000) <= 2000, "stale pod {i}");
                 }

@@ -5,6 +5,7 @@
 //! and turns per-request records into percentiles, shares and ratios (`analysis`).
 
 pub mod analysis;
+pub mod attempts;
 pub mod calibrate;
 pub mod freshness;
 pub mod overhead;

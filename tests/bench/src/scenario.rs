@@ -344,6 +344,11 @@ pub fn run_policy(
     let started = Instant::now();
     let (mut children, rec_paths) = spawn_loadgens(env, &urls, &traces, dir, policy.name())?;
     let fault_at = Duration::from_secs_f64(env.duration_s / 2.0);
+    // What reached the pods (retries hide failed attempts from the clients).
+    let probe = load.fault.map(|_| {
+        let admins = sidecars.iter().map(|s| s.admin).collect();
+        crate::attempts::Probe::start(pool.addrs(), admins, started)
+    });
     let mut fault_done = false;
     if let Some(f) = load.fault {
         std::thread::sleep(fault_at.saturating_sub(started.elapsed()));
@@ -358,6 +363,8 @@ pub fn run_policy(
         &mut children,
         Duration::from_secs_f64(env.duration_s + env.timeout_s + 30.0),
     );
+    let attempts =
+        probe.map(|p| p.finish(0, fault_at.as_secs_f64() * 1000.0, env.duration_s * 1000.0));
     if fault_done {
         match load.fault {
             Some(Fault::Sigstop) => pool.pods[0].proc.sigcont()?,
@@ -392,6 +399,7 @@ pub fn run_policy(
             "share_1s_to_2s_after": analysis::share_between(&refs, pod, t + 1000.0, t + 2000.0),
             "share_2s_to_end": analysis::share_between(&refs, pod, t + 2000.0, f64::INFINITY),
             "share_per_250ms": series,
+            "attempts": attempts,
         })
     });
     Ok((
@@ -482,6 +490,11 @@ fn write_outputs(dir: &Path, summary: &Value, table: &str) -> Result<(), Error> 
 
 fn f1(v: Option<f64>) -> String {
     v.map_or("–".into(), |x| format!("{x:.0}"))
+}
+
+/// A share as a percentage with two decimals.
+fn pct(v: Option<f64>) -> String {
+    v.map_or("–".into(), |x| format!("{:.2} %", x * 100.0))
 }
 
 fn f2(v: Option<f64>) -> String {
@@ -590,6 +603,21 @@ pub fn table(load: &Load, results: &[PolicyResult], rate: f64, env: &Env, cmd: &
                 f2(f["share_1s_to_2s_after"].as_f64()),
                 f2(f["share_2s_to_end"].as_f64()),
             ));
+            let a = &f["attempts"];
+            t.push_str(&format!(
+                "; attempts reaching it (pod-side, retries included): share 10 s before {}, after the fault {}",
+                pct(a["pod_share_of_attempts_10s_before"].as_f64()),
+                pct(a["pod_share_of_attempts_after_fault"].as_f64()),
+            ));
+            if let Some(ms) = a["first_breaker_open_ms_after_fault"].as_f64() {
+                t.push_str(&format!(
+                    ", first breaker opened {ms:.0} ms after the fault, after that {} of attempts ({} of {}), {} openings",
+                    pct(a["pod_share_of_attempts_after_first_open"].as_f64()),
+                    f1(a["attempts_at_pod_after_first_open"].as_f64()),
+                    f1(a["attempts_all_pods_after_first_open"].as_f64()),
+                    a["breaker_openings_after_fault"].as_u64().unwrap_or(0),
+                ));
+            }
         }
         if r.ailb_ready == Some(false) {
             t.push_str(&format!(

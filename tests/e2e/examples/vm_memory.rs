@@ -158,6 +158,7 @@ fn snapshot(i: usize, addr: SocketAddr, t: u64) -> PodSnapshot {
             request_rate: Some(4.0),
             error_rate: Some(0.0),
             window_ms: 10_000,
+            kv_capacity_tokens: Some(400_000),
         }),
         sources: vec![fresh("nvml"), fresh("model-server")],
         sample_time_unix_ms: unix_ms(),
