@@ -345,12 +345,17 @@ struct RawConfig {
     )]
     floor_weight: Option<f64>,
     /// How a pod is chosen among those not cut: `twoChoices` (two draws in proportion to
-    /// score; a pod with a free seat beats one where the request would queue, then the lower
-    /// estimated occupancy wins; occupancy = the snapshot's running + waiting moved by this
-    /// sidecar's own starts and ends since, each weighted by its body size; idle pods tie and
-    /// the first draw wins, so an idle pool gets score-proportional shares) or `proportional` (one draw in
-    /// proportion to score, divided by `1 + inflight/capacity` of this sidecar's requests
-    /// since the pod's last snapshot).
+    /// score; a pod with a free seat beats one where the request would queue for a seat, which
+    /// beats one where it would wait for KV cache (the prompt does not fit the estimated free
+    /// KV cache, or the queue's head already waits for KV); then the lower load wins, the
+    /// fuller of seats (the snapshot's running + waiting moved by this sidecar's own starts
+    /// and ends since) and KV cache (the snapshot's KV use plus this sidecar's prompts and
+    /// `max_tokens` since; pods whose agent reports KV capacity); a prompt that fits neither
+    /// candidate draws up to four more; a pod over the GPU hard limit takes overflow once the
+    /// drawn pods would queue; idle pods tie and the first draw wins, so an idle pool gets
+    /// score-proportional shares) or `proportional` (one draw in proportion to score, divided
+    /// by `1 + inflight/capacity` of this sidecar's requests since the pod's last snapshot;
+    /// cut pods get nothing).
     #[serde(default)]
     #[cfg_attr(
         feature = "schema",
