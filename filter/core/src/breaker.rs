@@ -5,6 +5,10 @@
 //!
 //! Failures: 5xx, resets, connect failures, timeouts, and TTFT above `ttftSloMs`; a 4xx is the
 //! client's fault and counts as a success. Agent-reported hardware faults trip it at once.
+//! Besides `consecutiveFailures` in a row, a failure rate opens it: [`FailureWindow`] keeps one
+//! worker's outcomes of a pod over `failureRateWindowMs` (Envoy's failure-percentage outlier
+//! detection works on the same idea), so a pod failing half its requests, which rarely fails
+//! five in a row, is cut too.
 
 use crate::config::BreakerConfig;
 
@@ -41,6 +45,8 @@ pub enum TripReason {
     Timeouts,
     /// Consecutive responses with TTFT over `ttftSloMs`.
     SlowTtft,
+    /// The share of failures over `failureRateWindowMs` reached `failureRate`.
+    FailureRate,
 }
 
 impl TripReason {
@@ -52,6 +58,7 @@ impl TripReason {
             TripReason::ConnectFailures => "connect_failures",
             TripReason::Timeouts => "timeouts",
             TripReason::SlowTtft => "slow_ttft",
+            TripReason::FailureRate => "failure_rate",
         }
     }
 
@@ -64,6 +71,7 @@ impl TripReason {
             TripReason::ConnectFailures => "breaker_connect_failures",
             TripReason::Timeouts => "breaker_timeouts",
             TripReason::SlowTtft => "breaker_slow_ttft",
+            TripReason::FailureRate => "breaker_failure_rate",
         }
     }
 
@@ -75,6 +83,7 @@ impl TripReason {
             TripReason::ConnectFailures => 4,
             TripReason::Timeouts => 5,
             TripReason::SlowTtft => 6,
+            TripReason::FailureRate => 7,
         }
     }
 
@@ -87,6 +96,7 @@ impl TripReason {
             4 => Some(TripReason::ConnectFailures),
             5 => Some(TripReason::Timeouts),
             6 => Some(TripReason::SlowTtft),
+            7 => Some(TripReason::FailureRate),
             _ => return None,
         })
     }
@@ -144,6 +154,51 @@ pub struct BreakerEvent {
     pub from: BreakerState,
     pub to: BreakerState,
     pub reason: Option<TripReason>,
+}
+
+/// Outcomes of one pod over a sliding window, for the failure-rate trip: two half-window
+/// buckets (the older one is dropped as a whole when the window moves on), so the rate covers
+/// between half a window and a whole one. Kept per worker VM, not shared.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FailureWindow {
+    /// Start of the current bucket (monotonic ms).
+    start_ms: u64,
+    cur: (u32, u32),
+    prev: (u32, u32),
+}
+
+impl FailureWindow {
+    /// Records one outcome at `now_ms` and says whether the failure rate now opens the
+    /// breaker (then the window starts over).
+    pub fn record(&mut self, failed: bool, now_ms: u64, cfg: &BreakerConfig) -> bool {
+        let half = (cfg.failure_rate_window_ms / 2).max(1);
+        let since = now_ms.saturating_sub(self.start_ms);
+        if since >= 2 * half {
+            self.prev = (0, 0);
+            self.cur = (0, 0);
+            self.start_ms = now_ms;
+        } else if since >= half {
+            self.prev = self.cur;
+            self.cur = (0, 0);
+            self.start_ms = self.start_ms.saturating_add(half);
+        }
+        if failed {
+            self.cur.1 = self.cur.1.saturating_add(1);
+        } else {
+            self.cur.0 = self.cur.0.saturating_add(1);
+        }
+        let fails = u64::from(self.cur.1) + u64::from(self.prev.1);
+        let total = fails + u64::from(self.cur.0) + u64::from(self.prev.0);
+        let tripped = total >= u64::from(cfg.failure_rate_min_requests)
+            && fails as f64 >= cfg.failure_rate * total as f64;
+        if tripped {
+            *self = FailureWindow {
+                start_ms: now_ms,
+                ..FailureWindow::default()
+            };
+        }
+        tripped
+    }
 }
 
 /// Length of [`Breaker::encode`]'s output.
@@ -410,7 +465,38 @@ mod tests {
             max_cooldown_ms: 3000,
             half_open_probes: 2,
             ttft_slo_ms: Some(500),
+            ..BreakerConfig::default()
         }
+    }
+
+    #[test]
+    fn failure_rate_opens_once_enough_outcomes_fail_within_the_window() {
+        let c = BreakerConfig {
+            failure_rate_min_requests: 20,
+            ..BreakerConfig::default()
+        }; // 0.5 over 10 s, at least 20 outcomes
+        let mut w = FailureWindow::default();
+        // Alternating success / failure: never 5 in a row, but half failed.
+        let mut tripped_at = None;
+        for i in 0..40u64 {
+            if w.record(i % 2 == 1, 1000 + i * 100, &c) {
+                tripped_at = Some(i);
+                break;
+            }
+        }
+        assert_eq!(tripped_at, Some(19), "the 20th outcome makes 10 of 20");
+        // The window started over: the next outcomes alone do not trip.
+        assert!(!w.record(true, 5000, &c));
+        // 30 % failures never trip.
+        let mut w = FailureWindow::default();
+        assert!((0..200u64).all(|i| !w.record(i % 10 < 3, i * 100, &c)));
+        // Old outcomes leave the window: 19 failures, then a gap longer than the window, then
+        // one more failure is 1 of 1 (below the minimum count), not 20 of 20.
+        let mut w = FailureWindow::default();
+        for i in 0..19u64 {
+            assert!(!w.record(true, i, &c));
+        }
+        assert!(!w.record(true, 30_000, &c));
     }
 
     fn fail(b: &mut Breaker, now: u64) -> Option<Transition> {

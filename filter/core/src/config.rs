@@ -100,7 +100,7 @@ impl Default for Cutoffs {
 }
 
 /// Circuit breaker settings (see [`crate::breaker`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BreakerConfig {
     /// Consecutive passive failures that open the breaker.
     pub consecutive_failures: u32,
@@ -112,6 +112,12 @@ pub struct BreakerConfig {
     pub half_open_probes: u32,
     /// A response whose time to first token exceeds this counts as a failure. None = off.
     pub ttft_slo_ms: Option<u64>,
+    /// Failure share over the last `failure_rate_window_ms` that opens the breaker, once at
+    /// least `failure_rate_min_requests` outcomes were seen (a pod failing half its requests
+    /// rarely fails `consecutive_failures` in a row).
+    pub failure_rate: f64,
+    pub failure_rate_window_ms: u64,
+    pub failure_rate_min_requests: u32,
 }
 
 impl Default for BreakerConfig {
@@ -122,6 +128,9 @@ impl Default for BreakerConfig {
             max_cooldown_ms: 60_000,
             half_open_probes: 3,
             ttft_slo_ms: None,
+            failure_rate: 0.5,
+            failure_rate_window_ms: 10_000,
+            failure_rate_min_requests: 10,
         }
     }
 }
@@ -557,6 +566,29 @@ struct RawBreaker {
         schemars(extend("default" = null, "minimum" = 1))
     )]
     ttft_slo_ms: Option<u64>,
+    /// Share of failed requests over `failureRateWindowMs` that opens the breaker (once
+    /// `failureRateMinRequests` were seen by one Envoy worker); 1 = only when all failed.
+    #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 0.5, "exclusiveMinimum" = 0, "maximum" = 1))
+    )]
+    failure_rate: Option<f64>,
+    /// Sliding window of the failure rate (ms).
+    #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 10_000, "minimum" = 100, "maximum" = 3_600_000))
+    )]
+    failure_rate_window_ms: Option<u64>,
+    /// Outcomes a worker must have seen in the window before the failure rate can open the
+    /// breaker.
+    #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 10, "minimum" = 1, "maximum" = 100_000))
+    )]
+    failure_rate_min_requests: Option<u64>,
 }
 
 /// The pool subscription (`WatchPool` stream to the agents).
@@ -899,6 +931,25 @@ impl TryFrom<RawConfig> for FilterConfig {
                 250,
             )?,
             ttft_slo_ms,
+            failure_rate: ratio_limit(
+                "breaker.failureRate",
+                raw.breaker.failure_rate,
+                d.failure_rate,
+            )?,
+            failure_rate_window_ms: u64::from(u32_in(
+                "breaker.failureRateWindowMs",
+                raw.breaker.failure_rate_window_ms,
+                10_000,
+                100,
+                3_600_000,
+            )?),
+            failure_rate_min_requests: u32_in(
+                "breaker.failureRateMinRequests",
+                raw.breaker.failure_rate_min_requests,
+                d.failure_rate_min_requests,
+                1,
+                100_000,
+            )?,
         };
 
         let ema_alpha = match raw.ema_alpha {

@@ -37,6 +37,8 @@
 //!     it wins only with the lower load (counted as `overflow_over_gpu_limit`). So a hot pod
 //!     gets nothing while the drawn pods have free seats; when the whole pool runs hot,
 //!     cutting it outright only herds its share onto the rest, which then run hot in turn.
+//!   - A pod where one of this VM's requests failed in the last second counts as queued: a
+//!     pod that fails fast has few requests in flight and would otherwise draw traffic.
 //!   - A request that would wait for KV cache on both candidates draws up to four more and
 //!     takes the best: it would otherwise wait at the head of that pod's queue, holding up
 //!     every request behind it (head-of-line blocking).
@@ -60,7 +62,9 @@ use std::collections::HashMap;
 
 use rand::RngCore;
 
-use crate::breaker::{Breaker, BreakerEvent, BreakerState, Outcome, Transition, TripReason};
+use crate::breaker::{
+    Breaker, BreakerEvent, BreakerState, FailureWindow, Outcome, Transition, TripReason,
+};
 use crate::config::{FilterConfig, PickStrategy, MAX_FALLBACK_ENDPOINTS};
 use crate::counters::Counters;
 use crate::pool::{DecodeError, PoolState};
@@ -75,6 +79,9 @@ const PROMPT_BYTES_PER_TOKEN: f64 = 4.0;
 
 /// Bound of one request's KV estimate, so a huge `max_tokens` cannot overflow sums.
 const MAX_REQUEST_KV_TOKENS: f64 = 1e9;
+
+/// How long a failed request makes its pod count as queued for `twoChoices` (ms).
+const RECENT_FAILURE_MS: u64 = 1000;
 
 /// Extra candidates drawn for a request that fits neither first candidate's KV cache.
 const KV_EXTRA_DRAWS: usize = 4;
@@ -261,6 +268,10 @@ struct PodRt {
     kv_seq: Option<u64>,
     picks: u64,
     breaker: Breaker,
+    /// This VM's recent outcomes of the pod, for the failure-rate trip.
+    window: FailureWindow,
+    /// When this VM last saw a request to the pod fail.
+    last_failure_ms: Option<u64>,
     model_breakers: Vec<(String, Breaker)>,
     serves_several: bool,
 }
@@ -298,6 +309,8 @@ impl PodRt {
             kv_seq: None,
             picks: 0,
             breaker: Breaker::default(),
+            window: FailureWindow::default(),
+            last_failure_ms: None,
             model_breakers: Vec::new(),
             serves_several: false,
         }
@@ -359,6 +372,13 @@ impl PodRt {
         self.load_with(0.0)
     }
 
+    /// A request to the pod failed in the last [`RECENT_FAILURE_MS`]: it counts as queued. A
+    /// pod that fails fast has few requests in flight and would otherwise look the freest.
+    fn failed_recently(&self, now_ms: u64) -> bool {
+        self.last_failure_ms
+            .is_some_and(|t| now_ms.saturating_sub(t) < RECENT_FAILURE_MS)
+    }
+
     /// Whether a request holding `kv_tokens` would wait for KV cache there: it does not fit
     /// the estimated free KV cache, or the queue's head already waits for KV.
     fn waits_for_kv(&self, kv_tokens: f64) -> bool {
@@ -373,10 +393,14 @@ impl PodRt {
     /// with it. The score has already had its say in which two pods were drawn; dividing by
     /// it here would let a small score difference outweigh a long prompt's size. Idle pods
     /// tie.
-    fn pick_key(&self, kv_tokens: f64) -> (u8, f64) {
+    fn pick_key(&self, kv_tokens: f64, now_ms: u64) -> (u8, f64) {
         let tier = if self.waits_for_kv(kv_tokens) {
             2
-        } else if self.hot || self.seat_load() >= 1.0 || self.snap_waiting > 0 {
+        } else if self.hot
+            || self.seat_load() >= 1.0
+            || self.snap_waiting > 0
+            || self.failed_recently(now_ms)
+        {
             1
         } else {
             0
@@ -900,7 +924,9 @@ impl Router {
                     view.slots
                         .get(slot)
                         .and_then(|id| p.pods.get(*id as usize))
-                        .map_or((u8::MAX, f64::INFINITY), |r| r.pick_key(size.kv_tokens))
+                        .map_or((u8::MAX, f64::INFINITY), |r| {
+                            r.pick_key(size.kv_tokens, now_ms)
+                        })
                 };
                 if key(other) < key(start) {
                     start = other;
@@ -937,7 +963,7 @@ impl Router {
             let key = |id: u32| {
                 p.pods
                     .get(id as usize)
-                    .map_or((u8::MAX, f64::INFINITY), |r| r.pick_key(need))
+                    .map_or((u8::MAX, f64::INFINITY), |r| r.pick_key(need, now_ms))
             };
             if let Some(b) = second {
                 if key(b) < key(a) {
@@ -1139,7 +1165,24 @@ impl Router {
                     .get_mut(idx)
                     .and_then(|(_, b)| b.record(failure, now_ms, &cfg.breaker))
             }
-            None => rt.breaker.record(failure, now_ms, &cfg.breaker),
+            None => {
+                if failure.is_some() {
+                    rt.last_failure_ms = Some(now_ms);
+                }
+                let t = rt.breaker.record(failure, now_ms, &cfg.breaker);
+                // The failure rate, over this VM's outcomes while Closed: a pod failing half
+                // its requests rarely fails `consecutiveFailures` in a row.
+                let closed = rt.breaker.state() == BreakerState::Closed;
+                if t.is_none()
+                    && closed
+                    && rt.window.record(failure.is_some(), now_ms, &cfg.breaker)
+                {
+                    rt.breaker
+                        .trip(TripReason::FailureRate, now_ms, &cfg.breaker)
+                } else {
+                    t
+                }
+            }
         };
         if let Some(t) = t {
             push_event(&mut out, &mut self.counters, &rt.address, per_model, t);
@@ -1283,7 +1326,7 @@ impl Router {
                     picks: r.picks,
                     inflight: r.inflight,
                     load: r.load(),
-                    queued: r.pick_key(0.0).0 > 0,
+                    queued: r.pick_key(0.0, now_ms).0 > 0,
                     kv: r.kv_used().zip(r.kv_cap).map(|(u, c)| u / c),
                     metrics_age_ms: entry
                         .and_then(|e| e.signals.as_ref())

@@ -113,6 +113,26 @@ fn bad_configs_name_their_field_and_value() {
             "breaker.ttftSloMs",
             "0",
         ),
+        (
+            with(r#","breaker":{"failureRate":0}"#),
+            "breaker.failureRate",
+            "0",
+        ),
+        (
+            with(r#","breaker":{"failureRate":1.5}"#),
+            "breaker.failureRate",
+            "1.5",
+        ),
+        (
+            with(r#","breaker":{"failureRateWindowMs":50}"#),
+            "breaker.failureRateWindowMs",
+            "50",
+        ),
+        (
+            with(r#","breaker":{"failureRateMinRequests":0}"#),
+            "breaker.failureRateMinRequests",
+            "0",
+        ),
         (with(r#","emaAlpha":0"#), "emaAlpha", "0"),
         (with(r#","emaAlpha":1.01"#), "emaAlpha", "1.01"),
         (with(r#","minPods":0"#), "minPods", "0"),

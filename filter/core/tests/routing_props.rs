@@ -1,6 +1,6 @@
 //! Properties of scoring, breakers and picking, driven by explicit `now_ms` and seeded RNGs.
 
-use ai_lb_filter_core::breaker::{Breaker, BreakerState, Outcome};
+use ai_lb_filter_core::breaker::{Breaker, BreakerState, Outcome, TripReason};
 use ai_lb_filter_core::config::{BreakerConfig, Cutoffs, FilterConfig, PickStrategy, Weights};
 use ai_lb_filter_core::picker::{Decision, FallbackReason, RequestSize, Router};
 use ai_lb_filter_core::{score, PodSignals, PoolState};
@@ -845,6 +845,60 @@ fn without_kv_capacity_no_request_is_judged_by_kv() {
 }
 
 #[test]
+fn a_pod_failing_half_its_requests_is_cut_by_the_failure_rate() {
+    // consecutiveFailures 2 in the test config: alternate failure / success never trips it.
+    // Half of 20 outcomes failed: the failure-rate trip opens the breaker, and the pod is cut.
+    let mut r = router(
+        &[pod(0.2), pod(0.2)],
+        r#"{"breaker":{"consecutiveFailures":2}}"#,
+    );
+    let err = Outcome {
+        status: Some(500),
+        ..Default::default()
+    };
+    let ok = Outcome {
+        status: Some(200),
+        ..Default::default()
+    };
+    let mut opened = Vec::new();
+    for i in 0..20u64 {
+        let o = if i % 2 == 0 { &err } else { &ok };
+        opened.extend(r.on_outcome(0, &addr(0), None, o, 1000 + i * 10));
+    }
+    assert_eq!(opened.len(), 1, "{opened:?}");
+    assert_eq!(opened[0].to, BreakerState::Open);
+    assert_eq!(opened[0].reason, Some(TripReason::FailureRate));
+    assert_eq!(counts(&mut r, 2, 1_000, 81, 1300)[0], 0);
+    // 20 % failures, never two in a row, do not: a fresh router, 40 outcomes.
+    let mut r = router(
+        &[pod(0.2), pod(0.2)],
+        r#"{"breaker":{"consecutiveFailures":2}}"#,
+    );
+    for i in 0..40u64 {
+        let o = if i % 10 < 3 && i % 10 != 1 { &err } else { &ok };
+        assert!(r.on_outcome(0, &addr(0), None, o, 1000 + i * 10).is_empty());
+    }
+}
+
+#[test]
+fn a_pod_whose_request_just_failed_counts_as_queued_for_a_second() {
+    // A pod that fails fast has nothing in flight and would look the freest. After one 500
+    // it loses every comparison against a pod with a free seat for 1 s, then competes again.
+    let mut r = router(&[pod(0.2), pod(0.2)], "");
+    let err = Outcome {
+        status: Some(500),
+        ..Default::default()
+    };
+    assert!(r.on_outcome(0, &addr(0), None, &err, 1000).is_empty());
+    let c = counts(&mut r, 2, 4_000, 91, 1500);
+    // Only when both draws land on pod 0 (three redraws): (1/2)^4.
+    assert!(c[0] < 400, "{c:?}");
+    assert!(r.pod_status(0, 1500)[0].queued);
+    let c = counts(&mut r, 2, 4_000, 92, 2100);
+    assert!(c[0] > 1_600, "{c:?}");
+}
+
+#[test]
 fn pick_strategy_errors_name_the_field() {
     let e = FilterConfig::from_json(
         br#"{"pools":[{"name":"p","cluster":"c"}],"pickStrategy":"fastest"}"#,
@@ -1006,7 +1060,7 @@ proptest! {
 
     #[test]
     fn cooldown_doubles_and_caps(reopens in 1u32..12) {
-        let cfg = BreakerConfig { consecutive_failures: 1, base_cooldown_ms: 100, max_cooldown_ms: 1600, half_open_probes: 1, ttft_slo_ms: None };
+        let cfg = BreakerConfig { consecutive_failures: 1, base_cooldown_ms: 100, max_cooldown_ms: 1600, half_open_probes: 1, ttft_slo_ms: None, ..BreakerConfig::default() };
         let mut b = Breaker::default();
         let fail = Outcome { timeout: true, ..Default::default() };
         let mut now = 0u64;

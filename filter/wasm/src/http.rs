@@ -12,7 +12,7 @@ use std::rc::Rc;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, LogLevel};
 
-use ai_lb_filter_core::breaker::BreakerState;
+use ai_lb_filter_core::breaker::{BreakerState, TripReason};
 use ai_lb_filter_core::picker::{Decision, RequestSize};
 use ai_lb_filter_core::status::scoreboard_json;
 
@@ -321,22 +321,33 @@ impl Request {
         // The chosen pod was counted in flight: close that however the request ended, then
         // let its local breaker record (the shared breaker below is authoritative). A
         // cancelled request teaches the breaker nothing.
+        let mut rate_tripped = false;
         if let Some(c) = chosen.as_deref() {
             router.on_request_end(pool, c, self.size);
             if let Some((_, o)) = pairs.iter().find(|(p, _)| *p == c) {
-                let _ = router.on_outcome(pool, c, model, o, now);
+                // This VM's failure-rate window can open the pod's breaker; the shared breaker
+                // below is authoritative, so the trip is carried there.
+                rate_tripped = router.on_outcome(pool, c, model, o, now).iter().any(|e| {
+                    e.to == BreakerState::Open && e.reason == Some(TripReason::FailureRate)
+                });
             }
         }
         for (pod, o) in &pairs {
             let failure = o.failure(&cfg);
             if failure.is_some() {
                 metrics.failure(pod);
-            } else if clean_before && chosen.as_deref() == Some(*pod) {
+            } else if clean_before && chosen.as_deref() == Some(*pod) && !rate_tripped {
                 continue;
             }
-            if let Some((b, ts)) =
-                shared::update_breaker(&name, pod, now, &cfg, |b| b.record(failure, now, &cfg))
-            {
+            let trip_rate = rate_tripped && chosen.as_deref() == Some(*pod);
+            if let Some((b, ts)) = shared::update_breaker(&name, pod, now, &cfg, |b| {
+                let t = b.record(failure, now, &cfg);
+                if t.is_none() && trip_rate && b.state() == BreakerState::Closed {
+                    b.trip(TripReason::FailureRate, now, &cfg)
+                } else {
+                    t
+                }
+            }) {
                 router.set_breaker(pool, pod, None, b);
                 count_transitions(metrics, &ts);
                 for t in &ts {
