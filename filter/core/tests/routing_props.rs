@@ -634,14 +634,7 @@ fn a_long_prompt_keeps_its_weight_across_snapshots() {
     let mut ev = busy(2);
     let i = (0..8).position(|i| addr(i) == long).unwrap();
     // The snapshot now shows the long request: 7 running there.
-    ev.peers[i]
-        .snapshot
-        .as_mut()
-        .unwrap()
-        .inference
-        .as_mut()
-        .unwrap()
-        .running = Some(7);
+    inference(&mut ev, i).running = Some(7);
     r.apply_pool_event(0, &ev, 1100);
     let c = start_many(&mut r, 8, 14, 22, 1100);
     assert_eq!(c[i], 0, "{c:?}");
