@@ -1,10 +1,15 @@
 //! Decides whether a pod (or pod+model) may receive traffic: a three-state circuit breaker
 //! (Closed → Open → HalfOpen → Closed), after linkerd's `http/breaker` consecutive-failures
 //! accrual, with an exponential cooldown (`base · 2^(opens-1)`, capped) while a pod keeps
-//! failing. Time is passed in; every transition is returned so the caller can count it.
+//! failing. The doubling survives a close for `maxCooldownMs` (like Envoy's outlier-detection
+//! ejection multiplier), so a pod that fails half its requests, whose probes sometimes all
+//! succeed, is not let back at the base cooldown every time. Time is passed in; every
+//! transition is returned so the caller can count it.
 //!
 //! Failures: 5xx, resets, connect failures, timeouts, and TTFT above `ttftSloMs`; a 4xx is the
-//! client's fault and counts as a success. Agent-reported hardware faults trip it at once.
+//! client's fault and counts as a success. Agent-reported hardware faults trip it at once, and
+//! so does the pod's own error rate as its agent reports it (every client's traffic, so every
+//! sidecar acts on the same evidence at once).
 //! Besides `consecutiveFailures` in a row, a failure rate opens it: [`FailureWindow`] keeps one
 //! worker's outcomes of a pod over `failureRateWindowMs` (Envoy's failure-percentage outlier
 //! detection works on the same idea), so a pod failing half its requests, which rarely fails
@@ -47,6 +52,9 @@ pub enum TripReason {
     SlowTtft,
     /// The share of failures over `failureRateWindowMs` reached `failureRate`.
     FailureRate,
+    /// The pod's agent reported an error rate of at least `failureRate` over at least
+    /// `failureRateMinRequests` requests in its window (all clients' traffic).
+    AgentErrorRate,
 }
 
 impl TripReason {
@@ -59,6 +67,7 @@ impl TripReason {
             TripReason::Timeouts => "timeouts",
             TripReason::SlowTtft => "slow_ttft",
             TripReason::FailureRate => "failure_rate",
+            TripReason::AgentErrorRate => "agent_error_rate",
         }
     }
 
@@ -72,6 +81,7 @@ impl TripReason {
             TripReason::Timeouts => "breaker_timeouts",
             TripReason::SlowTtft => "breaker_slow_ttft",
             TripReason::FailureRate => "breaker_failure_rate",
+            TripReason::AgentErrorRate => "breaker_agent_error_rate",
         }
     }
 
@@ -84,6 +94,7 @@ impl TripReason {
             TripReason::Timeouts => 5,
             TripReason::SlowTtft => 6,
             TripReason::FailureRate => 7,
+            TripReason::AgentErrorRate => 8,
         }
     }
 
@@ -97,6 +108,7 @@ impl TripReason {
             5 => Some(TripReason::Timeouts),
             6 => Some(TripReason::SlowTtft),
             7 => Some(TripReason::FailureRate),
+            8 => Some(TripReason::AgentErrorRate),
             _ => return None,
         })
     }
@@ -211,8 +223,10 @@ pub struct Breaker {
     state: BreakerState,
     reason: Option<TripReason>,
     consecutive_failures: u32,
-    /// Opens since the last close (drives the cooldown doubling).
+    /// Opens in a row (drives the cooldown doubling); kept over a close and forgotten once the
+    /// breaker has stayed closed for `maxCooldownMs`.
     opens: u32,
+    /// Open: when it turns HalfOpen. Closed after a close: when it closed (0 if never opened).
     open_until_ms: u64,
     probes_issued: u32,
     probe_successes: u32,
@@ -330,7 +344,12 @@ impl Breaker {
                 self.probe_successes = self.probe_successes.saturating_add(1);
                 if self.probe_successes >= cfg.half_open_probes {
                     let reason = self.reason;
-                    *self = Breaker::default();
+                    *self = Breaker {
+                        opens: self.opens,
+                        open_until_ms: now_ms,
+                        last_probe_ms: now_ms,
+                        ..Breaker::default()
+                    };
                     Some(Transition {
                         from: BreakerState::HalfOpen,
                         to: BreakerState::Closed,
@@ -365,6 +384,12 @@ impl Breaker {
 
     fn open(&mut self, reason: TripReason, now_ms: u64, cfg: &BreakerConfig) -> Transition {
         let from = self.state;
+        // Closed long enough since the last close: the doubling starts over.
+        if from == BreakerState::Closed
+            && now_ms.saturating_sub(self.open_until_ms) >= cfg.max_cooldown_ms
+        {
+            self.opens = 0;
+        }
         self.opens = self.opens.saturating_add(1);
         self.state = BreakerState::Open;
         self.reason = Some(reason);
@@ -561,6 +586,55 @@ mod tests {
         b.on_request(3100);
         fail(&mut b, 3200);
         assert_eq!(b.open_until_ms(), 6200, "4000 capped at 3000");
+    }
+
+    #[test]
+    fn doubling_survives_a_close_until_closed_for_max_cooldown() {
+        let c = cfg(); // base 1000, cap 3000, 2 probes
+        let mut b = Breaker::default();
+        b.trip(TripReason::ServerErrors, 0, &c);
+        b.poll(1000, &c);
+        b.on_request(1000);
+        b.on_request(1000);
+        b.record(None, 1100, &c);
+        assert_eq!(
+            b.record(None, 1200, &c).map(|t| t.to),
+            Some(BreakerState::Closed)
+        );
+        // Failing again soon after the close: the second open waits 2 × base.
+        b.trip(TripReason::ServerErrors, 2000, &c);
+        assert_eq!(b.open_until_ms(), 4000);
+        b.poll(4000, &c);
+        b.on_request(4000);
+        b.on_request(4000);
+        b.record(None, 4100, &c);
+        b.record(None, 4200, &c);
+        assert_eq!(b.state(), BreakerState::Closed);
+        // Closed for the whole cap (3000 ms) before failing again: back to the base.
+        b.trip(TripReason::ServerErrors, 7200, &c);
+        assert_eq!(b.open_until_ms(), 8200);
+        // A close is carried through the shared encoding too.
+        let d = Breaker::decode(&b.encode()).unwrap();
+        assert_eq!(d, b);
+    }
+
+    #[test]
+    fn agent_error_rate_trip_round_trips_and_names_itself() {
+        let c = cfg();
+        let mut b = Breaker::default();
+        let t = b.trip(TripReason::AgentErrorRate, 10, &c).unwrap();
+        assert_eq!(t.reason, Some(TripReason::AgentErrorRate));
+        assert_eq!(TripReason::AgentErrorRate.as_str(), "agent_error_rate");
+        assert_eq!(
+            TripReason::AgentErrorRate.cut_name(),
+            "breaker_agent_error_rate"
+        );
+        let d = Breaker::decode(&b.encode()).unwrap();
+        assert_eq!(d.reason(), Some(TripReason::AgentErrorRate));
+        // A tag from a newer build is refused, not misread.
+        let mut bytes = b.encode();
+        bytes[2] = 9;
+        assert!(Breaker::decode(&bytes).is_none());
     }
 
     #[test]

@@ -104,7 +104,8 @@ impl Default for Cutoffs {
 pub struct BreakerConfig {
     /// Consecutive passive failures that open the breaker.
     pub consecutive_failures: u32,
-    /// First cooldown; doubles on every re-open without an intervening close.
+    /// First cooldown; doubles on every re-open until the breaker has stayed closed for
+    /// `max_cooldown_ms`.
     pub base_cooldown_ms: u64,
     /// Cap of the doubling cooldown (≥ base).
     pub max_cooldown_ms: u64,
@@ -118,6 +119,10 @@ pub struct BreakerConfig {
     pub failure_rate: f64,
     pub failure_rate_window_ms: u64,
     pub failure_rate_min_requests: u32,
+    /// Open on the pod's error rate as its agent reports it (all clients' requests over the
+    /// agent's window) once it reaches this share, over at least `failure_rate_min_requests`
+    /// requests, unless more than half the pool's pods do too. 0 = off.
+    pub agent_error_rate: f64,
 }
 
 impl Default for BreakerConfig {
@@ -131,6 +136,7 @@ impl Default for BreakerConfig {
             failure_rate: 0.5,
             failure_rate_window_ms: 10_000,
             failure_rate_min_requests: 10,
+            agent_error_rate: 0.25,
         }
     }
 }
@@ -536,7 +542,8 @@ struct RawBreaker {
         schemars(extend("default" = 5, "minimum" = 1, "maximum" = 10_000))
     )]
     consecutive_failures: Option<u64>,
-    /// First cooldown (ms); doubles on every re-open without an intervening close.
+    /// First cooldown (ms); doubles on every re-open until the breaker has stayed closed for
+    /// `maxCooldownMs`.
     #[serde(default)]
     #[cfg_attr(
         feature = "schema",
@@ -589,6 +596,17 @@ struct RawBreaker {
         schemars(extend("default" = 10, "minimum" = 1, "maximum" = 100_000))
     )]
     failure_rate_min_requests: Option<u64>,
+    /// Share of the pod's requests that failed, as its agent counts them over its window (every
+    /// client's requests, so all sidecars cut the pod on the same evidence), that opens the
+    /// breaker once the window holds at least `failureRateMinRequests`. Not applied while more
+    /// than half of the pool's pods are at or above it too: a pool-wide problem (the
+    /// model server counts client disconnects as errors) is not one pod's fault. 0: off.
+    #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 0.25, "minimum" = 0, "maximum" = 1))
+    )]
+    agent_error_rate: Option<f64>,
 }
 
 /// The pool subscription (`WatchPool` stream to the agents).
@@ -950,6 +968,17 @@ impl TryFrom<RawConfig> for FilterConfig {
                 1,
                 100_000,
             )?,
+            agent_error_rate: match raw.breaker.agent_error_rate {
+                None => d.agent_error_rate,
+                Some(x) if x.is_finite() && (0.0..=1.0).contains(&x) => x,
+                Some(x) => {
+                    return Err(ConfigError::new(
+                        "breaker.agentErrorRate",
+                        x,
+                        "must be within [0, 1] (0 turns it off)",
+                    ))
+                }
+            },
         };
 
         let ema_alpha = match raw.ema_alpha {

@@ -31,6 +31,9 @@ pub struct Counters {
     pub pool_decode_errors: u64,
     /// Hardware faults detected (Xid/ECC increase).
     pub hardware_faults: u64,
+    /// Snapshots whose agent error rate was at `breaker.agentErrorRate` but not acted on,
+    /// because more than half of the pool's pods were too.
+    pub agent_errors_pool_wide: u64,
     /// Breaker transitions by target state.
     pub breaker_opened: u64,
     pub breaker_half_opened: u64,
@@ -48,7 +51,7 @@ impl Counters {
     }
 
     /// `(stat name, value)` pairs, stable names for Envoy counters.
-    pub fn iter(&self) -> [(&'static str, u64); 15] {
+    pub fn iter(&self) -> [(&'static str, u64); 16] {
         [
             ("steered", self.steered),
             ("fallback.no_agent_data", self.fallback_no_agent_data),
@@ -62,6 +65,7 @@ impl Counters {
             ("pool_events", self.pool_events),
             ("pool_decode_errors", self.pool_decode_errors),
             ("hardware_faults", self.hardware_faults),
+            ("agent_errors_pool_wide", self.agent_errors_pool_wide),
             ("breaker.opened", self.breaker_opened),
             ("breaker.half_opened", self.breaker_half_opened),
             ("breaker.closed", self.breaker_closed),

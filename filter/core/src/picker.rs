@@ -216,6 +216,9 @@ pub struct PodStatus<'a> {
     /// Estimated KV-cache use 0..1 (the snapshot's, moved by this VM's requests since), when
     /// the pod reports its KV capacity.
     pub kv: Option<f64>,
+    /// The pod's error rate over its agent's window and the requests it covers, as reported.
+    pub error_rate: Option<f64>,
+    pub window_requests: Option<u64>,
     /// Metrics age at the status time (None when no snapshot).
     pub metrics_age_ms: Option<u64>,
 }
@@ -528,6 +531,9 @@ pub struct Router {
     pools: Vec<PoolRt>,
     counters: Counters,
     events: Vec<BreakerEvent>,
+    /// Breakers opened (or kept open) by an agent's signal since the glue last took them: one
+    /// entry per pool and pod, so the list stays bounded by the pool sizes.
+    signal_trips: Vec<SignalTrip>,
     /// Running mean of request body sizes, for [`Router::request_size`].
     mean_body_bytes: Option<f64>,
 }
@@ -568,6 +574,16 @@ fn effective(pod: &PodRt, model: Option<&str>, cfg: &FilterConfig) -> f64 {
     }
 }
 
+/// A pod's breaker tripped by what its agent reported (a hardware fault, its error rate), for
+/// the glue to carry into the breaker shared by every worker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SignalTrip {
+    pub pool_idx: usize,
+    /// Serving address `IP:PORT`.
+    pub pod: String,
+    pub reason: TripReason,
+}
+
 fn push_event(
     events: &mut Vec<BreakerEvent>,
     counters: &mut Counters,
@@ -594,6 +610,7 @@ impl Router {
             pools,
             counters: Counters::default(),
             events: Vec::new(),
+            signal_trips: Vec::new(),
             mean_body_bytes: None,
         }
     }
@@ -613,6 +630,15 @@ impl Router {
     /// Time-driven breaker transitions (Open → HalfOpen) seen since the last call.
     pub fn take_breaker_events(&mut self) -> Vec<BreakerEvent> {
         std::mem::take(&mut self.events)
+    }
+
+    /// Pods whose agent's snapshot tripped (or would have tripped) their breaker since the last
+    /// call: a hardware fault, or the agent's error rate (`breaker.agentErrorRate`). Every
+    /// worker sees the same snapshots; the glue carries these into the shared breaker so the
+    /// trip is counted once and a probe budget is not handed out while the agent still reports
+    /// the pod failing.
+    pub fn take_signal_trips(&mut self) -> Vec<SignalTrip> {
+        std::mem::take(&mut self.signal_trips)
     }
 
     pub fn pool_state(&self, pool_idx: usize) -> Option<&PoolState> {
@@ -714,6 +740,21 @@ impl Router {
         let mut next = u64::MAX;
         let mut mean_sum = 0.0;
         let mut mean_n = 0u32;
+        // More than half of the pool's pods fail at the agent threshold: a pool-wide problem,
+        // not a pod to cut (cutting them all would only fail open).
+        let pool_wide_errors = cfg.breaker.agent_error_rate > 0.0 && {
+            let (mut pods, mut failing) = (0u32, 0u32);
+            for sig in p.state.peers().iter().filter_map(|e| e.signals.as_ref()) {
+                pods += 1;
+                if sig.failing(
+                    cfg.breaker.agent_error_rate,
+                    cfg.breaker.failure_rate_min_requests,
+                ) {
+                    failing += 1;
+                }
+            }
+            2 * failing > pods
+        };
         for pod in p.pods.iter_mut() {
             let Some(entry) = p.state.peers().get(pod.peer_idx) else {
                 continue;
@@ -761,12 +802,38 @@ impl Router {
                         pod.kv_seq = None;
                     }
                 }
-                if sig.hardware_fault {
-                    if let Some(t) =
-                        pod.breaker
-                            .trip(TripReason::HardwareFault, now_ms, &cfg.breaker)
-                    {
+                let signal_trip = if sig.hardware_fault {
+                    Some(TripReason::HardwareFault)
+                } else if cfg.breaker.agent_error_rate > 0.0
+                    && sig.failing(
+                        cfg.breaker.agent_error_rate,
+                        cfg.breaker.failure_rate_min_requests,
+                    )
+                {
+                    if pool_wide_errors {
+                        self.counters.agent_errors_pool_wide += 1;
+                        None
+                    } else {
+                        Some(TripReason::AgentErrorRate)
+                    }
+                } else {
+                    None
+                };
+                if let Some(reason) = signal_trip {
+                    if let Some(t) = pod.breaker.trip(reason, now_ms, &cfg.breaker) {
                         push_event(&mut self.events, &mut self.counters, &pod.address, None, t);
+                    }
+                    let known = self
+                        .signal_trips
+                        .iter_mut()
+                        .find(|s| s.pool_idx == pool_idx && s.pod == pod.address);
+                    match known {
+                        Some(s) => s.reason = reason,
+                        None => self.signal_trips.push(SignalTrip {
+                            pool_idx,
+                            pod: pod.address.clone(),
+                            reason,
+                        }),
                     }
                 }
             }
@@ -1250,8 +1317,13 @@ impl Router {
         };
         let changed = match model {
             None => {
+                // An agent's signal opened this VM's breaker: another VM's older view of the
+                // shared breaker does not reopen the pod before its cooldown.
                 let keep_fault = rt.breaker.state() == BreakerState::Open
-                    && rt.breaker.reason() == Some(TripReason::HardwareFault)
+                    && matches!(
+                        rt.breaker.reason(),
+                        Some(TripReason::HardwareFault | TripReason::AgentErrorRate)
+                    )
                     && breaker.state() != BreakerState::Open;
                 let changed = !keep_fault && moved(&rt.breaker);
                 if !keep_fault {
@@ -1315,6 +1387,7 @@ impl Router {
             .iter()
             .map(|r| {
                 let entry = p.state.peers().get(r.peer_idx);
+                let sig = entry.and_then(|e| e.signals.as_ref());
                 PodStatus {
                     address: &r.address,
                     peer: entry.map_or("", |e| e.peer.as_str()),
@@ -1328,9 +1401,9 @@ impl Router {
                     load: r.load(),
                     queued: r.pick_key(0.0, now_ms).0 > 0,
                     kv: r.kv_used().zip(r.kv_cap).map(|(u, c)| u / c),
-                    metrics_age_ms: entry
-                        .and_then(|e| e.signals.as_ref())
-                        .map(|s| s.age_ms(now_ms)),
+                    error_rate: sig.and_then(|s| s.error_rate),
+                    window_requests: sig.and_then(|s| s.window_requests),
+                    metrics_age_ms: sig.map(|s| s.age_ms(now_ms)),
                 }
             })
             .collect()

@@ -9,6 +9,9 @@
 //!   ratio (vLLM preallocates, so the NVML ratio sits near 0.9 and is a weak signal).
 //! - p99 signal: TTFT p99 when its window has samples (it reflects queueing, which steering
 //!   changes), else end-to-end p99.
+//! - Error rate: the model server's share of failed requests over the agent's window, with the
+//!   number of requests it covers (`request_rate` × `window_ms`), so a rate over 2 requests is
+//!   not taken for a failing pod.
 //! - Hardware fault: Xid or uncorrected-ECC totals INCREASED since the previous snapshot of the
 //!   same agent instance ([`PodSignals::detect_fault_since`]).
 //! - Sources: if every reported source is FAILING, the pod has no metrics (`has_metrics`
@@ -60,6 +63,10 @@ pub struct PodSignals {
     pub kv_capacity_tokens: Option<u64>,
     /// TTFT p99 (else e2e p99), ms, ≥ 0.
     pub p99_ms: Option<f64>,
+    /// Share of the model server's requests that failed over the agent's window, 0..=1.
+    pub error_rate: Option<f64>,
+    /// Requests that finished over that window (`request_rate` × `window_ms`, rounded).
+    pub window_requests: Option<u64>,
     /// Sum of Xid error counts over GPUs (for fault detection).
     pub xid_total: Option<u64>,
     /// Sum of uncorrected ECC errors over GPUs (for fault detection).
@@ -184,6 +191,20 @@ impl PodSignals {
             .filter(|q| q.samples > 0)
             .and_then(|q| millis("inference.e2e.p99_ms", q.p99_ms, &mut issues));
         let p99_ms = ttft.or(e2e);
+        let error_rate = inf.and_then(|s| ratio("inference.error_rate", s.error_rate, &mut issues));
+        let window_requests = inf.and_then(|s| {
+            let r = s.request_rate?;
+            if !r.is_finite() || r < 0.0 {
+                issues.push(SignalIssue {
+                    field: "inference.request_rate".into(),
+                    value: r.to_string(),
+                    action: "not a finite rate >= 0: dropped",
+                });
+                return None;
+            }
+            // Saturating float-to-int conversion: huge rates cannot wrap.
+            Some((r * f64::from(s.window_ms) / 1000.0).round() as u64)
+        });
 
         let all_failing = !snap.sources.is_empty()
             && snap
@@ -208,6 +229,8 @@ impl PodSignals {
             kv_usage: kv,
             kv_capacity_tokens,
             p99_ms,
+            error_rate,
+            window_requests,
             xid_total,
             ecc_total,
             hardware_fault: false,
@@ -233,6 +256,15 @@ impl PodSignals {
         if prev.sequence == self.sequence && prev.hardware_fault {
             self.hardware_fault = true;
         }
+    }
+
+    /// Whether the agent's own count says the pod fails at least `rate` of its requests, over at
+    /// least `min_requests` of them (every client's, not one sidecar's).
+    pub fn failing(&self, rate: f64, min_requests: u32) -> bool {
+        matches!(
+            (self.error_rate, self.window_requests),
+            (Some(e), Some(n)) if e >= rate && n >= u64::from(min_requests)
+        )
     }
 
     /// Age of the metrics at `now_ms` (0 if the host clock went backwards).
@@ -388,6 +420,34 @@ mod tests {
         assert_eq!(s.unwrap().kv_capacity_tokens, None);
         assert_eq!(issues[0].field, "inference.kv_capacity_tokens");
         assert_eq!(issues[0].value, "0");
+    }
+
+    #[test]
+    fn error_rate_counts_the_requests_it_covers() {
+        let mut p = snap("10.0.0.1:8000");
+        if let Some(i) = p.inference.as_mut() {
+            i.error_rate = Some(0.5);
+            i.request_rate = Some(1.25);
+            i.window_ms = 10_000;
+        }
+        let (s, issues) = PodSignals::from_proto(&p, 0);
+        let s = s.unwrap();
+        assert!(issues.is_empty());
+        assert_eq!((s.error_rate, s.window_requests), (Some(0.5), Some(13)));
+        assert!(s.failing(0.5, 10));
+        assert!(!s.failing(0.6, 10), "rate below the threshold");
+        assert!(!s.failing(0.5, 14), "too few requests");
+        // Nonsense is dropped with an issue naming the field, and never reads as failing.
+        if let Some(i) = p.inference.as_mut() {
+            i.error_rate = Some(f64::NAN);
+            i.request_rate = Some(-3.0);
+        }
+        let (s, issues) = PodSignals::from_proto(&p, 0);
+        let s = s.unwrap();
+        assert_eq!((s.error_rate, s.window_requests), (None, None));
+        let fields: Vec<_> = issues.iter().map(|i| i.field.as_str()).collect();
+        assert_eq!(fields, ["inference.error_rate", "inference.request_rate"]);
+        assert!(!s.failing(0.0, 0));
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! Decides nothing: renders the scoreboard (per pod: address, score, cut reason, breaker
-//! state, picks, metrics age) as JSON for the status path and the debug header.
+//! state, picks, load, KV use, the agent's error rate, metrics age) as JSON for the status path and the debug header.
 
 use serde_json::{json, Value};
 
@@ -28,6 +28,8 @@ pub fn scoreboard(router: &Router, now_ms: u64) -> Value {
                         "load": s.load,
                         "queued": s.queued,
                         "kv": s.kv,
+                        "errorRate": s.error_rate,
+                        "windowRequests": s.window_requests,
                         "metricsAgeMs": s.metrics_age_ms,
                     })
                 })

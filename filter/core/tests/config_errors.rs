@@ -124,6 +124,11 @@ fn bad_configs_name_their_field_and_value() {
             "1.5",
         ),
         (
+            with(r#","breaker":{"agentErrorRate":-0.1}"#),
+            "breaker.agentErrorRate",
+            "-0.1",
+        ),
+        (
             with(r#","breaker":{"failureRateWindowMs":50}"#),
             "breaker.failureRateWindowMs",
             "50",

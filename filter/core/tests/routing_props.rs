@@ -434,6 +434,89 @@ fn hardware_fault_trips_breaker_and_cuts() {
     assert_eq!(counts(&mut r, 2, 200, 4, 2200)[0], 2, "probe budget");
 }
 
+/// Event `seq` where pod 0's agent reports `error_rate` over `requests` requests in 10 s.
+fn failing_event(seq: u64, error_rate: f64, requests: f64) -> PoolEvent {
+    let mut ev = event(&[pod(0.1), pod(0.1)], seq);
+    let inf = inference(&mut ev, 0);
+    inf.error_rate = Some(error_rate);
+    inf.request_rate = Some(requests / 10.0);
+    inf.window_ms = 10_000;
+    ev
+}
+
+#[test]
+fn agent_error_rate_opens_the_breaker_and_keeps_it_open_while_reported() {
+    let mut r = router(&[pod(0.1), pod(0.1)], "");
+    // 50 % of 8 requests: below `failureRateMinRequests` (10), no trip.
+    assert!(r
+        .apply_pool_event(0, &failing_event(2, 0.5, 8.0), 1100)
+        .is_empty());
+    // 20 % of 40: below `agentErrorRate` (0.25), no trip.
+    assert!(r
+        .apply_pool_event(0, &failing_event(3, 0.2, 40.0), 1200)
+        .is_empty());
+    assert!(r.take_signal_trips().is_empty());
+    // 30 % of 12: the breaker opens on the agent's count, no outcome of this sidecar needed.
+    let ev = r.apply_pool_event(0, &failing_event(4, 0.3, 12.0), 1300);
+    assert_eq!(ev.len(), 1);
+    assert_eq!(
+        (ev[0].to, ev[0].reason),
+        (BreakerState::Open, Some(TripReason::AgentErrorRate))
+    );
+    assert_eq!(counts(&mut r, 2, 200, 4, 1300), vec![0, 200]);
+    // Still reported failing later: the cooldown (1000 ms) restarts instead of half-opening,
+    // and the glue is told once per pod, not once per snapshot.
+    r.apply_pool_event(0, &failing_event(5, 0.6, 14.0), 2000);
+    r.apply_pool_event(0, &failing_event(6, 0.6, 14.0), 2200);
+    let trips = r.take_signal_trips();
+    assert_eq!(trips.len(), 1, "{trips:?}");
+    assert_eq!(
+        (trips[0].pod.as_str(), trips[0].reason),
+        (addr(0).as_str(), TripReason::AgentErrorRate)
+    );
+    r.apply_pool_event(0, &PoolEvent::default(), 2500);
+    assert_eq!(
+        r.breaker(0, &addr(0), None).unwrap().state(),
+        BreakerState::Open
+    );
+    // Another VM's closed view of the shared breaker does not reopen the pod early.
+    r.set_breaker(0, &addr(0), None, Breaker::default());
+    assert_eq!(counts(&mut r, 2, 200, 4, 2500), vec![0, 200]);
+    // The agent's window drained (no error rate): half-open after the last cooldown.
+    r.apply_pool_event(0, &event(&[pod(0.1), pod(0.1)], 7), 2600);
+    r.apply_pool_event(0, &PoolEvent::default(), 3200);
+    assert_eq!(
+        r.breaker(0, &addr(0), None).unwrap().state(),
+        BreakerState::HalfOpen
+    );
+    assert_eq!(counts(&mut r, 2, 200, 4, 3200)[0], 2, "probe budget");
+}
+
+#[test]
+fn agent_error_rate_spares_a_pool_that_fails_as_a_whole_and_can_be_switched_off() {
+    // Both pods at 40 %: a pool-wide problem (e.g. clients aborting), nobody is cut.
+    let mut r = router(&[pod(0.1), pod(0.1)], "");
+    let mut ev = failing_event(2, 0.4, 50.0);
+    let inf = inference(&mut ev, 1);
+    inf.error_rate = Some(0.4);
+    inf.request_rate = Some(5.0);
+    inf.window_ms = 10_000;
+    assert!(r.apply_pool_event(0, &ev, 1100).is_empty());
+    assert!(r.take_signal_trips().is_empty());
+    assert_eq!(r.counters().agent_errors_pool_wide, 2);
+    assert!(counts(&mut r, 2, 200, 4, 1100).iter().all(|&c| c > 0));
+    // Switched off: even one pod failing every request is left to the passive breaker.
+    let mut r = router(
+        &[pod(0.1), pod(0.1)],
+        r#"{"breaker": {"agentErrorRate": 0}}"#,
+    );
+    assert!(r
+        .apply_pool_event(0, &failing_event(2, 1.0, 100.0), 1100)
+        .is_empty());
+    assert!(r.take_signal_trips().is_empty());
+    assert!(counts(&mut r, 2, 200, 4, 1100)[0] > 0);
+}
+
 #[test]
 fn inflight_since_snapshot_lowers_share_until_next_snapshot() {
     let mut r = router(

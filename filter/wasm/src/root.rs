@@ -424,6 +424,10 @@ impl Root {
         if let Some(state) = self.state.clone() {
             if let Ok(mut s) = state.try_borrow_mut() {
                 let _ = s.router.tick(now);
+                // This VM's own transitions are not counted (the shared breakers' are); take
+                // them so they do not pile up.
+                let _ = s.router.take_breaker_events();
+                carry_signal_trips(&self.pools, &mut s, now);
             }
             held_tick(&state, now);
         }
@@ -641,6 +645,38 @@ fn fallback_total(counters: &[(&'static str, u64)]) -> u64 {
         .filter(|(k, _)| k.starts_with("fallback."))
         .map(|(_, v)| v)
         .sum()
+}
+
+/// Carries the breaker trips that agents' snapshots caused in this VM (hardware fault, the
+/// pod's own error rate) into the shared breakers: counted once per process, and while the
+/// agent keeps reporting the pod failing its cooldown restarts, so no worker hands out probes.
+fn carry_signal_trips(pools: &[PoolRt], s: &mut State, now: u64) {
+    let trips = s.router.take_signal_trips();
+    let State {
+        router, metrics, ..
+    } = s;
+    let cfg = router.config().breaker;
+    for t in trips {
+        let Some(name) = pools.get(t.pool_idx).map(|p| p.name.as_str()) else {
+            continue;
+        };
+        if let Some((b, ts)) =
+            shared::update_breaker(name, &t.pod, now, &cfg, |b| b.trip(t.reason, now, &cfg))
+        {
+            router.set_breaker(t.pool_idx, &t.pod, None, b);
+            count_transitions(metrics, &ts);
+            for tr in ts.iter().filter(|tr| tr.to == BreakerState::Open) {
+                host::log(
+                    LogLevel::Warn,
+                    &format!(
+                        "ai-lb: pool `{name}`: breaker of {} opened ({})",
+                        t.pod,
+                        tr.reason.map_or("unknown", |r| r.as_str())
+                    ),
+                );
+            }
+        }
+    }
 }
 
 /// Counts breaker transitions that happened on the shared breaker state.

@@ -1,7 +1,10 @@
-//! Decides whether passive feedback cuts a failing pod and readmits it: a fake pod answering
-//! every request with 500 stops being picked after `breaker.consecutiveFailures` picks (the
-//! route's retries hide its failures from the client), and once it recovers it is readmitted
-//! through Half-Open.
+//! Decides whether a failing pod is cut and readmitted:
+//! - passive feedback: a fake pod answering every request with 500 stops being picked after
+//!   `breaker.consecutiveFailures` picks (the route's retries hide its failures from the
+//!   client), and once it recovers it is readmitted through Half-Open;
+//! - the agent's error rate: a second sidecar that never sent the pod a request cuts it on
+//!   what the pod's agent counted of the first sidecar's traffic, and readmits it once the
+//!   agent's window no longer shows the failures.
 
 mod filter_common;
 
@@ -22,7 +25,8 @@ fn a_pod_returning_500s_is_cut_then_readmitted_through_half_open() {
     let envoy = envoy_for(
         &pool,
         config(json!({
-            "breaker": {"consecutiveFailures": FAILURES, "baseCooldownMs": 3000, "halfOpenProbes": 2}
+            "breaker": {"consecutiveFailures": FAILURES, "baseCooldownMs": 3000, "halfOpenProbes": 2,
+                        "agentErrorRate": 0}
         })),
     );
     let bad = pool.pod_addrs[0].to_string();
@@ -87,4 +91,101 @@ fn a_pod_returning_500s_is_cut_then_readmitted_through_half_open() {
         "wasm trapped:\n{}",
         envoy.log_tail(40)
     );
+}
+
+#[test]
+fn a_sidecar_cuts_a_pod_on_its_agents_error_rate_without_sending_it_anything() {
+    let pool = ai_lb_e2e::envoy::PodPool::start(3, 0.01).unwrap();
+    for i in 0..3 {
+        pool.control(i, r#"{"gpu_utilization":0.3}"#).unwrap();
+    }
+    // Sidecar A only carries traffic: its breakers never open (never 1000 failures in a row,
+    // never 1000 outcomes in a window, its own or the agent's). Sidecar B acts on the agent's
+    // count from 1 request on: A's picks of pod0 are rare once it fails (a pod that just
+    // failed counts as queued, about one pick in 2 s), and the agents of these tests keep a
+    // 2 s window.
+    let a = envoy_for(
+        &pool,
+        config(json!({ "breaker": {
+            "consecutiveFailures": 1000, "failureRateMinRequests": 1000,
+            "baseCooldownMs": 1000, "halfOpenProbes": 2
+        }})),
+    );
+    let b = envoy_for(
+        &pool,
+        config(json!({ "breaker": {
+            "consecutiveFailures": 1000, "failureRateMinRequests": 1,
+            "baseCooldownMs": 1000, "halfOpenProbes": 2
+        }})),
+    );
+    let bad = pool.pod_addrs[0].to_string();
+    for e in [&a, &b] {
+        wait_scoreboard(e, "every pod fresh", 30, |sb| all_fresh(sb, &pool));
+    }
+    let picks = |e: &ai_lb_e2e::envoy::Envoy| {
+        e.stat(&format!("wasmcustom.ailb.endpoint.{bad}.picks"))
+            .unwrap_or(0)
+    };
+    let opened = |e: &ai_lb_e2e::envoy::Envoy| {
+        e.stat("wasmcustom.ailb.breaker_opened.agent_error_rate")
+            .unwrap_or(0)
+    };
+    assert_eq!(picks(&b), 0, "sidecar B has carried no request yet");
+
+    pool.control(0, r#"{"error_rate":1.0}"#).unwrap();
+    let mut client_a = HttpClient::new(a.listener);
+    let mut sent = 0;
+    while opened(&b) == 0 {
+        let (status, _) = complete(&mut client_a);
+        assert_eq!(status, 200, "a retry should have hidden pod0's 500");
+        sent += 1;
+        assert!(
+            sent < 500,
+            "sidecar B never opened pod0's breaker on the agent's error rate (A picked pod0 \
+             {} times); B's pod0 row: {:?}; B's log:\n{}",
+            picks(&a),
+            row(&scoreboard(&b), &bad),
+            b.log_tail(30)
+        );
+    }
+    eprintln!("B opened pod0's breaker after A sent {sent} requests");
+    assert_eq!(
+        picks(&b),
+        0,
+        "B learnt from the agent, not from its own requests"
+    );
+    assert_eq!(opened(&a), 0, "A's threshold is 1000 requests");
+
+    // While the agent still reports pod0 failing (A keeps feeding it), B sends it nothing.
+    // (The agent's window is 2 s and the cooldown 1 s: the cut lasts at least 2 s from here.)
+    let mut client_b = HttpClient::new(b.listener);
+    let before = picks(&b);
+    let t0 = Instant::now();
+    for _ in 0..10 {
+        assert_eq!(complete(&mut client_b).0, 200);
+        assert_eq!(complete(&mut client_a).0, 200);
+    }
+    if t0.elapsed() < Duration::from_millis(1500) {
+        assert_eq!(
+            picks(&b),
+            before,
+            "pod0 picked by B while its agent reported it failing"
+        );
+    } else {
+        eprintln!("requests too slow ({:?}) to check the hold", t0.elapsed());
+    }
+
+    // Recovery: once the pod answers again and the agent's 2 s window has drained, B's
+    // breaker half-opens after its cooldown, the probes succeed and pod0 serves again.
+    pool.control(0, r#"{"error_rate":0.0}"#).unwrap();
+    b.poll(Duration::from_secs(30), "pod0 readmitted by B", || {
+        let (status, pod) = complete(&mut client_b);
+        assert_eq!(status, 200);
+        let closed = b.stat("wasmcustom.ailb.breaker_closed").unwrap_or(0) > 0;
+        (closed && pod == "pod0").then_some(())
+    })
+    .unwrap();
+    for e in [&a, &b] {
+        assert!(!e.wasm_failed(), "wasm trapped:\n{}", e.log_tail(40));
+    }
 }
