@@ -267,6 +267,18 @@ impl Breaker {
         self.consecutive_failures
     }
 
+    /// On probation: not Closed, or closed after an open less than `maxCooldownMs` ago (the
+    /// cooldown doubling is still remembered). A pod on probation has failed recently, so less
+    /// evidence is asked of its agent's error rate (see `breaker.agentErrorRate`).
+    pub fn on_probation(&self, now_ms: u64, cfg: &BreakerConfig) -> bool {
+        match self.state {
+            BreakerState::Open | BreakerState::HalfOpen => true,
+            BreakerState::Closed => {
+                self.opens > 0 && now_ms.saturating_sub(self.open_until_ms) < cfg.max_cooldown_ms
+            }
+        }
+    }
+
     /// Cooldown of the `opens`-th consecutive open: `base · 2^(opens-1)`, capped.
     pub fn cooldown_ms(opens: u32, cfg: &BreakerConfig) -> u64 {
         let shift = opens.saturating_sub(1).min(40);
@@ -616,6 +628,24 @@ mod tests {
         // A close is carried through the shared encoding too.
         let d = Breaker::decode(&b.encode()).unwrap();
         assert_eq!(d, b);
+    }
+
+    #[test]
+    fn probation_lasts_from_the_first_open_until_closed_for_max_cooldown() {
+        let c = cfg(); // cap 3000
+        let mut b = Breaker::default();
+        assert!(!b.on_probation(0, &c), "never opened");
+        b.trip(TripReason::ServerErrors, 0, &c);
+        assert!(b.on_probation(10, &c));
+        b.poll(1000, &c);
+        assert!(b.on_probation(1000, &c), "half-open");
+        b.on_request(1000);
+        b.on_request(1000);
+        b.record(None, 1100, &c);
+        b.record(None, 1200, &c);
+        assert_eq!(b.state(), BreakerState::Closed);
+        assert!(b.on_probation(4199, &c));
+        assert!(!b.on_probation(4200, &c));
     }
 
     #[test]

@@ -65,7 +65,7 @@ use rand::RngCore;
 use crate::breaker::{
     Breaker, BreakerEvent, BreakerState, FailureWindow, Outcome, Transition, TripReason,
 };
-use crate::config::{FilterConfig, PickStrategy, MAX_FALLBACK_ENDPOINTS};
+use crate::config::{BreakerConfig, FilterConfig, PickStrategy, MAX_FALLBACK_ENDPOINTS};
 use crate::counters::Counters;
 use crate::pool::{DecodeError, PoolState};
 use crate::score::{score, CutReason, Score};
@@ -584,6 +584,18 @@ pub struct SignalTrip {
     pub reason: TripReason,
 }
 
+/// Requests the agent's window must hold before its error rate can open the pod's breaker:
+/// `failureRateMinRequests`, or only `halfOpenProbes` for a pod on probation (it failed
+/// recently: after a cooldown its probes alone, from every sidecar, are the evidence, and a
+/// pod failing half its requests passes a sidecar's probes one time in 2^probes).
+fn agent_min_requests(b: &Breaker, now_ms: u64, cfg: &BreakerConfig) -> u32 {
+    if b.on_probation(now_ms, cfg) {
+        cfg.half_open_probes.min(cfg.failure_rate_min_requests)
+    } else {
+        cfg.failure_rate_min_requests
+    }
+}
+
 fn push_event(
     events: &mut Vec<BreakerEvent>,
     counters: &mut Counters,
@@ -807,7 +819,7 @@ impl Router {
                 } else if cfg.breaker.agent_error_rate > 0.0
                     && sig.failing(
                         cfg.breaker.agent_error_rate,
-                        cfg.breaker.failure_rate_min_requests,
+                        agent_min_requests(&pod.breaker, now_ms, &cfg.breaker),
                     )
                 {
                     if pool_wide_errors {
