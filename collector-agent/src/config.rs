@@ -76,9 +76,12 @@ pub struct RawArgs {
     /// [default: 100ms]
     #[arg(long, env = "AI_LB_AGENT_SAMPLE_INTERVAL")]
     pub sample_interval: Option<String>,
-    /// Window for latency quantiles and rates [default: 10s].
+    /// Window for latency quantiles [default: 10s].
     #[arg(long, env = "AI_LB_AGENT_WINDOW")]
     pub window: Option<String>,
+    /// Window for request and error rates [default: 5s].
+    #[arg(long, env = "AI_LB_AGENT_RATE_WINDOW")]
+    pub rate_window: Option<String>,
     /// Minimum interval between Watch pushes [default: 50ms].
     #[arg(long, env = "AI_LB_AGENT_WATCH_MIN_INTERVAL")]
     pub watch_min_interval: Option<String>,
@@ -118,6 +121,7 @@ pub struct FileArgs {
     pub kv_capacity_tokens: Option<serde_yaml::Value>,
     pub sample_interval: Option<String>,
     pub window: Option<String>,
+    pub rate_window: Option<String>,
     pub watch_min_interval: Option<String>,
     pub heartbeat: Option<String>,
     #[serde(default)]
@@ -171,6 +175,7 @@ impl RawArgs {
         );
         fill(&mut self.sample_interval, file.sample_interval);
         fill(&mut self.window, file.window);
+        fill(&mut self.rate_window, file.rate_window);
         fill(&mut self.watch_min_interval, file.watch_min_interval);
         fill(&mut self.heartbeat, file.heartbeat);
         if self.peers.is_empty() {
@@ -252,6 +257,8 @@ pub struct AgentConfig {
     pub kv_capacity_tokens: Option<u64>,
     pub sample_interval: Duration,
     pub window: Duration,
+    /// Window of the request and error rates.
+    pub rate_window: Duration,
     pub watch_min_interval: Duration,
     pub heartbeat: Duration,
     /// `host:port` of each static peer.
@@ -481,6 +488,20 @@ impl TryFrom<RawArgs> for AgentConfig {
                 "a duration at least as long as --sample-interval",
             ));
         }
+        let rate_window = duration_in(
+            "rate-window",
+            raw.rate_window.as_deref(),
+            "5s",
+            ms(100),
+            ms(3_600_000),
+        )?;
+        if rate_window < sample_interval {
+            return Err(invalid(
+                "rate-window",
+                raw.rate_window.as_deref().unwrap_or("5s"),
+                "a duration at least as long as --sample-interval",
+            ));
+        }
         let watch_min_interval = duration_in(
             "watch-min-interval",
             raw.watch_min_interval.as_deref(),
@@ -542,6 +563,7 @@ impl TryFrom<RawArgs> for AgentConfig {
             kv_capacity_tokens,
             sample_interval,
             window,
+            rate_window,
             watch_min_interval,
             heartbeat,
             peers,
@@ -572,6 +594,7 @@ mod tests {
         assert!(!c.gpu_source_explicit);
         assert_eq!(c.sample_interval, Duration::from_millis(100));
         assert_eq!(c.window, Duration::from_secs(10));
+        assert_eq!(c.rate_window, Duration::from_secs(5));
         assert_eq!(c.watch_min_interval, Duration::from_millis(50));
         assert_eq!(c.heartbeat, Duration::from_secs(1));
         assert_eq!(c.peers_refresh, Duration::from_secs(5));
@@ -621,6 +644,11 @@ mod tests {
             (&["--kv-capacity-tokens", "0"], "--kv-capacity-tokens"),
             (&["--window", "10"], "--window"),
             (&["--window", "10ms", "--sample-interval", "1s"], "--window"),
+            (&["--rate-window", "5"], "--rate-window"),
+            (
+                &["--rate-window", "200ms", "--sample-interval", "1s"],
+                "--rate-window",
+            ),
             (&["--heartbeat", "0"], "--heartbeat"),
             (&["--peers", "a:1,b"], "--peers"),
             (&["--peers-dns", "agents"], "--peers-dns"),

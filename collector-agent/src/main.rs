@@ -82,6 +82,7 @@ fn build_sources(cfg: &AgentConfig) -> anyhow::Result<Sources> {
                 EngineChoice::Triton => Some(EngineKind::Triton),
             };
             opts.window = cfg.window;
+            opts.rate_window = cfg.rate_window;
             opts.queue_capacity = cfg.queue_capacity;
             opts.kv_capacity_tokens = cfg.kv_capacity_tokens;
             opts.model_names = cfg.models.clone();

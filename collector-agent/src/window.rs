@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 
 /// Default sliding window.
 pub const DEFAULT_WINDOW: Duration = Duration::from_secs(10);
+/// Default window of request and error rates (the agent's `--rate-window`).
+pub const DEFAULT_RATE_WINDOW: Duration = Duration::from_secs(5);
 
 /// At most this many scrapes are kept per window, whatever the scrape interval.
 const MAX_SCRAPES: usize = 4096;

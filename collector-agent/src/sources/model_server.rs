@@ -27,8 +27,10 @@ pub struct ModelServerOptions {
     pub models_url: Option<String>,
     /// The engine, or `None` to detect it from the page's metric names.
     pub engine: Option<EngineKind>,
-    /// Sliding window of the quantiles and rates.
+    /// Sliding window of the quantiles.
     pub window: Duration,
+    /// Sliding window of the request and error rates.
+    pub rate_window: Duration,
     /// Maximum concurrently running sequences, when the operator knows it (vLLM max_num_seqs).
     pub queue_capacity: Option<u32>,
     /// KV-cache capacity in tokens, when the operator knows it; wins over the page's.
@@ -56,6 +58,7 @@ impl ModelServerOptions {
             models_url: Some(format!("{base}/v1/models")),
             engine: None,
             window: crate::window::DEFAULT_WINDOW,
+            rate_window: crate::window::DEFAULT_RATE_WINDOW,
             queue_capacity: None,
             kv_capacity_tokens: None,
             timeout: Duration::from_secs(2),
@@ -76,12 +79,12 @@ struct Windows {
 }
 
 impl Windows {
-    fn new(window: Duration) -> Self {
+    fn new(window: Duration, rate_window: Duration) -> Self {
         Self {
             ttft: HistogramWindow::new(window),
             e2e: HistogramWindow::new(window),
             inter_token: HistogramWindow::new(window),
-            requests: CounterWindow::new(window),
+            requests: CounterWindow::new(rate_window),
         }
     }
 }
@@ -90,6 +93,7 @@ impl Windows {
 #[derive(Debug)]
 pub struct InferenceTracker {
     window: Duration,
+    rate_window: Duration,
     queue_capacity: Option<u32>,
     kv_capacity_tokens: Option<u64>,
     windows: Windows,
@@ -100,20 +104,22 @@ impl InferenceTracker {
     /// over the page's.
     pub fn new(
         window: Duration,
+        rate_window: Duration,
         queue_capacity: Option<u32>,
         kv_capacity_tokens: Option<u64>,
     ) -> Self {
         Self {
             window,
+            rate_window,
             queue_capacity,
             kv_capacity_tokens,
-            windows: Windows::new(window),
+            windows: Windows::new(window, rate_window),
         }
     }
 
     /// Forgets the windows (the engine changed).
     pub fn reset(&mut self) {
-        self.windows = Windows::new(self.window);
+        self.windows = Windows::new(self.window, self.rate_window);
     }
 
     /// Records one page's values taken at `now` and answers the stats over the window.
@@ -167,6 +173,7 @@ impl InferenceTracker {
             error_rate,
             window_ms: u32::try_from(span.as_millis()).unwrap_or(u32::MAX),
             kv_capacity_tokens: self.kv_capacity_tokens.or(x.kv_capacity_tokens),
+            rate_window_ms: u32::try_from(w.requests.span().as_millis()).unwrap_or(u32::MAX),
         }
     }
 }
@@ -250,6 +257,7 @@ impl ModelServerSource {
         Ok(Self {
             tracker: InferenceTracker::new(
                 opts.window,
+                opts.rate_window,
                 opts.queue_capacity,
                 opts.kv_capacity_tokens,
             ),
@@ -444,6 +452,26 @@ impl Source for ModelServerSource {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rates_cover_the_rate_window_not_the_quantile_window() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let mut t = InferenceTracker::new(s(10), s(2), None, None);
+        let page = |finished: f64, errors: f64| Extracted {
+            finished_total: Some(finished),
+            errors_total: Some(errors),
+            ..Extracted::default()
+        };
+        t.update(t0, &page(100.0, 0.0));
+        t.update(t0 + s(4), &page(140.0, 0.0));
+        // 4 s of successes, then one second in which 10 finished and 5 failed: over the 2 s
+        // rate window that is 50 % errors, where the 10 s window would show 5 of 50.
+        let st = t.update(t0 + s(5), &page(150.0, 5.0));
+        assert_eq!(st.error_rate, Some(0.5));
+        assert_eq!(st.request_rate, Some(10.0));
+        assert_eq!(st.rate_window_ms, 1000);
+    }
 
     #[test]
     fn models_list_groups_adapters_under_parent() {

@@ -231,6 +231,9 @@ pub struct Breaker {
     probes_issued: u32,
     probe_successes: u32,
     last_probe_ms: u64,
+    /// Lengthens every cooldown by `jitter / 1024` (0 to 25 %), so sidecars that opened on the
+    /// same snapshot do not all probe at the same moment. Kept for the breaker's life.
+    jitter: u8,
 }
 
 impl Default for Breaker {
@@ -244,11 +247,27 @@ impl Default for Breaker {
             probes_issued: 0,
             probe_successes: 0,
             last_probe_ms: 0,
+            jitter: 0,
         }
     }
 }
 
 impl Breaker {
+    /// A closed breaker whose cooldowns are lengthened by `jitter / 1024`: give each sidecar
+    /// (Envoy process) its own random value.
+    pub fn with_jitter(jitter: u8) -> Breaker {
+        Breaker {
+            jitter,
+            ..Breaker::default()
+        }
+    }
+
+    /// This breaker's cooldown for its `opens`-th open in a row, jitter included.
+    fn jittered_cooldown_ms(&self, opens: u32, cfg: &BreakerConfig) -> u64 {
+        let cd = Self::cooldown_ms(opens, cfg);
+        cd.saturating_add(cd.saturating_mul(u64::from(self.jitter)) / 1024)
+    }
+
     pub fn state(&self) -> BreakerState {
         self.state
     }
@@ -360,6 +379,7 @@ impl Breaker {
                         opens: self.opens,
                         open_until_ms: now_ms,
                         last_probe_ms: now_ms,
+                        jitter: self.jitter,
                         ..Breaker::default()
                     };
                     Some(Transition {
@@ -387,7 +407,7 @@ impl Breaker {
     ) -> Option<Transition> {
         if self.state == BreakerState::Open {
             self.reason = Some(reason);
-            let cd = Self::cooldown_ms(self.opens.max(1), cfg);
+            let cd = self.jittered_cooldown_ms(self.opens.max(1), cfg);
             self.open_until_ms = self.open_until_ms.max(now_ms.saturating_add(cd));
             return None;
         }
@@ -408,7 +428,7 @@ impl Breaker {
         self.consecutive_failures = 0;
         self.probes_issued = 0;
         self.probe_successes = 0;
-        self.open_until_ms = now_ms.saturating_add(Self::cooldown_ms(self.opens, cfg));
+        self.open_until_ms = now_ms.saturating_add(self.jittered_cooldown_ms(self.opens, cfg));
         self.last_probe_ms = self.open_until_ms;
         Transition {
             from,
@@ -433,7 +453,7 @@ impl Breaker {
             ENCODING_VERSION,
             state,
             self.reason.map_or(0, TripReason::to_u8),
-            0,
+            self.jitter,
         ]);
         w.put(&self.consecutive_failures.to_le_bytes());
         w.put(&self.opens.to_le_bytes());
@@ -473,6 +493,7 @@ impl Breaker {
             probes_issued: u32_at(20)?,
             probe_successes: u32_at(24)?,
             last_probe_ms: open_until_ms.saturating_add(u64::from(u32_at(28)?)),
+            jitter: *bytes.get(3)?,
         })
     }
 }
@@ -712,5 +733,35 @@ mod tests {
         let d = Breaker::decode(&b.encode()).unwrap();
         assert_eq!(d, b);
         assert!(Breaker::decode(&[0u8; 3]).is_none());
+    }
+
+    #[test]
+    fn jitter_lengthens_every_cooldown_and_is_kept() {
+        let c = cfg(); // base 1000, cap 3000
+        let mut b = Breaker::with_jitter(255);
+        b.trip(TripReason::ServerErrors, 0, &c);
+        assert_eq!(b.open_until_ms(), 1249, "1000 + 1000 * 255 / 1024");
+        // Kept open by a signal: the restarted cooldown is jittered too.
+        b.trip(TripReason::AgentErrorRate, 500, &c);
+        assert_eq!(b.open_until_ms(), 1749);
+        b.poll(1749, &c);
+        b.on_request(1749);
+        fail(&mut b, 1800);
+        assert_eq!(b.open_until_ms(), 1800 + 2000 + 498);
+        // Through the shared encoding and a close.
+        let mut d = Breaker::decode(&b.encode()).unwrap();
+        assert_eq!(d, b);
+        d.poll(5000, &c);
+        d.on_request(5000);
+        d.on_request(5000);
+        d.record(None, 5001, &c);
+        d.record(None, 5002, &c);
+        assert_eq!(d.state(), BreakerState::Closed);
+        d.trip(TripReason::ServerErrors, 6000, &c);
+        assert_eq!(
+            d.open_until_ms(),
+            6000 + 3000 + 747,
+            "third open in a row, capped, +24.9 %"
+        );
     }
 }

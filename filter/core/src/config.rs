@@ -121,7 +121,7 @@ pub struct BreakerConfig {
     pub failure_rate_min_requests: u32,
     /// Open on the pod's error rate as its agent reports it (all clients' requests over the
     /// agent's window) once it reaches this share, over at least `failure_rate_min_requests`
-    /// requests (`half_open_probes` on probation, see [`Breaker::on_probation`]), unless more
+    /// requests (1 on probation, see [`Breaker::on_probation`]), unless more
     /// than half the pool's pods do too. 0 = off.
     ///
     /// [`Breaker::on_probation`]: crate::breaker::Breaker::on_probation
@@ -601,9 +601,9 @@ struct RawBreaker {
     failure_rate_min_requests: Option<u64>,
     /// Share of the pod's requests that failed, as its agent counts them over its window (every
     /// client's requests, so all sidecars cut the pod on the same evidence), that opens the
-    /// breaker once the window holds at least `failureRateMinRequests` (only `halfOpenProbes`
-    /// while the pod is on probation: its breaker not closed, or closed less than
-    /// `maxCooldownMs` after an open), and keeps it open while reported. Not applied while more
+    /// breaker once the window holds at least `failureRateMinRequests` (a single request while
+    /// the pod is on probation: its breaker not closed, or closed less than `maxCooldownMs`
+    /// after an open), and keeps it open while reported. Not applied while more
     /// than half of the pool's pods are at or above it too: a pool-wide problem (the
     /// model server counts client disconnects as errors) is not one pod's fault. 0: off.
     #[serde(default)]

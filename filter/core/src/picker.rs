@@ -585,12 +585,13 @@ pub struct SignalTrip {
 }
 
 /// Requests the agent's window must hold before its error rate can open the pod's breaker:
-/// `failureRateMinRequests`, or only `halfOpenProbes` for a pod on probation (it failed
-/// recently: after a cooldown its probes alone, from every sidecar, are the evidence, and a
-/// pod failing half its requests passes a sidecar's probes one time in 2^probes).
+/// `failureRateMinRequests`, or a single one for a pod on probation (it failed recently: after
+/// a cooldown the first sidecar's probes are the only traffic it gets, and a pod failing half
+/// its requests passes one sidecar's probes one time in 2^probes, so the first failed probe
+/// that its agent counts re-opens it on every sidecar).
 fn agent_min_requests(b: &Breaker, now_ms: u64, cfg: &BreakerConfig) -> u32 {
     if b.on_probation(now_ms, cfg) {
-        cfg.half_open_probes.min(cfg.failure_rate_min_requests)
+        1
     } else {
         cfg.failure_rate_min_requests
     }

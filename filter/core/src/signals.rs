@@ -9,9 +9,9 @@
 //!   ratio (vLLM preallocates, so the NVML ratio sits near 0.9 and is a weak signal).
 //! - p99 signal: TTFT p99 when its window has samples (it reflects queueing, which steering
 //!   changes), else end-to-end p99.
-//! - Error rate: the model server's share of failed requests over the agent's window, with the
-//!   number of requests it covers (`request_rate` × `window_ms`), so a rate over 2 requests is
-//!   not taken for a failing pod.
+//! - Error rate: the model server's share of failed requests over the agent's rate window, with
+//!   the number of requests it covers (`request_rate` × `rate_window_ms`, or `window_ms` from an
+//!   older agent), so a rate over 2 requests is not taken for a failing pod.
 //! - Hardware fault: Xid or uncorrected-ECC totals INCREASED since the previous snapshot of the
 //!   same agent instance ([`PodSignals::detect_fault_since`]).
 //! - Sources: if every reported source is FAILING, the pod has no metrics (`has_metrics`
@@ -202,8 +202,14 @@ impl PodSignals {
                 });
                 return None;
             }
+            // The rates' own window; an older agent's rates cover the whole window.
+            let span = if s.rate_window_ms > 0 {
+                s.rate_window_ms
+            } else {
+                s.window_ms
+            };
             // Saturating float-to-int conversion: huge rates cannot wrap.
-            Some((r * f64::from(s.window_ms) / 1000.0).round() as u64)
+            Some((r * f64::from(span) / 1000.0).round() as u64)
         });
 
         let all_failing = !snap.sources.is_empty()
@@ -437,6 +443,12 @@ mod tests {
         assert!(s.failing(0.5, 10));
         assert!(!s.failing(0.6, 10), "rate below the threshold");
         assert!(!s.failing(0.5, 14), "too few requests");
+        // The rates' own (shorter) window, when the agent states it.
+        if let Some(i) = p.inference.as_mut() {
+            i.rate_window_ms = 4_000;
+        }
+        let (s, _) = PodSignals::from_proto(&p, 0);
+        assert_eq!(s.unwrap().window_requests, Some(5));
         // Nonsense is dropped with an issue naming the field, and never reads as failing.
         if let Some(i) = p.inference.as_mut() {
             i.error_rate = Some(f64::NAN);

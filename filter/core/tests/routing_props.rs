@@ -490,9 +490,9 @@ fn agent_error_rate_opens_the_breaker_and_keeps_it_open_while_reported() {
         BreakerState::HalfOpen
     );
     assert_eq!(counts(&mut r, 2, 200, 4, 3200)[0], 2, "probe budget");
-    // On probation the probes are evidence enough: 1 failure of 2 (every sidecar's probes,
-    // as the agent counts them) opens it again, with the cooldown doubled (opens in a row).
-    let ev = r.apply_pool_event(0, &failing_event(8, 0.5, 2.0), 3300);
+    // On probation one failed probe, as the agent counts it, is evidence enough: it opens
+    // again, with the cooldown doubled (opens in a row).
+    let ev = r.apply_pool_event(0, &failing_event(8, 1.0, 1.0), 3300);
     assert_eq!(
         (ev[0].to, ev[0].reason),
         (BreakerState::Open, Some(TripReason::AgentErrorRate))

@@ -303,8 +303,12 @@ impl Request {
             return;
         };
         let State {
-            router, metrics, ..
+            router,
+            metrics,
+            breaker_jitter,
+            ..
         } = &mut *guard;
+        let jitter = *breaker_jitter;
         let cfg = router.config().breaker;
         let Some(name) = router.config().pools.get(pool).map(|p| p.name.clone()) else {
             return;
@@ -340,7 +344,7 @@ impl Request {
                 continue;
             }
             let trip_rate = rate_tripped && chosen.as_deref() == Some(*pod);
-            if let Some((b, ts)) = shared::update_breaker(&name, pod, now, &cfg, |b| {
+            if let Some((b, ts)) = shared::update_breaker(&name, pod, now, &cfg, jitter, |b| {
                 let t = b.record(failure, now, &cfg);
                 if t.is_none() && trip_rate && b.state() == BreakerState::Closed {
                     b.trip(TripReason::FailureRate, now, &cfg)
@@ -381,6 +385,7 @@ pub fn steer(
         metrics,
         rng,
         scratch,
+        breaker_jitter,
         ..
     } = state;
     let mut chosen_score = 0.0;
@@ -417,10 +422,12 @@ pub fn steer(
     {
         let cfg = router.config().breaker;
         if let Some(name) = router.config().pools.get(pool).map(|p| p.name.clone()) {
-            if let Some((b, ts)) = shared::update_breaker(&name, chosen, now, &cfg, |b| {
-                b.on_request(now);
-                None
-            }) {
+            if let Some((b, ts)) =
+                shared::update_breaker(&name, chosen, now, &cfg, *breaker_jitter, |b| {
+                    b.on_request(now);
+                    None
+                })
+            {
                 router.set_breaker(pool, chosen, None, b);
                 count_transitions(metrics, &ts);
             }

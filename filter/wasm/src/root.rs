@@ -49,6 +49,10 @@ pub struct State {
     pub scratch: String,
     /// Admission control, when the plugin config has an enabled `admission` section.
     pub admission: Option<AdmissionRt>,
+    /// Cooldown jitter of the shared breakers this VM creates (see `Breaker::with_jitter`):
+    /// random per VM, so sidecars that open a pod's breaker on the same agent snapshot probe
+    /// it at different moments.
+    pub breaker_jitter: u8,
 }
 
 /// Per-pool bookkeeping of the root context.
@@ -160,12 +164,15 @@ impl Root {
         self.lease_ttl_ms = (tick_ms * 10).max(1_000);
         let seed = self.vm ^ host::now_ms();
         self.pools = pools;
+        let mut rng = SmallRng::seed_from_u64(seed);
+        let breaker_jitter = rng.random::<u8>();
         self.state = Some(Rc::new(RefCell::new(State {
             router: Router::new(cfg),
             metrics: Metrics::default(),
-            rng: SmallRng::seed_from_u64(seed),
+            rng,
             scratch: String::with_capacity(256),
             admission: admission.map(AdmissionRt::new),
+            breaker_jitter,
         })));
         if hostcalls::set_tick_period(Duration::from_millis(tick_ms)).is_err() {
             return Err("ai-lb: the host refused the tick period".to_string());
@@ -653,7 +660,10 @@ fn fallback_total(counters: &[(&'static str, u64)]) -> u64 {
 fn carry_signal_trips(pools: &[PoolRt], s: &mut State, now: u64) {
     let trips = s.router.take_signal_trips();
     let State {
-        router, metrics, ..
+        router,
+        metrics,
+        breaker_jitter,
+        ..
     } = s;
     let cfg = router.config().breaker;
     for t in trips {
@@ -661,7 +671,9 @@ fn carry_signal_trips(pools: &[PoolRt], s: &mut State, now: u64) {
             continue;
         };
         if let Some((b, ts)) =
-            shared::update_breaker(name, &t.pod, now, &cfg, |b| b.trip(t.reason, now, &cfg))
+            shared::update_breaker(name, &t.pod, now, &cfg, *breaker_jitter, |b| {
+                b.trip(t.reason, now, &cfg)
+            })
         {
             router.set_breaker(t.pool_idx, &t.pod, None, b);
             count_transitions(metrics, &ts);

@@ -84,11 +84,13 @@ pub fn publish_state(pool: &str, state: &[u8]) -> Result<u64, Status> {
 
 /// Applies `update` to the pod's shared breaker with CAS retries; returns the new breaker and
 /// the transitions `update` caused (on the shared state, so each is counted once per process).
+/// A breaker created here gets `jitter` (see `Breaker::with_jitter`).
 pub fn update_breaker(
     pool: &str,
     pod: &str,
     now_ms: u64,
     cfg: &BreakerConfig,
+    jitter: u8,
     mut update: impl FnMut(&mut Breaker) -> Option<Transition>,
 ) -> Option<(Breaker, Vec<Transition>)> {
     let key = breaker_key(pool, pod);
@@ -97,7 +99,7 @@ pub fn update_breaker(
         let mut b = bytes
             .as_deref()
             .and_then(Breaker::decode)
-            .unwrap_or_default();
+            .unwrap_or_else(|| Breaker::with_jitter(jitter));
         let mut transitions = Vec::new();
         if let Some(t) = b.poll(now_ms, cfg) {
             transitions.push(t);

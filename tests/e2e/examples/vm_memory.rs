@@ -159,6 +159,7 @@ fn snapshot(i: usize, addr: SocketAddr, t: u64) -> PodSnapshot {
             error_rate: Some(0.0),
             window_ms: 10_000,
             kv_capacity_tokens: Some(400_000),
+            rate_window_ms: 5_000,
         }),
         sources: vec![fresh("nvml"), fresh("model-server")],
         sample_time_unix_ms: unix_ms(),
