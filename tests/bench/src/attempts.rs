@@ -2,8 +2,12 @@
 //! than the clients: Envoy retries hide a failed attempt from the client, so the client
 //! records cannot tell how many requests a failing pod still received. A background thread
 //! samples every 250 ms each pod's own count of finished requests (`vllm:request_success_total`,
-//! summed over `finished_reason`, injected errors included) and the sidecars' breaker-opening
-//! counter (`wasmcustom.ailb.breaker.opened`, ai-lb only).
+//! summed over `finished_reason`, injected errors included) and, per sidecar (ai-lb only), its
+//! breaker-opening counter (`wasmcustom.ailb.breaker.opened`), its picks of the faulty pod and
+//! all its steered requests. The pod-side share after the first opening (any sidecar's) is the
+//! strict measure; the per-sidecar one, picks of the pod after that sidecar's own breaker first
+//! opened, is what one breaker lets through (first attempts only: Envoy's retries are not
+//! picks).
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,12 +22,22 @@ use serde_json::{json, Value};
 const EVERY: Duration = Duration::from_millis(250);
 
 /// One sample: ms since the run started, finished requests per pod (None: unreadable), breaker
-/// openings summed over the sidecars.
+/// openings summed over the sidecars, and each sidecar's counters.
 #[derive(Debug, Clone)]
 struct Sample {
     t_ms: f64,
     finished: Vec<Option<f64>>,
     opened: u64,
+    sidecars: Vec<SidecarStats>,
+}
+
+/// One sidecar's counters at a sample (0 when absent or unreadable).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct SidecarStats {
+    opened: u64,
+    /// Picks of the faulty pod.
+    picks: u64,
+    steered: u64,
 }
 
 /// The running probe; [`Probe::finish`] stops it and returns what it saw.
@@ -44,32 +58,52 @@ fn finished(addr: SocketAddr) -> Option<f64> {
     Some(sum)
 }
 
-/// Breaker openings counted by the sidecar with admin address `admin` (0 when absent).
-fn opened(admin: SocketAddr) -> u64 {
-    http_get(admin, "/stats")
-        .ok()
-        .and_then(|r| {
-            r.text().lines().find_map(|l| {
-                l.strip_prefix("wasmcustom.ailb.breaker.opened: ")
-                    .and_then(|v| v.trim().parse().ok())
-            })
-        })
-        .unwrap_or(0)
+/// The counters of the sidecar with admin address `admin`, `faulty` being the pod's address.
+fn sidecar_stats(admin: SocketAddr, faulty: &str) -> SidecarStats {
+    let Ok(r) = http_get(admin, "/stats") else {
+        return SidecarStats::default();
+    };
+    let text = r.text();
+    let picks_key = format!("wasmcustom.ailb.endpoint.{faulty}.picks: ");
+    let mut st = SidecarStats::default();
+    for l in text.lines() {
+        let value = |prefix: &str| l.strip_prefix(prefix).and_then(|v| v.trim().parse().ok());
+        if let Some(v) = value("wasmcustom.ailb.breaker.opened: ") {
+            st.opened = v;
+        } else if let Some(v) = value("wasmcustom.ailb.steered: ") {
+            st.steered = v;
+        } else if let Some(v) = value(&picks_key) {
+            st.picks = v;
+        }
+    }
+    st
 }
 
 impl Probe {
-    /// Starts sampling `pods` and the sidecars' admin addresses, times relative to `started`.
-    pub fn start(pods: Vec<SocketAddr>, admins: Vec<SocketAddr>, started: Instant) -> Probe {
+    /// Starts sampling `pods` (the faulty one at index `faulty`) and the sidecars' admin
+    /// addresses, times relative to `started`.
+    pub fn start(
+        pods: Vec<SocketAddr>,
+        faulty: usize,
+        admins: Vec<SocketAddr>,
+        started: Instant,
+    ) -> Probe {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
+        let faulty_addr = pods.get(faulty).map(|a| a.to_string()).unwrap_or_default();
         let handle = std::thread::spawn(move || {
             let mut samples = Vec::new();
             while !flag.load(Ordering::Relaxed) {
                 let t_ms = started.elapsed().as_secs_f64() * 1000.0;
+                let sidecars: Vec<SidecarStats> = admins
+                    .iter()
+                    .map(|a| sidecar_stats(*a, &faulty_addr))
+                    .collect();
                 samples.push(Sample {
                     t_ms,
                     finished: pods.iter().map(|a| finished(*a)).collect(),
-                    opened: admins.iter().map(|a| opened(*a)).sum(),
+                    opened: sidecars.iter().map(|s| s.opened).sum(),
+                    sidecars,
                 });
                 std::thread::sleep(EVERY);
             }
@@ -132,6 +166,7 @@ fn summarize(samples: &[Sample], faulty: usize, fault_at_ms: f64, end_ms: f64) -
         .find(|s| s.t_ms <= end_ms)
         .map(|s| s.opened.saturating_sub(base_opened));
     let frac = |x: Option<(f64, f64)>| x.map(|(m, a)| m / a);
+    let own = after_own_opening(samples, fault_at_ms, end_ms);
     json!({
         "samples": samples.len(),
         "pod_share_of_attempts_10s_before": frac(before),
@@ -142,7 +177,46 @@ fn summarize(samples: &[Sample], faulty: usize, fault_at_ms: f64, end_ms: f64) -
         "attempts_at_pod_after_first_open": after_open.map(|x| x.0),
         "attempts_all_pods_after_first_open": after_open.map(|x| x.1),
         "breaker_openings_after_fault": openings,
+        "sidecars_opened": own.opened_ms.len(),
+        "sidecar_first_open_ms_after_fault": own.opened_ms,
+        "sidecar_picks_of_pod_after_own_open": own.picks,
+        "sidecar_steered_after_own_open": own.steered,
+        "sidecar_share_after_own_open": (own.steered > 0).then(|| own.picks as f64 / own.steered as f64),
     })
+}
+
+/// Per sidecar, from its own first breaker opening after the fault to the end: picks of the
+/// faulty pod and all steered requests, summed over the sidecars that opened.
+#[derive(Debug, Default)]
+struct OwnOpening {
+    opened_ms: Vec<f64>,
+    picks: u64,
+    steered: u64,
+}
+
+fn after_own_opening(samples: &[Sample], fault_at_ms: f64, end_ms: f64) -> OwnOpening {
+    let mut out = OwnOpening::default();
+    let n = samples.first().map_or(0, |s| s.sidecars.len());
+    let last = samples.iter().rev().find(|s| s.t_ms <= end_ms);
+    for i in 0..n {
+        let at = |s: &Sample| s.sidecars.get(i).copied().unwrap_or_default();
+        let base = samples
+            .iter()
+            .rev()
+            .find(|s| s.t_ms <= fault_at_ms)
+            .map_or(0, |s| at(s).opened);
+        let Some(open) = samples
+            .iter()
+            .find(|s| s.t_ms > fault_at_ms && s.t_ms <= end_ms && at(s).opened > base)
+        else {
+            continue;
+        };
+        let Some(last) = last else { continue };
+        out.opened_ms.push(open.t_ms - fault_at_ms);
+        out.picks += at(last).picks.saturating_sub(at(open).picks);
+        out.steered += at(last).steered.saturating_sub(at(open).steered);
+    }
+    out
 }
 
 #[cfg(test)]
@@ -154,7 +228,46 @@ mod tests {
             t_ms,
             finished: finished.iter().map(|f| Some(*f)).collect(),
             opened,
+            sidecars: Vec::new(),
         }
+    }
+
+    fn sc(opened: u64, picks: u64, steered: u64) -> SidecarStats {
+        SidecarStats {
+            opened,
+            picks,
+            steered,
+        }
+    }
+
+    #[test]
+    fn per_sidecar_counts_start_at_each_ones_own_opening() {
+        let mut samples = vec![
+            s(0.0, &[0.0], 0),
+            s(10_000.0, &[0.0], 0),
+            s(11_000.0, &[0.0], 1),
+            s(12_000.0, &[0.0], 2),
+            s(20_000.0, &[0.0], 2),
+        ];
+        // Sidecar 0 opens at 11 s, sidecar 1 at 12 s, sidecar 2 never.
+        let per = [
+            [sc(0, 0, 0), sc(0, 0, 0), sc(0, 0, 0)],
+            [sc(0, 10, 100), sc(0, 10, 100), sc(0, 10, 100)],
+            [sc(1, 14, 110), sc(0, 13, 110), sc(0, 13, 110)],
+            [sc(1, 14, 120), sc(1, 15, 120), sc(0, 14, 120)],
+            [sc(1, 15, 200), sc(1, 16, 200), sc(0, 30, 200)],
+        ];
+        for (x, p) in samples.iter_mut().zip(per) {
+            x.sidecars = p.to_vec();
+        }
+        let v = summarize(&samples, 0, 10_000.0, 20_000.0);
+        assert_eq!(v["sidecars_opened"], 2);
+        assert_eq!(v["sidecar_picks_of_pod_after_own_open"], 1 + 1);
+        assert_eq!(v["sidecar_steered_after_own_open"], 90 + 80);
+        assert_eq!(
+            v["sidecar_first_open_ms_after_fault"],
+            serde_json::json!([1000.0, 2000.0])
+        );
     }
 
     #[test]

@@ -38,6 +38,9 @@ struct Cli {
     max_num_seqs: u32,
     #[arg(long, default_value_t = 12_500)]
     kv_cache_tokens: u64,
+    /// The agents' `--sample-interval`, ms, in every scenario but freshness (which sweeps it).
+    #[arg(long, default_value_t = 100)]
+    sample_interval_ms: u64,
     #[arg(long, default_value_t = 4)]
     sidecars: usize,
     /// Seconds of trace per policy.
@@ -136,6 +139,12 @@ fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
     if cli.sidecars == 0 || cli.h100 + cli.a100 == 0 {
         return Err("--sidecars and --h100 + --a100 must be > 0".into());
     }
+    if !(1..=60_000).contains(&cli.sample_interval_ms) {
+        return Err(format!(
+            "invalid value '{}' for '--sample-interval-ms': must be within 1..=60000",
+            cli.sample_interval_ms
+        ));
+    }
     std::fs::create_dir_all(&cli.work)
         .map_err(|e| format!("creating {}: {e}", cli.work.display()))?;
     std::fs::create_dir_all(&cli.out)
@@ -146,7 +155,7 @@ fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
         time_scale: cli.time_scale,
         max_num_seqs: cli.max_num_seqs,
         kv_cache_tokens: cli.kv_cache_tokens,
-        sample_interval_ms: 100,
+        sample_interval_ms: cli.sample_interval_ms,
     };
     let mut env = Env {
         loadgen: topology::release_bin("ai-lb-loadgen")?,

@@ -347,7 +347,7 @@ pub fn run_policy(
     // What reached the pods (retries hide failed attempts from the clients).
     let probe = load.fault.map(|_| {
         let admins = sidecars.iter().map(|s| s.admin).collect();
-        crate::attempts::Probe::start(pool.addrs(), admins, started)
+        crate::attempts::Probe::start(pool.addrs(), 0, admins, started)
     });
     let mut fault_done = false;
     if let Some(f) = load.fault {
@@ -616,6 +616,25 @@ pub fn table(load: &Load, results: &[PolicyResult], rate: f64, env: &Env, cmd: &
                     f1(a["attempts_at_pod_after_first_open"].as_f64()),
                     f1(a["attempts_all_pods_after_first_open"].as_f64()),
                     a["breaker_openings_after_fault"].as_u64().unwrap_or(0),
+                ));
+            }
+            if let Some(share) = a["sidecar_share_after_own_open"].as_f64() {
+                t.push_str(&format!(
+                    "; per sidecar, after its own breaker first opened ({} of {} sidecars, at {} ms): {} of its picks went to the pod ({} of {})",
+                    a["sidecars_opened"].as_u64().unwrap_or(0),
+                    env.sidecars,
+                    a["sidecar_first_open_ms_after_fault"]
+                        .as_array()
+                        .map(|v| v
+                            .iter()
+                            .filter_map(Value::as_f64)
+                            .map(|x| format!("{x:.0}"))
+                            .collect::<Vec<_>>()
+                            .join("/"))
+                        .unwrap_or_default(),
+                    pct(Some(share)),
+                    a["sidecar_picks_of_pod_after_own_open"].as_u64().unwrap_or(0),
+                    a["sidecar_steered_after_own_open"].as_u64().unwrap_or(0),
                 ));
             }
         }
