@@ -397,8 +397,9 @@ impl Breaker {
         }
     }
 
-    /// Opens the breaker at once (hard signal). Already Open: the cooldown restarts from now
-    /// (without doubling) and no transition is reported.
+    /// Opens the breaker at once (hard signal). Already Open, no transition is reported: while
+    /// the cooldown runs it restarts from now (without doubling); once it is over (the breaker
+    /// was due to half-open) this is another open in a row, so the cooldown doubles.
     pub fn trip(
         &mut self,
         reason: TripReason,
@@ -407,6 +408,9 @@ impl Breaker {
     ) -> Option<Transition> {
         if self.state == BreakerState::Open {
             self.reason = Some(reason);
+            if now_ms >= self.open_until_ms {
+                self.opens = self.opens.saturating_add(1);
+            }
             let cd = self.jittered_cooldown_ms(self.opens.max(1), cfg);
             self.open_until_ms = self.open_until_ms.max(now_ms.saturating_add(cd));
             return None;

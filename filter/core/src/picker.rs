@@ -778,7 +778,8 @@ impl Router {
             let weights = pool_cfg.weights_for(&pod.address);
             let s = score(sig, weights, &cfg.cutoffs, now_ms);
             let key = (entry.received_at_ms, sig.sequence);
-            if pod.seen != Some(key) {
+            let fresh = pod.seen != Some(key);
+            if fresh {
                 pod.seen = Some(key);
                 if s.has_terms {
                     pod.ema = Some(match pod.ema {
@@ -815,39 +816,51 @@ impl Router {
                         pod.kv_seq = None;
                     }
                 }
-                let signal_trip = if sig.hardware_fault {
-                    Some(TripReason::HardwareFault)
-                } else if cfg.breaker.agent_error_rate > 0.0
-                    && sig.failing(
-                        cfg.breaker.agent_error_rate,
-                        agent_min_requests(&pod.breaker, now_ms, &cfg.breaker),
-                    )
-                {
-                    if pool_wide_errors {
+            }
+            // The agent's error rate is judged on each new snapshot, and again whenever the
+            // breaker is due to half-open (or already is): while the latest snapshot still
+            // shows the pod failing, probing it would only confirm that, so the breaker stays
+            // open for another, doubled, cooldown.
+            let due = match pod.breaker.state() {
+                BreakerState::Open => now_ms >= pod.breaker.open_until_ms(),
+                BreakerState::HalfOpen => true,
+                BreakerState::Closed => false,
+            };
+            let signal_trip = if fresh && sig.hardware_fault {
+                Some(TripReason::HardwareFault)
+            } else if (fresh || due)
+                && cfg.breaker.agent_error_rate > 0.0
+                && sig.failing(
+                    cfg.breaker.agent_error_rate,
+                    agent_min_requests(&pod.breaker, now_ms, &cfg.breaker),
+                )
+            {
+                if pool_wide_errors {
+                    if fresh {
                         self.counters.agent_errors_pool_wide += 1;
-                        None
-                    } else {
-                        Some(TripReason::AgentErrorRate)
                     }
-                } else {
                     None
-                };
-                if let Some(reason) = signal_trip {
-                    if let Some(t) = pod.breaker.trip(reason, now_ms, &cfg.breaker) {
-                        push_event(&mut self.events, &mut self.counters, &pod.address, None, t);
-                    }
-                    let known = self
-                        .signal_trips
-                        .iter_mut()
-                        .find(|s| s.pool_idx == pool_idx && s.pod == pod.address);
-                    match known {
-                        Some(s) => s.reason = reason,
-                        None => self.signal_trips.push(SignalTrip {
-                            pool_idx,
-                            pod: pod.address.clone(),
-                            reason,
-                        }),
-                    }
+                } else {
+                    Some(TripReason::AgentErrorRate)
+                }
+            } else {
+                None
+            };
+            if let Some(reason) = signal_trip {
+                if let Some(t) = pod.breaker.trip(reason, now_ms, &cfg.breaker) {
+                    push_event(&mut self.events, &mut self.counters, &pod.address, None, t);
+                }
+                let known = self
+                    .signal_trips
+                    .iter_mut()
+                    .find(|s| s.pool_idx == pool_idx && s.pod == pod.address);
+                match known {
+                    Some(s) => s.reason = reason,
+                    None => self.signal_trips.push(SignalTrip {
+                        pool_idx,
+                        pod: pod.address.clone(),
+                        reason,
+                    }),
                 }
             }
             if let Some(t) = pod.breaker.poll(now_ms, &cfg.breaker) {

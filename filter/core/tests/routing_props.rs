@@ -501,6 +501,29 @@ fn agent_error_rate_opens_the_breaker_and_keeps_it_open_while_reported() {
 }
 
 #[test]
+fn a_pod_its_agent_still_reports_failing_is_not_probed_and_its_cooldown_doubles() {
+    let mut r = router(&[pod(0.1), pod(0.1)], "");
+    r.apply_pool_event(0, &failing_event(2, 0.5, 12.0), 1000);
+    assert_eq!(r.breaker(0, &addr(0), None).unwrap().open_until_ms(), 2000);
+    // No new snapshot: at the end of the cooldown the latest one still shows the failures,
+    // so no probe goes out and the next cooldown is doubled (1000 -> 2000 ms).
+    let _ = r.tick(2000);
+    let b = *r.breaker(0, &addr(0), None).unwrap();
+    assert_eq!(
+        (b.state(), b.open_until_ms()),
+        (BreakerState::Open, 4000)
+    );
+    assert_eq!(counts(&mut r, 2, 200, 4, 2500), vec![0, 200]);
+    // Once the agent's window no longer shows failures, the pod is probed.
+    r.apply_pool_event(0, &event(&[pod(0.1), pod(0.1)], 3), 3000);
+    let _ = r.tick(4000);
+    assert_eq!(
+        r.breaker(0, &addr(0), None).unwrap().state(),
+        BreakerState::HalfOpen
+    );
+}
+
+#[test]
 fn agent_error_rate_spares_a_pool_that_fails_as_a_whole_and_can_be_switched_off() {
     // Both pods at 40 %: a pool-wide problem (e.g. clients aborting), nobody is cut.
     let mut r = router(&[pod(0.1), pod(0.1)], "");
