@@ -1007,12 +1007,42 @@ impl Router {
                 self.counters.fallback_no_agent_data += 1;
                 return Decision::Fallback(FallbackReason::NoAgentData);
             }
-            let mut start = usize::try_from(rng.next_u64() % n as u64).unwrap_or(0);
-            if cfg.pick_strategy == PickStrategy::TwoChoices && n > 1 {
-                // Every pod cut (e.g. the whole pool over the GPU limit): two even draws, the
-                // one that can take the request sooner, as least_request would.
-                let other =
-                    (start + 1 + usize::try_from(rng.next_u64() % (n as u64 - 1)).unwrap_or(0)) % n;
+            // Every pod cut. Those cut only for load (GPU hard limit, queue full) can still
+            // serve; a pod cut for its health (breaker, stale or faulty) gets a request only
+            // when no other is left.
+            let load_only = |slot: usize| {
+                view.slots
+                    .get(slot)
+                    .and_then(|id| p.pods.get(*id as usize))
+                    .is_some_and(|r| {
+                        matches!(
+                            r.cut,
+                            None | Some(CutReason::GpuHardLimit | CutReason::QueueFull)
+                        ) && r.breaker.admits(&cfg.breaker)
+                            && r.model_breaker(view.model.as_deref())
+                                .is_none_or(|b| b.admits(&cfg.breaker))
+                    })
+            };
+            let eligible = (0..n).filter(|&k| load_only(k)).count();
+            let (m, ok): (usize, &dyn Fn(usize) -> bool) = if eligible > 0 {
+                (eligible, &load_only)
+            } else {
+                (n, &|_| true)
+            };
+            // The `r`-th slot (0-based) that `ok` admits.
+            let nth = |r: usize| (0..n).filter(|&k| ok(k)).nth(r).unwrap_or(0);
+            let mut start = nth(usize::try_from(rng.next_u64() % m as u64).unwrap_or(0));
+            if cfg.pick_strategy == PickStrategy::TwoChoices && m > 1 {
+                // Two even draws, the one that can take the request sooner, as least_request
+                // would.
+                let first = (0..n)
+                    .filter(|&k| ok(k))
+                    .position(|k| k == start)
+                    .unwrap_or(0);
+                let other = nth((first
+                    + 1
+                    + usize::try_from(rng.next_u64() % (m as u64 - 1)).unwrap_or(0))
+                    % m);
                 let key = |slot: usize| {
                     view.slots
                         .get(slot)
@@ -1025,8 +1055,12 @@ impl Router {
                     start = other;
                 }
             }
-            for k in 0..n.min(cfg.fallback_endpoints + 1) {
-                if let Some(id) = view.slots.get((start + k) % n) {
+            for k in (0..n)
+                .map(|k| (start + k) % n)
+                .filter(|&k| ok(k))
+                .take(cfg.fallback_endpoints + 1)
+            {
+                if let Some(id) = view.slots.get(k) {
                     ranked.push(*id);
                 }
             }

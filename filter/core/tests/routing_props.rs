@@ -256,6 +256,30 @@ fn fail_open_spreads_evenly_when_every_pod_is_cut() {
 }
 
 #[test]
+fn fail_open_skips_a_pod_cut_for_its_health_while_pods_cut_for_load_remain() {
+    let mut r = router(&[pod(0.99), pod(0.99), pod(0.99)], "");
+    let err = Outcome {
+        status: Some(503),
+        ..Default::default()
+    };
+    r.on_outcome(0, &addr(0), None, &err, 1000);
+    r.on_outcome(0, &addr(0), None, &err, 1000);
+    // Every pod over the GPU hard limit, pod 0's breaker open as well: the hot pods serve.
+    let c = counts(&mut r, 3, 3_000, 12, 1100);
+    assert_eq!(c[0], 0, "{c:?}");
+    assert!(c[1] > 1_000 && c[2] > 1_000, "{c:?}");
+    assert_eq!(r.counters().fail_open, 3_000);
+    // Only pods cut for their health left: fail open among them rather than refuse.
+    let mut r = router(&[pod(0.1), pod(0.1)], "");
+    for i in 0..2 {
+        r.on_outcome(0, &addr(i), None, &err, 1000);
+        r.on_outcome(0, &addr(i), None, &err, 1000);
+    }
+    let c = counts(&mut r, 2, 1_000, 13, 1100);
+    assert_eq!(c.iter().sum::<usize>(), 1_000, "{c:?}");
+}
+
+#[test]
 fn fallback_reasons() {
     let mut rng = ChaCha8Rng::seed_from_u64(0);
     let mut r = Router::new(config(""));
@@ -509,10 +533,7 @@ fn a_pod_its_agent_still_reports_failing_is_not_probed_and_its_cooldown_doubles(
     // so no probe goes out and the next cooldown is doubled (1000 -> 2000 ms).
     let _ = r.tick(2000);
     let b = *r.breaker(0, &addr(0), None).unwrap();
-    assert_eq!(
-        (b.state(), b.open_until_ms()),
-        (BreakerState::Open, 4000)
-    );
+    assert_eq!((b.state(), b.open_until_ms()), (BreakerState::Open, 4000));
     assert_eq!(counts(&mut r, 2, 200, 4, 2500), vec![0, 200]);
     // Once the agent's window no longer shows failures, the pod is probed.
     r.apply_pool_event(0, &event(&[pod(0.1), pod(0.1)], 3), 3000);
