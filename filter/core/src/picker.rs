@@ -889,7 +889,9 @@ impl Router {
                 }
                 BreakerState::Closed => {}
             }
-            if s.cut.is_none() && !sig.peer_stale {
+            // A pod cut for load (GPU hard limit, queue full) is still an overflow candidate,
+            // so its going stale must be noticed on time too.
+            if s.cut != Some(CutReason::Stale) && !sig.peer_stale {
                 next = next.min(sig.stale_at_ms(cfg.cutoffs.staleness_ms));
             }
             pod.score = s;
