@@ -474,34 +474,20 @@ impl TryFrom<RawArgs> for AgentConfig {
             ms(1),
             ms(60_000),
         )?;
-        let window = duration_in(
-            "window",
-            raw.window.as_deref(),
-            "10s",
-            ms(100),
-            ms(3_600_000),
-        )?;
-        if window < sample_interval {
-            return Err(invalid(
-                "window",
-                raw.window.as_deref().unwrap_or("10s"),
-                "a duration at least as long as --sample-interval",
-            ));
-        }
-        let rate_window = duration_in(
-            "rate-window",
-            raw.rate_window.as_deref(),
-            "5s",
-            ms(100),
-            ms(3_600_000),
-        )?;
-        if rate_window < sample_interval {
-            return Err(invalid(
-                "rate-window",
-                raw.rate_window.as_deref().unwrap_or("5s"),
-                "a duration at least as long as --sample-interval",
-            ));
-        }
+        // A window (of quantiles or of rates): 100 ms to 1 h, and at least one sample long.
+        let window_in = |flag: &'static str, v: Option<&str>, default: &str| {
+            let w = duration_in(flag, v, default, ms(100), ms(3_600_000))?;
+            if w < sample_interval {
+                return Err(invalid(
+                    flag,
+                    v.unwrap_or(default),
+                    "a duration at least as long as --sample-interval",
+                ));
+            }
+            Ok(w)
+        };
+        let window = window_in("window", raw.window.as_deref(), "10s")?;
+        let rate_window = window_in("rate-window", raw.rate_window.as_deref(), "5s")?;
         let watch_min_interval = duration_in(
             "watch-min-interval",
             raw.watch_min_interval.as_deref(),
