@@ -1033,14 +1033,11 @@ impl Router {
             };
             // The `r`-th slot (0-based) that `ok` admits.
             let nth = |r: usize| (0..n).filter(|&k| ok(k)).nth(r).unwrap_or(0);
-            let mut start = nth(usize::try_from(rng.next_u64() % m as u64).unwrap_or(0));
+            let first = usize::try_from(rng.next_u64() % m as u64).unwrap_or(0);
+            let mut start = nth(first);
             if cfg.pick_strategy == PickStrategy::TwoChoices && m > 1 {
                 // Two even draws, the one that can take the request sooner, as least_request
                 // would.
-                let first = (0..n)
-                    .filter(|&k| ok(k))
-                    .position(|k| k == start)
-                    .unwrap_or(0);
                 let other = nth((first
                     + 1
                     + usize::try_from(rng.next_u64() % (m as u64 - 1)).unwrap_or(0))
