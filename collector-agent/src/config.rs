@@ -76,6 +76,10 @@ pub struct RawArgs {
     /// [default: 100ms]
     #[arg(long, env = "AI_LB_AGENT_SAMPLE_INTERVAL")]
     pub sample_interval: Option<String>,
+    /// How often the GPUs (NVML, or the sim source) are read between full samples; at most
+    /// --sample-interval [default: 20ms, or --sample-interval when shorter].
+    #[arg(long, env = "AI_LB_AGENT_GPU_SAMPLE_INTERVAL")]
+    pub gpu_sample_interval: Option<String>,
     /// Window for latency quantiles [default: 10s].
     #[arg(long, env = "AI_LB_AGENT_WINDOW")]
     pub window: Option<String>,
@@ -120,6 +124,7 @@ pub struct FileArgs {
     pub queue_capacity: Option<serde_yaml::Value>,
     pub kv_capacity_tokens: Option<serde_yaml::Value>,
     pub sample_interval: Option<String>,
+    pub gpu_sample_interval: Option<String>,
     pub window: Option<String>,
     pub rate_window: Option<String>,
     pub watch_min_interval: Option<String>,
@@ -174,6 +179,7 @@ impl RawArgs {
             file.kv_capacity_tokens.map(text),
         );
         fill(&mut self.sample_interval, file.sample_interval);
+        fill(&mut self.gpu_sample_interval, file.gpu_sample_interval);
         fill(&mut self.window, file.window);
         fill(&mut self.rate_window, file.rate_window);
         fill(&mut self.watch_min_interval, file.watch_min_interval);
@@ -256,6 +262,8 @@ pub struct AgentConfig {
     /// KV-cache capacity in tokens; wins over the model server's when set.
     pub kv_capacity_tokens: Option<u64>,
     pub sample_interval: Duration,
+    /// How often the local (GPU) sources are read; never longer than `sample_interval`.
+    pub gpu_sample_interval: Duration,
     pub window: Duration,
     /// Window of the request and error rates.
     pub rate_window: Duration,
@@ -474,6 +482,22 @@ impl TryFrom<RawArgs> for AgentConfig {
             ms(1),
             ms(60_000),
         )?;
+        let gpu_sample_interval = match raw.gpu_sample_interval.as_deref() {
+            None => ms(20).min(sample_interval),
+            Some(v) => {
+                let d = duration_in("gpu-sample-interval", Some(v), "20ms", ms(1), ms(60_000))?;
+                if d > sample_interval {
+                    return Err(invalid(
+                        "gpu-sample-interval",
+                        v,
+                        &format!(
+                            "a duration no longer than --sample-interval ({sample_interval:?})"
+                        ),
+                    ));
+                }
+                d
+            }
+        };
         // A window (of quantiles or of rates): 100 ms to 1 h, and at least one sample long.
         let window_in = |flag: &'static str, v: Option<&str>, default: &str| {
             let w = duration_in(flag, v, default, ms(100), ms(3_600_000))?;
@@ -548,6 +572,7 @@ impl TryFrom<RawArgs> for AgentConfig {
             queue_capacity,
             kv_capacity_tokens,
             sample_interval,
+            gpu_sample_interval,
             window,
             rate_window,
             watch_min_interval,
@@ -579,6 +604,7 @@ mod tests {
         assert_eq!(c.gpu_source, GpuSource::Nvml);
         assert!(!c.gpu_source_explicit);
         assert_eq!(c.sample_interval, Duration::from_millis(100));
+        assert_eq!(c.gpu_sample_interval, Duration::from_millis(20));
         assert_eq!(c.window, Duration::from_secs(10));
         assert_eq!(c.rate_window, Duration::from_secs(5));
         assert_eq!(c.watch_min_interval, Duration::from_millis(50));
@@ -600,6 +626,25 @@ mod tests {
         assert_eq!(
             e.to_string(),
             r#"invalid value "abc" for --sample-interval: expected a duration like 100ms or 2s"#
+        );
+    }
+
+    #[test]
+    fn gpu_sample_interval_defaults_to_the_shorter_and_never_exceeds_the_sample() {
+        let base = ["--serving-address", "10.0.0.1:8000"];
+        let with = |extra: &[&str]| {
+            let mut a = base.to_vec();
+            a.extend_from_slice(extra);
+            cfg(&a)
+        };
+        let fast = with(&["--sample-interval", "10ms"]).unwrap();
+        assert_eq!(fast.gpu_sample_interval, Duration::from_millis(10));
+        let same = with(&["--gpu-sample-interval", "100ms"]).unwrap();
+        assert_eq!(same.gpu_sample_interval, Duration::from_millis(100));
+        let e = with(&["--gpu-sample-interval", "150ms"]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            r#"invalid value "150ms" for --gpu-sample-interval: expected a duration no longer than --sample-interval (100ms)"#
         );
     }
 
@@ -631,6 +676,16 @@ mod tests {
             (&["--window", "10"], "--window"),
             (&["--window", "10ms", "--sample-interval", "1s"], "--window"),
             (&["--rate-window", "5"], "--rate-window"),
+            (&["--gpu-sample-interval", "0"], "--gpu-sample-interval"),
+            (
+                &[
+                    "--gpu-sample-interval",
+                    "200ms",
+                    "--sample-interval",
+                    "100ms",
+                ],
+                "--gpu-sample-interval",
+            ),
             (
                 &["--rate-window", "200ms", "--sample-interval", "1s"],
                 "--rate-window",
@@ -703,7 +758,7 @@ mod tests {
         let path = dir.path().join("agent.yaml");
         std::fs::write(
             &path,
-            "serving-address: 10.0.0.2:8000\nsample-interval: 250ms\nheartbeat: 2s\npeers: [a:1, b:2]\nqueue-capacity: 64\nkv-capacity-tokens: 400000\n",
+            "serving-address: 10.0.0.2:8000\nsample-interval: 250ms\ngpu-sample-interval: 50ms\nheartbeat: 2s\npeers: [a:1, b:2]\nqueue-capacity: 64\nkv-capacity-tokens: 400000\n",
         )
         .unwrap();
         let c = AgentConfig::from_args([
@@ -718,6 +773,7 @@ mod tests {
         .unwrap();
         assert_eq!(c.serving_address, "10.0.0.2:8000".parse().unwrap());
         assert_eq!(c.sample_interval, Duration::from_millis(250));
+        assert_eq!(c.gpu_sample_interval, Duration::from_millis(50));
         assert_eq!(c.heartbeat, Duration::from_millis(500));
         assert_eq!(c.peers, vec!["a:1".to_string(), "b:2".to_string()]);
         assert_eq!(c.queue_capacity, Some(64));

@@ -69,15 +69,59 @@ fn ms_or(v: u32, default: Duration) -> Duration {
     }
 }
 
-/// Waits until `deadline`; `false` if shutdown came first.
-async fn wait_until(deadline: Instant, shutdown: &mut watch::Receiver<bool>) -> bool {
-    if *shutdown.borrow() {
-        return false;
+/// The shortest gap between two pushes on one stream when an urgent change is pending.
+pub const URGENT_MIN_GAP: Duration = Duration::from_millis(5);
+
+/// Waits until a stream may push again: `last_push + min`, or `last_push + URGENT_MIN_GAP`
+/// (when `min` is longer) as soon as an urgent change is pending on `urgent` or `also`, which
+/// are marked seen on return. `false` if shutdown came first.
+async fn wait_push(
+    last_push: Instant,
+    min: Duration,
+    urgent: &mut watch::Receiver<u64>,
+    mut also: Option<&mut watch::Receiver<u64>>,
+    shutdown: &mut watch::Receiver<bool>,
+) -> bool {
+    let soon = last_push + min.min(URGENT_MIN_GAP);
+    let late = last_push + min;
+    let mut pending = urgent.has_changed().unwrap_or(false)
+        || also
+            .as_ref()
+            .is_some_and(|r| r.has_changed().unwrap_or(false));
+    // A receiver whose sender is gone stops being listened to.
+    let (mut a_live, mut b_live) = (true, also.is_some());
+    loop {
+        if *shutdown.borrow() {
+            return false;
+        }
+        let deadline = if pending { soon } else { late };
+        if Instant::now() >= deadline {
+            break;
+        }
+        let b_changed = async {
+            match also.as_mut() {
+                Some(r) => r.changed().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = tokio::time::sleep_until(deadline) => break,
+            _ = stopped(shutdown) => return false,
+            r = urgent.changed(), if a_live && !pending => match r {
+                Ok(()) => pending = true,
+                Err(_) => a_live = false,
+            },
+            r = b_changed, if b_live && !pending => match r {
+                Ok(()) => pending = true,
+                Err(_) => b_live = false,
+            },
+        }
     }
-    tokio::select! {
-        _ = tokio::time::sleep_until(deadline) => true,
-        _ = stopped(shutdown) => false,
+    urgent.borrow_and_update();
+    if let Some(r) = also {
+        r.borrow_and_update();
     }
+    true
 }
 
 impl MetricsSvc {
@@ -127,6 +171,8 @@ impl MetricsSvc {
         let mut stop = self.shutdown.clone();
         let mut changes = self.hub.subscribe();
         changes.borrow_and_update();
+        let mut urgent = self.hub.subscribe_urgent();
+        urgent.borrow_and_update();
         let send = |ev: watch_event::Event| {
             self.stats.watch_events.fetch_add(1, Ordering::Relaxed);
             tx.send(Ok(WatchEvent { event: Some(ev) }))
@@ -157,7 +203,7 @@ impl MetricsSvc {
                 _ = tx.closed() => return,
                 r = changes.changed() => {
                     if r.is_err() { return }
-                    if !wait_until(last_push + min, &mut shutdown).await { break }
+                    if !wait_push(last_push, min, &mut urgent, None, &mut shutdown).await { break }
                     changes.borrow_and_update();
                     let Some(p) = self.hub.latest() else { continue };
                     if send(watch_event::Event::Snapshot(p.render(self.clock.now()))).await.is_err() { return }
@@ -188,6 +234,10 @@ impl MetricsSvc {
         let mut hub_rx = self.hub.subscribe();
         pool_rx.borrow_and_update();
         hub_rx.borrow_and_update();
+        let mut pool_urgent = self.pool.subscribe_urgent();
+        let mut hub_urgent = self.hub.subscribe_urgent();
+        pool_urgent.borrow_and_update();
+        hub_urgent.borrow_and_update();
         let full_every = hb * FULL_EVERY_HEARTBEATS;
         let send = |ev: PoolEvent| {
             self.stats.pool_events.fetch_add(1, Ordering::Relaxed);
@@ -214,7 +264,7 @@ impl MetricsSvc {
                 _ = tx.closed() => return,
                 r = pool_rx.changed() => {
                     if r.is_err() { return }
-                    if !wait_until(last_push + min, &mut shutdown).await { break }
+                    if !wait_push(last_push, min, &mut pool_urgent, Some(&mut hub_urgent), &mut shutdown).await { break }
                     pool_rx.borrow_and_update();
                     let self_changed = hub_rx.has_changed().unwrap_or(false);
                     hub_rx.borrow_and_update();
@@ -229,7 +279,7 @@ impl MetricsSvc {
                 }
                 r = hub_rx.changed() => {
                     if r.is_err() { return }
-                    if !wait_until(last_push + min, &mut shutdown).await { break }
+                    if !wait_push(last_push, min, &mut hub_urgent, Some(&mut pool_urgent), &mut shutdown).await { break }
                     hub_rx.borrow_and_update();
                     let pool_changed = pool_rx.has_changed().unwrap_or(false);
                     pool_rx.borrow_and_update();
@@ -401,9 +451,11 @@ pub fn start(cfg: &AgentConfig, args: StartArgs) -> std::io::Result<RunningAgent
         args.clock.clone(),
         cfg.sample_interval,
     );
-    tasks.push(tokio::spawn(
-        sampler.run(cfg.sample_interval, shutdown_rx.clone()),
-    ));
+    tasks.push(tokio::spawn(sampler.run(
+        cfg.sample_interval,
+        cfg.gpu_sample_interval,
+        shutdown_rx.clone(),
+    )));
 
     if !cfg.peers.is_empty() || cfg.peers_dns.is_some() {
         let mut self_addresses = vec![self_peer.clone(), grpc_addr.to_string()];

@@ -4,7 +4,7 @@
 //! answering is STALE with its last snapshot, never dropped; a peer gone from discovery is
 //! REMOVED; a peer that never answered is CONNECTING with the last error as its reason.
 
-use crate::sampler::Published;
+use crate::sampler::{urgent_change, Published};
 use ai_lb_proto::v1::metrics_service_client::MetricsServiceClient;
 use ai_lb_proto::v1::{watch_event, PeerState, PeerStatus, PodSnapshot, WatchRequest};
 use futures::future::BoxFuture;
@@ -40,6 +40,9 @@ struct Inner {
 pub struct PoolView {
     inner: Mutex<Inner>,
     changes: watch::Sender<u64>,
+    /// Bumped on every urgent change: a peer's status changed, or its snapshot jumped
+    /// ([`urgent_change`]); `WatchPool` streams push it without waiting out their coalescing.
+    urgent: watch::Sender<u64>,
 }
 
 impl PoolView {
@@ -47,6 +50,7 @@ impl PoolView {
         Arc::new(PoolView {
             inner: Mutex::new(Inner::default()),
             changes: watch::channel(0).0,
+            urgent: watch::channel(0).0,
         })
     }
 
@@ -62,10 +66,20 @@ impl PoolView {
         self.changes.subscribe()
     }
 
+    /// Wakes on every urgent change of any peer.
+    pub fn subscribe_urgent(&self) -> watch::Receiver<u64> {
+        self.urgent.subscribe()
+    }
+
     /// Applies `f` to `peer`'s entry (created CONNECTING if new) and, if it reports a change,
     /// bumps the pool version and wakes the streams.
     pub fn update(&self, peer: &str, f: impl FnOnce(&mut PeerEntry) -> bool) {
-        let version = {
+        self.update_urgency(peer, |e| (f(e), false));
+    }
+
+    /// As [`PoolView::update`], with `f` also saying whether the change is urgent.
+    fn update_urgency(&self, peer: &str, f: impl FnOnce(&mut PeerEntry) -> (bool, bool)) {
+        let (version, urgent) = {
             let mut g = self.lock();
             let next = g.version + 1;
             let e = g
@@ -78,23 +92,31 @@ impl PoolView {
                     version: next,
                     removed_at: None,
                 });
-            if !f(e) {
+            let (changed, is_urgent) = f(e);
+            if !changed {
                 return;
             }
             e.version = next;
             g.version = next;
-            next
+            (next, is_urgent)
         };
+        if urgent {
+            self.urgent.send_modify(|v| *v += 1);
+        }
         self.changes.send_replace(version);
     }
 
     /// A peer answered with a snapshot: LIVE.
     pub fn set_live(&self, peer: &str, snapshot: PodSnapshot, now: Instant) {
-        self.update(peer, |e| {
+        self.update_urgency(peer, |e| {
             // A watcher aborted by discovery may still finish one step: REMOVED stays removed.
             if e.status == PeerStatus::Removed {
-                return false;
+                return (false, false);
             }
+            let urgent = e.status != PeerStatus::Live
+                || e.last
+                    .as_ref()
+                    .is_none_or(|p| urgent_change(&p.snapshot, &snapshot));
             e.status = PeerStatus::Live;
             e.reason.clear();
             e.removed_at = None;
@@ -102,34 +124,35 @@ impl PoolView {
                 snapshot,
                 taken: now,
             });
-            true
+            (true, urgent)
         });
     }
 
     /// A peer failed: STALE if it ever answered, else CONNECTING; `reason` says why.
     pub fn set_failed(&self, peer: &str, reason: String) {
-        self.update(peer, |e| {
+        self.update_urgency(peer, |e| {
             if e.status == PeerStatus::Removed {
-                return false;
+                return (false, false);
             }
             let status = if e.last.is_some() {
                 PeerStatus::Stale
             } else {
                 PeerStatus::Connecting
             };
-            let changed = e.status != status || e.reason != reason;
+            let urgent = e.status != status;
+            let changed = urgent || e.reason != reason;
             e.status = status;
             e.reason = reason;
-            changed
+            (changed, urgent)
         });
     }
 
     fn set_removed(&self, peer: &str, now: Instant) {
-        self.update(peer, |e| {
+        self.update_urgency(peer, |e| {
             e.status = PeerStatus::Removed;
             e.reason = "no longer discovered".into();
             e.removed_at = Some(now);
-            true
+            (true, true)
         });
     }
 

@@ -87,6 +87,9 @@ pub struct Hub {
     latest: ArcSwapOption<Published>,
     /// Bumped on every meaningful change (and on the first sample).
     changes: watch::Sender<u64>,
+    /// Bumped on every urgent change (see [`urgent_change`]): streams push it without waiting
+    /// out their coalescing interval.
+    urgent: watch::Sender<u64>,
     samples: AtomicU64,
     rejected: Mutex<BTreeMap<(String, String), u64>>,
     instance: String,
@@ -97,6 +100,7 @@ impl Hub {
         Arc::new(Hub {
             latest: ArcSwapOption::const_empty(),
             changes: watch::channel(0).0,
+            urgent: watch::channel(0).0,
             samples: AtomicU64::new(0),
             rejected: Mutex::new(BTreeMap::new()),
             instance,
@@ -117,6 +121,16 @@ impl Hub {
         self.changes.subscribe()
     }
 
+    /// A receiver that wakes on every urgent change.
+    pub fn subscribe_urgent(&self) -> watch::Receiver<u64> {
+        self.urgent.subscribe()
+    }
+
+    /// Urgent changes published so far.
+    pub fn urgent_changes(&self) -> u64 {
+        *self.urgent.borrow()
+    }
+
     pub fn samples_taken(&self) -> u64 {
         self.samples.load(Ordering::Relaxed)
     }
@@ -129,11 +143,15 @@ impl Hub {
         }
     }
 
-    /// Stores a sample; watchers are woken only when `meaningful`.
-    pub fn publish(&self, p: Arc<Published>, meaningful: bool) {
+    /// Stores a sample; watchers are woken only when `meaningful`, and told to skip their
+    /// coalescing when `urgent` (an urgent change is always meaningful).
+    pub fn publish(&self, p: Arc<Published>, meaningful: bool, urgent: bool) {
         self.latest.store(Some(p));
         self.samples.fetch_add(1, Ordering::Relaxed);
-        if meaningful {
+        if urgent {
+            self.urgent.send_modify(|v| *v += 1);
+        }
+        if meaningful || urgent {
             self.changes.send_modify(|v| *v += 1);
         }
     }
@@ -396,6 +414,77 @@ pub fn meaningful_change(prev: &PodSnapshot, next: &PodSnapshot, th: &Thresholds
     }
 }
 
+/// A jump of a 0..1 ratio (GPU utilisation, GPU memory, KV cache, error rate) at least this
+/// large between two published snapshots is urgent.
+pub const URGENT_RATIO: f64 = 0.10;
+
+/// Whether `next` differs from `prev` (the last snapshot watchers were woken for) so much that
+/// receivers should see it now rather than after the streams' coalescing interval
+/// (`--watch-min-interval`): the pod restarted or changed identity, a source started or
+/// stopped failing, the GPU set, throttling, ECC or Xid counters changed, a ratio jumped by
+/// [`URGENT_RATIO`] or more, the queue filled up or drained from full, or the queue moved by
+/// at least half of the larger length (and at least 4 requests), or a capacity changed. Gradual drift is left to
+/// the normal coalescing: it is what that interval is for. Pure.
+pub fn urgent_change(prev: &PodSnapshot, next: &PodSnapshot) -> bool {
+    if prev.identity != next.identity || prev.agent_instance != next.agent_instance {
+        return true;
+    }
+    if prev.sources.len() != next.sources.len()
+        || prev
+            .sources
+            .iter()
+            .zip(&next.sources)
+            .any(|(a, b)| a.name != b.name || a.state != b.state)
+    {
+        return true;
+    }
+    if prev.gpus.len() != next.gpus.len() {
+        return true;
+    }
+    let th = URGENT_RATIO - 1e-9;
+    for (a, b) in prev.gpus.iter().zip(&next.gpus) {
+        let mem_frac = |g: &GpuStats| match (g.memory_used_bytes, g.memory_total_bytes) {
+            (Some(u), Some(t)) if t > 0 => Some(u as f64 / t as f64),
+            _ => None,
+        };
+        if a.index != b.index
+            || a.uuid != b.uuid
+            || moved_ratio(a.utilization, b.utilization, th)
+            || moved_ratio(mem_frac(a), mem_frac(b), th)
+            || a.throttle_reasons != b.throttle_reasons
+            || a.ecc_uncorrected_errors != b.ecc_uncorrected_errors
+            || a.xid_errors != b.xid_errors
+            || a.last_xid != b.last_xid
+        {
+            return true;
+        }
+    }
+    match (&prev.inference, &next.inference) {
+        (None, None) => false,
+        (Some(a), Some(b)) => {
+            let full = |i: &InferenceStats| match (i.waiting, i.queue_capacity) {
+                (Some(w), Some(c)) => Some(w >= c),
+                _ => None,
+            };
+            let queue_jump = match (a.waiting, b.waiting) {
+                (Some(x), Some(y)) => {
+                    let (x, y) = (f64::from(x), f64::from(y));
+                    (x - y).abs() >= (0.5 * x.max(y)).max(4.0)
+                }
+                (None, None) => false,
+                _ => true,
+            };
+            full(a) != full(b)
+                || queue_jump
+                || a.queue_capacity != b.queue_capacity
+                || a.kv_capacity_tokens != b.kv_capacity_tokens
+                || moved_ratio(a.kv_cache_usage, b.kv_cache_usage, th)
+                || moved_ratio(a.error_rate, b.error_rate, th)
+        }
+        _ => true,
+    }
+}
+
 /// Resolves once `shutdown` turns true (or its sender is gone).
 pub async fn stopped(shutdown: &mut watch::Receiver<bool>) {
     let _ = shutdown.wait_for(|s| *s).await;
@@ -412,6 +501,9 @@ pub struct Sampler {
     sequence: u64,
     /// The snapshot watchers were last woken for.
     baseline: Option<PodSnapshot>,
+    /// Each source's last outcome (`last[i]` belongs to `sources[i]`), merged into every
+    /// snapshot, so a local-only sample keeps the model server's last reading.
+    last: Vec<Result<Reading, String>>,
     thresholds: Thresholds,
     source_timeout: Duration,
 }
@@ -437,7 +529,12 @@ impl Sampler {
         sample_interval: Duration,
     ) -> Sampler {
         let tracks = sources.iter().map(|s| SourceTrack::new(s.name())).collect();
+        let last = sources
+            .iter()
+            .map(|s| Err(format!("{}: not sampled yet", s.name())))
+            .collect();
         Sampler {
+            last,
             sources,
             tracks,
             absent,
@@ -459,64 +556,111 @@ impl Sampler {
 
     /// Samples every source once, publishes the merged snapshot and returns it.
     pub async fn step(&mut self) -> Arc<Published> {
+        self.sample(false).await
+    }
+
+    /// Samples only the local sources (GPUs, see [`Source::local`]) and publishes them merged
+    /// with the other sources' last readings; `None` when no source is local.
+    pub async fn step_local(&mut self) -> Option<Arc<Published>> {
+        if !self.sources.iter().any(|s| s.local()) {
+            return None;
+        }
+        Some(self.sample(true).await)
+    }
+
+    async fn sample(&mut self, only_local: bool) -> Arc<Published> {
         let now = self.clock.now();
         let timeout = self.source_timeout;
-        let outcomes: Vec<Result<Reading, String>> =
-            futures::future::join_all(self.sources.iter_mut().map(|s| async move {
-                match tokio::time::timeout(timeout, s.sample(now)).await {
-                    Ok(Ok(r)) => Ok(r),
-                    Ok(Err(e)) => Err(e.to_string()),
-                    Err(_) => Err(format!("{}: no answer within {timeout:?}", s.name())),
-                }
-            }))
-            .await;
-        for (track, outcome) in self.tracks.iter_mut().zip(&outcomes) {
-            track.record(outcome, now);
-            if let Ok(r) = outcome {
+        let outcomes: Vec<(usize, Result<Reading, String>)> = futures::future::join_all(
+            self.sources
+                .iter_mut()
+                .enumerate()
+                .filter(|(_, s)| !only_local || s.local())
+                .map(|(i, s)| async move {
+                    let outcome = match tokio::time::timeout(timeout, s.sample(now)).await {
+                        Ok(Ok(r)) => Ok(r),
+                        Ok(Err(e)) => Err(e.to_string()),
+                        Err(_) => Err(format!("{}: no answer within {timeout:?}", s.name())),
+                    };
+                    (i, outcome)
+                }),
+        )
+        .await;
+        for (i, outcome) in outcomes {
+            let (Some(track), Some(slot)) = (self.tracks.get_mut(i), self.last.get_mut(i)) else {
+                continue;
+            };
+            track.record(&outcome, now);
+            if let Ok(r) = &outcome {
                 for rej in &r.rejected {
                     self.hub.count_rejected(track.name, &rej.field);
                     tracing::debug!(source = track.name, field = %rej.field, value = %rej.value, reason = %rej.reason, "rejected value");
                 }
-            } else if let Err(e) = outcome {
+            } else if let Err(e) = &outcome {
                 if track.consecutive_failures == 1 {
                     tracing::warn!(source = track.name, error = %e, "source failing");
                 }
             }
+            *slot = outcome;
         }
         self.sequence += 1;
         let snapshot = merge(
             &self.identity,
             &self.tracks,
-            &outcomes,
+            &self.last,
             &self.absent,
             now,
             self.clock.unix_ms(),
             self.sequence,
             self.hub.agent_instance(),
         );
-        let meaningful = match &self.baseline {
-            None => true,
-            Some(b) => meaningful_change(b, &snapshot, &self.thresholds),
+        let (meaningful, urgent) = match &self.baseline {
+            None => (true, false),
+            Some(b) => (
+                meaningful_change(b, &snapshot, &self.thresholds),
+                urgent_change(b, &snapshot),
+            ),
         };
-        if meaningful {
+        if meaningful || urgent {
             self.baseline = Some(snapshot.clone());
         }
         let published = Arc::new(Published {
             snapshot,
             taken: now,
         });
-        self.hub.publish(published.clone(), meaningful);
+        self.hub.publish(published.clone(), meaningful, urgent);
         published
     }
 
-    /// Samples at `interval` until `shutdown` turns true.
-    pub async fn run(mut self, interval: Duration, mut shutdown: watch::Receiver<bool>) {
-        let mut ticker = tokio::time::interval(interval);
+    /// Samples every source at `interval`, and the local (GPU) sources alone every
+    /// `local_interval` in between, until `shutdown` turns true.
+    pub async fn run(
+        mut self,
+        interval: Duration,
+        local_interval: Duration,
+        mut shutdown: watch::Receiver<bool>,
+    ) {
+        let has_local = self.sources.iter().any(|s| s.local());
+        let tick = if has_local && !local_interval.is_zero() {
+            local_interval.min(interval)
+        } else {
+            interval
+        };
+        let mut ticker = tokio::time::interval(tick);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut next_full = tokio::time::Instant::now();
         loop {
             tokio::select! {
-                _ = ticker.tick() => { self.step().await; }
+                _ = ticker.tick() => {}
                 _ = stopped(&mut shutdown) => return,
+            }
+            let now = tokio::time::Instant::now();
+            // Half a tick of slack, so timer jitter does not push a full sample a tick late.
+            if now + tick / 2 >= next_full {
+                self.step().await;
+                next_full = (next_full + interval).max(now + interval - tick / 2);
+            } else {
+                self.step_local().await;
             }
         }
     }
@@ -587,6 +731,161 @@ mod tests {
         let mut gone = snap(0.50, 10);
         gone.gpus[0].utilization = None;
         assert!(meaningful_change(&a, &gone, &th));
+    }
+
+    #[test]
+    fn only_jumps_and_state_changes_are_urgent() {
+        let a = snap(0.50, 10);
+        assert!(!urgent_change(&a, &snap(0.55, 10)), "drift is coalesced");
+        assert!(!urgent_change(&a, &snap(0.59, 12)));
+        assert!(urgent_change(&a, &snap(0.60, 10)), "a 0.10 jump");
+        assert!(urgent_change(&a, &snap(0.99, 10)));
+        assert!(urgent_change(&a, &snap(0.50, 20)), "queue doubled");
+        let mut idle = snap(0.5, 0);
+        assert!(!urgent_change(&idle, &snap(0.5, 3)), "a few queued requests");
+        assert!(urgent_change(&idle, &snap(0.5, 4)));
+        let mut full = snap(0.5, 31);
+        full.inference.as_mut().unwrap().queue_capacity = Some(32);
+        let mut fuller = full.clone();
+        fuller.inference.as_mut().unwrap().waiting = Some(32);
+        assert!(urgent_change(&full, &fuller), "the queue filled up");
+        assert!(urgent_change(&fuller, &full), "and drained from full");
+        idle.inference.as_mut().unwrap().kv_cache_usage = Some(0.62);
+        assert!(urgent_change(&snap(0.5, 0), &idle), "a KV-cache jump");
+        let mut failing = snap(0.5, 10);
+        failing.sources[0].state = SourceState::Failing as i32;
+        assert!(urgent_change(&a, &failing));
+        let mut reason = failing.clone();
+        reason.sources[0].reason = "another error text".into();
+        assert!(!urgent_change(&failing, &reason), "only the state counts");
+        let mut xid = snap(0.5, 10);
+        xid.gpus[0].last_xid = Some(79);
+        assert!(urgent_change(&a, &xid));
+        let mut restarted = snap(0.5, 10);
+        restarted.agent_instance = "new".into();
+        assert!(urgent_change(&a, &restarted));
+        let mut p99 = snap(0.50, 10);
+        p99.inference.as_mut().unwrap().ttft.as_mut().unwrap().p99_ms = Some(900.0);
+        assert!(!urgent_change(&a, &p99), "windowed latencies drift");
+        assert!(meaningful_change(&a, &p99, &Thresholds::default()));
+    }
+
+    /// A source that counts its samples; `local` says which cadence it is on.
+    struct Counting {
+        name: &'static str,
+        local: bool,
+        calls: Arc<AtomicU64>,
+    }
+
+    #[async_trait::async_trait]
+    impl Source for Counting {
+        fn name(&self) -> &'static str {
+            self.name
+        }
+        fn local(&self) -> bool {
+            self.local
+        }
+        async fn sample(&mut self, _now: Instant) -> Result<Reading, crate::sources::SourceError> {
+            let n = self.calls.fetch_add(1, Ordering::Relaxed) + 1;
+            Ok(if self.local {
+                Reading {
+                    gpus: Some(vec![GpuStats {
+                        utilization: Some((n % 2) as f64),
+                        ..Default::default()
+                    }]),
+                    ..Default::default()
+                }
+            } else {
+                Reading {
+                    inference: Some(InferenceStats {
+                        waiting: Some(n as u32),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }
+            })
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn gpus_are_read_between_full_samples_and_keep_the_model_servers_reading() {
+        let gpu = Arc::new(AtomicU64::new(0));
+        let server = Arc::new(AtomicU64::new(0));
+        let sources: Vec<Box<dyn Source>> = vec![
+            Box::new(Counting {
+                name: "sim",
+                local: true,
+                calls: gpu.clone(),
+            }),
+            Box::new(Counting {
+                name: "model-server",
+                local: false,
+                calls: server.clone(),
+            }),
+        ];
+        let hub = Hub::new("x".into());
+        let mut sampler = Sampler::new(
+            sources,
+            vec![],
+            IdentityConfig::default(),
+            hub.clone(),
+            Arc::new(SystemClock),
+            Duration::from_millis(100),
+        );
+        sampler.step().await;
+        let local = sampler.step_local().await.unwrap();
+        assert_eq!(server.load(Ordering::Relaxed), 1, "a local step skips the model server");
+        assert_eq!(gpu.load(Ordering::Relaxed), 2);
+        let inf = local.snapshot.inference.unwrap();
+        assert_eq!(inf.waiting, Some(1), "the model server's last reading is kept");
+        assert_eq!(local.snapshot.sources[1].state, SourceState::Fresh as i32);
+        assert!(hub.urgent_changes() >= 1, "utilisation 1 -> 0 is urgent");
+
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let (g0, s0) = (gpu.load(Ordering::Relaxed), server.load(Ordering::Relaxed));
+        let task = tokio::spawn(sampler.run(
+            Duration::from_millis(100),
+            Duration::from_millis(20),
+            stop_rx,
+        ));
+        tokio::time::sleep(Duration::from_millis(1_010)).await;
+        stop_tx.send_replace(true);
+        task.await.unwrap();
+        let full = server.load(Ordering::Relaxed) - s0;
+        let all = gpu.load(Ordering::Relaxed) - g0;
+        assert!((10..=12).contains(&full), "full samples in 1 s at 100 ms: {full}");
+        assert!((50..=52).contains(&all), "GPU reads in 1 s at 20 ms: {all}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn without_local_sources_only_full_samples_run() {
+        let server = Arc::new(AtomicU64::new(0));
+        let sources: Vec<Box<dyn Source>> = vec![Box::new(Counting {
+            name: "model-server",
+            local: false,
+            calls: server.clone(),
+        })];
+        let hub = Hub::new("x".into());
+        let mut sampler = Sampler::new(
+            sources,
+            vec![],
+            IdentityConfig::default(),
+            hub,
+            Arc::new(SystemClock),
+            Duration::from_millis(100),
+        );
+        assert!(sampler.step_local().await.is_none());
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let task = tokio::spawn(sampler.run(
+            Duration::from_millis(100),
+            Duration::from_millis(20),
+            stop_rx,
+        ));
+        tokio::time::sleep(Duration::from_millis(1_010)).await;
+        stop_tx.send_replace(true);
+        task.await.unwrap();
+        let n = server.load(Ordering::Relaxed);
+        assert!((10..=12).contains(&n), "{n}");
     }
 
     #[test]

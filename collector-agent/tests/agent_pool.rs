@@ -242,3 +242,59 @@ async fn dns_discovery_adds_new_peers_and_removes_vanished_ones() {
         agent.shutdown(Duration::from_secs(5)).await;
     }
 }
+
+/// A peer's jump reaches a `WatchPool` client through both coalescing stages (the peer's
+/// `Watch` and the pool stream, each at 5 s here) without waiting for either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn urgent_peer_change_skips_both_coalescing_stages() {
+    let la = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let lb = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let (a_addr, b_addr) = (la.local_addr().unwrap(), lb.local_addr().unwrap());
+    let (ka, kb) = (Knob::default(), Knob::default());
+    ka.set(|k| k.util = 0.10);
+    let cfg_a = test_config("10.0.0.1:8000", vec![]);
+    let mut cfg_b = test_config("10.0.0.2:8000", vec![a_addr.to_string()]);
+    cfg_b.watch_min_interval = Duration::from_secs(5);
+    let agent_a = start_on(&cfg_a, &ka, la).await;
+    let agent_b = start_on(&cfg_b, &kb, lb).await;
+    let a = a_addr.to_string();
+    let mut c = client(b_addr).await;
+    let mut stream = c
+        .watch_pool(WatchPoolRequest {
+            min_interval_ms: 5_000,
+            heartbeat_ms: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut view = View::default();
+    let util = |v: &View| {
+        v.0.get(&a)
+            .and_then(|p| p.snapshot.as_ref())
+            .and_then(|s| s.gpus.first())
+            .and_then(|g| g.utilization)
+    };
+    within(
+        10,
+        "peer A live",
+        until(&mut stream, &mut view, |v| util(v) == Some(0.10)),
+    )
+    .await;
+    // Let both stages push once, so each is inside its 5 s coalescing interval.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t0 = std::time::Instant::now();
+    ka.set(|k| k.util = 0.99);
+    within(
+        10,
+        "the jump",
+        until(&mut stream, &mut view, |v| util(v) == Some(0.99)),
+    )
+    .await;
+    assert!(
+        t0.elapsed() < Duration::from_millis(4_000),
+        "the jump waited for a 5 s coalescing interval: {:?}",
+        t0.elapsed()
+    );
+    agent_b.shutdown(Duration::from_secs(5)).await;
+    agent_a.shutdown(Duration::from_secs(5)).await;
+}

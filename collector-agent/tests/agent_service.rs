@@ -249,3 +249,36 @@ async fn shutdown_ends_streams_with_unavailable_status() {
     assert_eq!(status.message(), "agent shutting down");
     within(10, "servers to stop", done).await.unwrap();
 }
+
+/// A jump (GPU 0.10 → 0.99) skips the stream's coalescing interval, while drift waits for it:
+/// with a 5 s interval, the jump arrives long before the interval ends, carrying the drift
+/// that was waiting (no separate event for it).
+#[tokio::test]
+async fn urgent_change_skips_watch_coalescing() {
+    let knob = Knob::default();
+    knob.set(|k| k.util = 0.10);
+    let agent = start_agent(&knob).await;
+    let mut c = client(agent.grpc_addr).await;
+    let mut stream = c
+        .watch(WatchRequest {
+            min_interval_ms: 5_000,
+            heartbeat_ms: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = within(5, "first event", next_snapshot(&mut stream, |_| true)).await;
+    assert_eq!(util(&first), Some(0.10));
+    let t0 = std::time::Instant::now();
+    knob.set(|k| k.util = 0.13);
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    knob.set(|k| k.util = 0.99);
+    let next = within(5, "the next event", next_snapshot(&mut stream, |_| true)).await;
+    assert_eq!(util(&next), Some(0.99), "drift 0.13 was coalesced into the jump");
+    assert!(
+        t0.elapsed() < std::time::Duration::from_millis(4_000),
+        "the jump waited for the 5 s coalescing interval: {:?}",
+        t0.elapsed()
+    );
+    agent.shutdown(std::time::Duration::from_secs(5)).await;
+}

@@ -69,6 +69,12 @@ pub enum SourceError {
 pub trait Source: Send {
     /// Stable short name: `nvml`, `model-server`, `sim`.
     fn name(&self) -> &'static str;
+    /// A cheap read of local hardware (NVML, or the simulated GPU standing in for it): sampled
+    /// every `--gpu-sample-interval` between the full samples, so a GPU change is seen without
+    /// scraping the model server more often.
+    fn local(&self) -> bool {
+        false
+    }
     async fn sample(&mut self, now: Instant) -> Result<Reading, SourceError>;
 }
 

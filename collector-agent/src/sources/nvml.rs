@@ -472,6 +472,10 @@ impl Source for NvmlSource {
         NAME
     }
 
+    fn local(&self) -> bool {
+        true
+    }
+
     async fn sample(&mut self, _now: Instant) -> Result<Reading, SourceError> {
         self.read_all()
     }

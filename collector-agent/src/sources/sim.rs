@@ -54,6 +54,10 @@ impl Source for SimSource {
         NAME
     }
 
+    fn local(&self) -> bool {
+        true
+    }
+
     async fn sample(&mut self, _now: Instant) -> Result<Reading, SourceError> {
         let body = fetch(&self.client, NAME, &self.url).await?;
         parse_gpus(&body)
