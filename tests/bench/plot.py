@@ -29,24 +29,40 @@ def cdf(ax, values, label):
 
 
 def freshness(s, sdir):
-    """p99 TTFT and change-to-routing latency against the agents' sample interval."""
+    """p99 TTFT and change-to-routing latency (GPU and queue changes) against the agents'
+    sample interval; the sweep's points (both samples at the interval) as lines, the shipped
+    defaults (and the defaults under load) as single markers."""
     pts = s["points"]
-    xs = [p["sample_interval_ms"] for p in pts]
-    ttft = [p["ai_lb"]["ttft_ms"]["p99"] for p in pts]
-    react = [p["reaction"]["cut_ms"]["p99"] for p in pts]
+    sweep = sorted(
+        (p for p in pts if p.get("gpu_sample_interval_ms") == p["sample_interval_ms"]),
+        key=lambda p: p["sample_interval_ms"],
+    )
+    others = [p for p in pts if p not in sweep]
+    xs = [p["sample_interval_ms"] for p in sweep]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    axes[0].plot(xs, ttft, marker="o", label="ai_lb")
+    axes[0].plot(xs, [p["ai_lb"]["ttft_ms"]["p99"] for p in sweep], marker="o", label="ai_lb")
+    for p in others:
+        axes[0].plot([p["sample_interval_ms"]], [p["ai_lb"]["ttft_ms"]["p99"]], "s",
+                     label=f"ai_lb, {p['label']}")
     lr = (s.get("least_request") or {}).get("ttft_ms", {}).get("p99")
     if lr is not None:
         axes[0].axhline(lr, color="k", linestyle="--", label="least_request (same trace)")
     axes[0].set_ylabel("p99 TTFT (ms)")
-    axes[1].plot(xs, react, marker="o", label="pod forced to 99 % GPU -> every sidecar shows it cut")
+    kinds = [("gpu", "pod forced to 99 % GPU"), ("queue", "pod's queue forced full")]
+    for kind, what in kinds:
+        axes[1].plot(xs, [p["reaction"][kind]["cut_ms"]["p99"] for p in sweep], marker="o",
+                     label=f"{what} -> every sidecar shows it cut")
+    loaded = [s["under_load"]] if s.get("under_load") else []
+    for p in others + loaded:
+        for kind, _ in kinds:
+            axes[1].plot([p["sample_interval_ms"]], [p["reaction"][kind]["cut_ms"]["p99"]], "s",
+                         label=f"{kind}, {p['label']}")
     axes[1].set_ylabel("change -> routing change, p99 (ms)")
     for ax in axes:
         ax.set_xscale("log")
         ax.set_xlabel("agent sample interval (ms)")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize="small")
     fig.suptitle(f"freshness sweep ({s['trace']}, {s['sidecars']} sidecars)")
     fig.tight_layout()
     fig.savefig(os.path.join(sdir, "freshness.png"), dpi=80)

@@ -156,6 +156,7 @@ fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
         max_num_seqs: cli.max_num_seqs,
         kv_cache_tokens: cli.kv_cache_tokens,
         sample_interval_ms: cli.sample_interval_ms,
+        gpu_sample_interval_ms: None,
     };
     let mut env = Env {
         loadgen: topology::release_bin("ai-lb-loadgen")?,
@@ -252,12 +253,13 @@ fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
         if want_fresh {
             // Its pools are started per sample interval.
             drop(pool);
-            let (intervals, toggles): (Vec<u64>, usize) = if cli.smoke {
-                (vec![100], 2)
+            // Smoke: the defaults point only (with the short under-load reaction), 2 toggles.
+            let (points, toggles) = if cli.smoke {
+                (vec![freshness::Point::DEFAULTS], 2)
             } else {
-                (freshness::SWEEP_MS.to_vec(), 10)
+                (freshness::sweep(), 10)
             };
-            let v = freshness::freshness(&env, &shape, &intervals, toggles, cmdline)?;
+            let v = freshness::freshness(&env, &shape, &points, toggles, true, cmdline)?;
             let dir = cli.out.join("freshness");
             std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
             let text = serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?;
@@ -267,10 +269,16 @@ fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
             println!("{table}");
             if cli.smoke {
                 let p = &v["points"][0];
+                let seen =
+                    |r: &Value, kind: &str| r[kind]["cut_ms"]["count"].as_u64().unwrap_or(0) > 0;
+                let (r, u) = (&p["reaction"], &v["under_load"]["reaction"]);
                 if p["ai_lb"]["ok"].as_u64().unwrap_or(0) == 0
-                    || p["reaction"]["cut_ms"]["count"].as_u64().unwrap_or(0) == 0
+                    || !["gpu", "queue"].iter().all(|k| seen(r, k) && seen(u, k))
                 {
-                    return Err(format!("smoke: freshness measured nothing: {p}"));
+                    return Err(format!(
+                        "smoke: freshness measured nothing: {p}; under load: {}",
+                        v["under_load"]
+                    ));
                 }
             }
         }

@@ -48,12 +48,21 @@ pub fn overhead(env: &Env, secs: f64, rounds: usize, workers: usize) -> Result<V
         max_num_seqs: 256,
         kv_cache_tokens: 400_000,
         sample_interval_ms: 100,
+        gpu_sample_interval_ms: None,
     };
     let metrics_pod = Pool::start(&shape, false)?;
     let (_sink, sink) = topology::spawn_sink(2)?;
     let grpc = std::net::SocketAddr::from(([127, 0, 0, 1], ai_lb_e2e::envoy::free_port()?));
-    let _agent =
-        topology::spawn_agent("sink", grpc, metrics_pod.pods[0].addr, sink, &[], 256, 100)?;
+    let _agent = topology::spawn_agent(
+        "sink",
+        grpc,
+        metrics_pod.pods[0].addr,
+        sink,
+        &[],
+        256,
+        100,
+        None,
+    )?;
     let upstreams = [sink];
     let agents = [grpc];
     let plain = topology::start_sidecar(Policy::LeastRequest, &upstreams, &agents, 1)?;

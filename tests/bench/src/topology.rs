@@ -78,6 +78,10 @@ pub struct PodShape {
     /// The agents' `--sample-interval` (and `--watch-min-interval` when shorter than the
     /// agent's 50 ms default): how often fresh readings can reach the filters.
     pub sample_interval_ms: u64,
+    /// The agents' `--gpu-sample-interval` (how often the GPU source is read; the model-server
+    /// scrape stays at `sample_interval_ms`). None: the flag is not passed (the agent's
+    /// default, min(20 ms, sample interval)).
+    pub gpu_sample_interval_ms: Option<u64>,
 }
 
 /// One pod and its agent.
@@ -162,6 +166,7 @@ impl Pool {
                 &peers,
                 shape.max_num_seqs,
                 shape.sample_interval_ms,
+                shape.gpu_sample_interval_ms,
             )?;
             pod.agent_grpc = Some(p.addr("grpc")?);
             pod.agent = Some(p);
@@ -180,21 +185,7 @@ impl Pool {
     /// `POST /control` on pod `i` (fault injection).
     pub fn control(&self, i: usize, json: &str) -> Result<(), Error> {
         let pod = self.pods.get(i).ok_or_else(|| format!("no pod {i}"))?;
-        let r = envoy::HttpClient::new(pod.addr).post_json(
-            "/control",
-            &[("connection", "close")],
-            json,
-        )?;
-        if r.status == 200 {
-            Ok(())
-        } else {
-            Err(format!(
-                "POST /control {json} on {}: {} {}",
-                pod.name,
-                r.status,
-                r.text()
-            ))
-        }
+        control(pod.addr, &pod.name, json)
     }
 
     /// Running + waiting requests summed over the pool (from each pod's `/metrics`).
@@ -230,8 +221,25 @@ impl Pool {
     }
 }
 
+/// `POST /control` on the fake pod `name` at `addr` (fault injection); needs no [`Pool`], so a
+/// thread can drive it while the pool is borrowed elsewhere.
+pub fn control(addr: SocketAddr, name: &str, json: &str) -> Result<(), Error> {
+    let r = envoy::HttpClient::new(addr).post_json("/control", &[("connection", "close")], json)?;
+    if r.status == 200 {
+        Ok(())
+    } else {
+        Err(format!(
+            "POST /control {json} on {name}: {} {}",
+            r.status,
+            r.text()
+        ))
+    }
+}
+
 /// Starts an agent on `grpc` that reads metrics and simulated GPU state from the fake pod at
-/// `metrics_from` and announces `serving` as the pod's serving address.
+/// `metrics_from` and announces `serving` as the pod's serving address. `gpu_sample_interval_ms`
+/// None leaves `--gpu-sample-interval` at the agent's default.
+#[allow(clippy::too_many_arguments)]
 pub fn spawn_agent(
     name: &str,
     grpc: SocketAddr,
@@ -240,6 +248,7 @@ pub fn spawn_agent(
     peers: &[SocketAddr],
     max_num_seqs: u32,
     sample_interval_ms: u64,
+    gpu_sample_interval_ms: Option<u64>,
 ) -> Result<Proc, Error> {
     let agent_bin = release_bin("ai-lb-agent")?;
     let url = format!("http://{metrics_from}");
@@ -267,9 +276,15 @@ pub fn spawn_agent(
         "--sample-interval".into(),
         format!("{sample_interval_ms}ms"),
     ];
-    if sample_interval_ms < 50 {
+    if let Some(g) = gpu_sample_interval_ms {
+        args.push("--gpu-sample-interval".into());
+        args.push(format!("{g}ms"));
+    }
+    // Pushes may follow the faster of the two samples (when it is given here).
+    let fastest = gpu_sample_interval_ms.map_or(sample_interval_ms, |g| g.min(sample_interval_ms));
+    if fastest < 50 {
         args.push("--watch-min-interval".into());
-        args.push(format!("{sample_interval_ms}ms"));
+        args.push(format!("{fastest}ms"));
     }
     if !peers.is_empty() {
         args.push("--peers".into());
