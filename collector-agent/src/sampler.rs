@@ -742,7 +742,10 @@ mod tests {
         assert!(urgent_change(&a, &snap(0.99, 10)));
         assert!(urgent_change(&a, &snap(0.50, 20)), "queue doubled");
         let mut idle = snap(0.5, 0);
-        assert!(!urgent_change(&idle, &snap(0.5, 3)), "a few queued requests");
+        assert!(
+            !urgent_change(&idle, &snap(0.5, 3)),
+            "a few queued requests"
+        );
         assert!(urgent_change(&idle, &snap(0.5, 4)));
         let mut full = snap(0.5, 31);
         full.inference.as_mut().unwrap().queue_capacity = Some(32);
@@ -765,7 +768,13 @@ mod tests {
         restarted.agent_instance = "new".into();
         assert!(urgent_change(&a, &restarted));
         let mut p99 = snap(0.50, 10);
-        p99.inference.as_mut().unwrap().ttft.as_mut().unwrap().p99_ms = Some(900.0);
+        p99.inference
+            .as_mut()
+            .unwrap()
+            .ttft
+            .as_mut()
+            .unwrap()
+            .p99_ms = Some(900.0);
         assert!(!urgent_change(&a, &p99), "windowed latencies drift");
         assert!(meaningful_change(&a, &p99, &Thresholds::default()));
     }
@@ -834,10 +843,18 @@ mod tests {
         );
         sampler.step().await;
         let local = sampler.step_local().await.unwrap();
-        assert_eq!(server.load(Ordering::Relaxed), 1, "a local step skips the model server");
+        assert_eq!(
+            server.load(Ordering::Relaxed),
+            1,
+            "a local step skips the model server"
+        );
         assert_eq!(gpu.load(Ordering::Relaxed), 2);
         let inf = local.snapshot.inference.unwrap();
-        assert_eq!(inf.waiting, Some(1), "the model server's last reading is kept");
+        assert_eq!(
+            inf.waiting,
+            Some(1),
+            "the model server's last reading is kept"
+        );
         assert_eq!(local.snapshot.sources[1].state, SourceState::Fresh as i32);
         assert!(hub.urgent_changes() >= 1, "utilisation 1 -> 0 is urgent");
 
@@ -853,7 +870,10 @@ mod tests {
         task.await.unwrap();
         let full = server.load(Ordering::Relaxed) - s0;
         let all = gpu.load(Ordering::Relaxed) - g0;
-        assert!((10..=12).contains(&full), "full samples in 1 s at 100 ms: {full}");
+        assert!(
+            (10..=12).contains(&full),
+            "full samples in 1 s at 100 ms: {full}"
+        );
         assert!((50..=52).contains(&all), "GPU reads in 1 s at 20 ms: {all}");
     }
 

@@ -274,7 +274,11 @@ async fn urgent_change_skips_watch_coalescing() {
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     knob.set(|k| k.util = 0.99);
     let next = within(5, "the next event", next_snapshot(&mut stream, |_| true)).await;
-    assert_eq!(util(&next), Some(0.99), "drift 0.13 was coalesced into the jump");
+    assert_eq!(
+        util(&next),
+        Some(0.99),
+        "drift 0.13 was coalesced into the jump"
+    );
     assert!(
         t0.elapsed() < std::time::Duration::from_millis(4_000),
         "the jump waited for the 5 s coalescing interval: {:?}",

@@ -86,6 +86,10 @@ pub struct Cutoffs {
     pub p99_timeout_ms: u64,
     /// Metrics older than this (ms) cut the pod as stale.
     pub staleness_ms: u64,
+    /// Multiplies the draw weight of a pod whose GPU reports a hardware slowdown
+    /// ([`crate::signals::SLOWDOWN_REASONS`]); 1 ignores it. Not a cut: a slowed pod still
+    /// serves when the others are full.
+    pub slowdown_factor: f64,
 }
 
 impl Default for Cutoffs {
@@ -95,6 +99,7 @@ impl Default for Cutoffs {
             max_queue: 64,
             p99_timeout_ms: 5000,
             staleness_ms: 2000,
+            slowdown_factor: 0.25,
         }
     }
 }
@@ -527,6 +532,13 @@ struct RawCutoffs {
         schemars(extend("default" = 2000, "minimum" = 1))
     )]
     staleness_ms: Option<u64>,
+    /// Multiplies the draw weight of a pod one of whose GPUs reports a hardware slowdown (NVML throttle reasons HW slowdown, SW or HW thermal slowdown, HW power brake: reduced clocks, so every request there runs slower); 1 ignores the signal. Not a cut: the pod still serves when the others are full.
+    #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 0.25, "exclusiveMinimum" = 0, "maximum" = 1))
+    )]
+    slowdown_factor: Option<f64>,
 }
 
 /// Per-pod circuit breaker on passive failures.
@@ -904,6 +916,11 @@ impl TryFrom<RawConfig> for FilterConfig {
                 "cutoffs.stalenessMs",
                 raw.cutoffs.staleness_ms,
                 d.staleness_ms,
+            )?,
+            slowdown_factor: ratio_limit(
+                "cutoffs.slowdownFactor",
+                raw.cutoffs.slowdown_factor,
+                d.slowdown_factor,
             )?,
         };
 

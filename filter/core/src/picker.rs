@@ -6,8 +6,10 @@
 //! Per pod, the draw weight is:
 //! - 0 when cut (GPU hard limit, queue full, stale, hardware fault) or the breaker refuses
 //!   (Open, or HalfOpen with its probe budget spent);
-//! - else `max(ema, floorWeight)` where `ema = α·raw + (1-α)·ema` is updated once per new
-//!   snapshot (first value = raw);
+//! - else `max(ema × penalty, floorWeight)` where `ema = α·raw + (1-α)·ema` is updated once per
+//!   new snapshot (first value = raw), and `penalty` is `cutoffs.slowdownFactor` while a GPU
+//!   of the pod reports a hardware slowdown (NVML throttle reasons), else 1: applied to the
+//!   smoothed value, so it acts on the first snapshot that shows it;
 //! - a pod with a snapshot but no usable reading (cold start) gets the pool MEAN of the pods
 //!   with metrics that are not cut (neither 0 nor the best), floored likewise.
 //!
@@ -221,6 +223,8 @@ pub struct PodStatus<'a> {
     pub window_requests: Option<u64>,
     /// Metrics age at the status time (None when no snapshot).
     pub metrics_age_ms: Option<u64>,
+    /// A GPU reports a hardware slowdown (the score is scaled by `cutoffs.slowdownFactor`).
+    pub slowdown: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -291,6 +295,7 @@ impl PodRt {
                 raw: 0.0,
                 cut: None,
                 has_terms: false,
+                penalty: 1.0,
             },
             cut: None,
             hot: false,
@@ -920,7 +925,7 @@ impl Router {
                 mean
             } else {
                 pod.ema.unwrap_or(0.0)
-            };
+            } * pod.score.penalty;
             pod.shown = if pod.cut.is_some() { 0.0 } else { value };
             // Cut by the GPU hard limit alone: an overflow candidate under twoChoices.
             pod.hot = cfg.pick_strategy == PickStrategy::TwoChoices
@@ -1463,6 +1468,7 @@ impl Router {
                     error_rate: sig.and_then(|s| s.error_rate),
                     window_requests: sig.and_then(|s| s.window_requests),
                     metrics_age_ms: sig.map(|s| s.age_ms(now_ms)),
+                    slowdown: sig.is_some_and(|s| s.slowdown),
                 }
             })
             .collect()

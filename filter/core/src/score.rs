@@ -50,6 +50,9 @@ pub struct Score {
     pub cut: Option<CutReason>,
     /// False when no term could be computed (cold pod).
     pub has_terms: bool,
+    /// What the picker multiplies the pod's smoothed weight by: `cutoffs.slowdownFactor` while
+    /// a GPU reports a hardware slowdown, else 1.
+    pub penalty: f64,
 }
 
 fn clamp01(x: f64) -> f64 {
@@ -98,11 +101,17 @@ pub fn score(signals: &PodSignals, weights: &Weights, cutoffs: &Cutoffs, now_ms:
     } else {
         None
     };
+    let penalty = if signals.has_metrics && signals.slowdown {
+        cutoffs.slowdown_factor
+    } else {
+        1.0
+    };
     Score {
-        value: if cut.is_some() { 0.0 } else { raw },
+        value: if cut.is_some() { 0.0 } else { raw * penalty },
         raw,
         cut,
         has_terms,
+        penalty,
     }
 }
 
@@ -176,5 +185,25 @@ mod tests {
         let s = score(&f, &w, &c, 1000);
         assert_eq!(s.cut, Some(CutReason::HardwareFault));
         assert_eq!(s.value, 0.0);
+    }
+
+    #[test]
+    fn a_slowed_gpu_scales_the_score_without_cutting() {
+        let c = Cutoffs::default();
+        let w = Weights::default();
+        let calm = score(&sig(0.2, 16, 1000.0, 0.5), &w, &c, 1000);
+        let mut p = sig(0.2, 16, 1000.0, 0.5);
+        p.slowdown = true;
+        let slowed = score(&p, &w, &c, 1000);
+        assert_eq!(slowed.cut, None);
+        assert_eq!(slowed.penalty, 0.25);
+        assert_eq!(slowed.raw, calm.raw, "the EMA sees the load terms alone");
+        assert!((slowed.value - 0.25 * calm.value).abs() < 1e-12);
+        let ignore = Cutoffs {
+            slowdown_factor: 1.0,
+            ..c
+        };
+        assert_eq!(score(&p, &w, &ignore, 1000).value, calm.value);
+        assert_eq!(calm.penalty, 1.0);
     }
 }

@@ -39,6 +39,12 @@ pub struct ServedModel {
     pub adapters: Vec<String>,
 }
 
+/// NVML clocks-event (throttle) reasons that mean the GPU is slowed by hardware or heat, not
+/// by its normal power management: HW slowdown (0x8), SW thermal slowdown (0x20), HW thermal
+/// slowdown (0x40) and HW power brake (0x80). Idle (0x1), application clocks (0x2), the SW
+/// power cap (0x4, routine under load), sync boost (0x10) and display clocks (0x100) are not.
+pub const SLOWDOWN_REASONS: u64 = 0x8 | 0x20 | 0x40 | 0x80;
+
 /// Validated, normalised signals of one pod from one snapshot.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct PodSignals {
@@ -73,6 +79,9 @@ pub struct PodSignals {
     pub ecc_total: Option<u64>,
     /// Xid/ECC increased since the previous snapshot of the same agent instance.
     pub hardware_fault: bool,
+    /// A GPU reports a hardware slowdown among its NVML throttle reasons
+    /// ([`SLOWDOWN_REASONS`]): it runs at reduced clocks, so every request there runs slower.
+    pub slowdown: bool,
     /// False when every source is failing or no usable reading exists.
     pub has_metrics: bool,
     /// The peer was reported STALE by the pool agent.
@@ -119,7 +128,11 @@ impl PodSignals {
         let mut mem_ratio: Option<f64> = None;
         let mut xid_total: Option<u64> = None;
         let mut ecc_total: Option<u64> = None;
+        let mut slowdown = false;
         for (i, g) in snap.gpus.iter().enumerate() {
+            slowdown |= g
+                .throttle_reasons
+                .is_some_and(|m| m & SLOWDOWN_REASONS != 0);
             if let Some(u) = ratio(
                 &format!("gpus[{i}].utilization"),
                 g.utilization,
@@ -240,6 +253,7 @@ impl PodSignals {
             xid_total,
             ecc_total,
             hardware_fault: false,
+            slowdown,
             has_metrics,
             peer_stale: false,
             confirmed_at_ms: received_at_ms,

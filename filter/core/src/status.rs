@@ -31,6 +31,7 @@ pub fn scoreboard(router: &Router, now_ms: u64) -> Value {
                         "errorRate": s.error_rate,
                         "windowRequests": s.window_requests,
                         "metricsAgeMs": s.metrics_age_ms,
+                        "slowdown": s.slowdown,
                     })
                 })
                 .collect();

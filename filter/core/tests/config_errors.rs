@@ -68,6 +68,11 @@ fn bad_configs_name_their_field_and_value() {
             "0",
         ),
         (
+            with(r#","cutoffs":{"slowdownFactor":0}"#),
+            "cutoffs.slowdownFactor",
+            "0",
+        ),
+        (
             with(r#","cutoffs":{"maxQueue":0}"#),
             "cutoffs.maxQueue",
             "0",

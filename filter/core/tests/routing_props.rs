@@ -1212,3 +1212,40 @@ proptest! {
         prop_assert_eq!(PoolState::decode(&st.encode()).unwrap(), st);
     }
 }
+
+/// `event` with GPU 0 of peer `i` reporting NVML throttle reasons `mask`.
+fn throttled(mut ev: PoolEvent, i: usize, mask: u64) -> PoolEvent {
+    ev.peers[i].snapshot.as_mut().unwrap().gpus[0].throttle_reasons = Some(mask);
+    ev
+}
+
+#[test]
+fn a_gpu_slowed_by_hardware_gets_a_quarter_of_its_share_at_once_and_all_back_when_it_ends() {
+    let pods = [pod(0.2), pod(0.2), pod(0.2)];
+    let mut r = Router::new(config(""));
+    r.apply_pool_event(0, &throttled(event(&pods, 1), 0, 0x8), 1000);
+    // First snapshot that shows it: weight 0.25 against 1 and 1.
+    let c = counts(&mut r, 3, 100_000, 5, 1000);
+    let share = c[0] as f64 / 100_000.0;
+    assert!((share - 0.25 / 2.25).abs() < 0.005, "slowed share {share}");
+    let status = r.pod_status(0, 1000);
+    assert!(status[0].slowdown && !status[1].slowdown);
+
+    // The power cap (0x4) is routine under load: no penalty.
+    r.apply_pool_event(0, &throttled(event(&pods, 2), 0, 0x4), 1100);
+    let c = counts(&mut r, 3, 100_000, 6, 1100);
+    let share = c[0] as f64 / 100_000.0;
+    assert!(
+        (share - 1.0 / 3.0).abs() < 0.005,
+        "power-capped share {share}"
+    );
+
+    // Thermal slowdown (0x40) counts; `slowdownFactor: 1` switches the signal off.
+    r.apply_pool_event(0, &throttled(event(&pods, 3), 0, 0x40), 1200);
+    let c = counts(&mut r, 3, 100_000, 7, 1200);
+    assert!((c[0] as f64 / 100_000.0 - 0.25 / 2.25).abs() < 0.005);
+    let mut off = Router::new(config(r#"{"cutoffs": {"slowdownFactor": 1}}"#));
+    off.apply_pool_event(0, &throttled(event(&pods, 1), 0, 0x40), 1000);
+    let c = counts(&mut off, 3, 100_000, 8, 1000);
+    assert!((c[0] as f64 / 100_000.0 - 1.0 / 3.0).abs() < 0.005);
+}

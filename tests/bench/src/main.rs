@@ -19,7 +19,7 @@ const SPECIAL: [&str; 3] = ["calibrate", "overhead", "freshness"];
 #[command(name = "ai-lb-bench", about)]
 struct Cli {
     /// Scenarios: calibrate, overhead, freshness, <sharegpt|hol>-<poisson|bursty>-<pct>,
-    /// fault-<slowdown|errors|sigstop>. Default: sharegpt-poisson-80.
+    /// fault-<slowdown|slowdown-silent|errors|sigstop>. Default: sharegpt-poisson-80.
     scenarios: Vec<String>,
     /// Short run on a tiny pool, results under the work dir; checks that the suite works.
     #[arg(long)]

@@ -36,7 +36,12 @@ pub enum Workload {
 /// A fault injected into pod 0 (an h100) at the middle of the run.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Fault {
+    /// Pod 0 runs 5x slower; its GPU reports the HW-slowdown throttle reason, as a thermally
+    /// or power-throttled GPU does.
     Slowdown5x,
+    /// The same slowdown, not shown by the GPU (e.g. a noisy neighbour): only latency and
+    /// load signals reveal it.
+    Slowdown5xSilent,
     Errors50,
     Sigstop,
 }
@@ -53,18 +58,24 @@ pub struct Load {
 }
 
 /// Parses `sharegpt-poisson-80`, `sharegpt-bursty-95`, `hol-poisson-80`, `fault-slowdown`,
-/// `fault-errors`, `fault-sigstop`.
+/// `fault-slowdown-silent`, `fault-errors`, `fault-sigstop`.
 pub fn parse_load(name: &str) -> Result<Load, Error> {
     let bad = || {
         format!(
             "unknown scenario {name:?}: expected calibrate, overhead, freshness, \
-             <sharegpt|hol>-<poisson|bursty>-<percent of capacity>, or fault-<slowdown|errors|sigstop>"
+             <sharegpt|hol>-<poisson|bursty>-<percent of capacity>, or fault-<slowdown|slowdown-silent|errors|sigstop>"
         )
     };
     let parts: Vec<&str> = name.split('-').collect();
-    if let ["fault", kind] = parts.as_slice() {
-        let fault = match *kind {
+    let fault_kind = match parts.as_slice() {
+        ["fault", kind] => Some(*kind),
+        ["fault", "slowdown", "silent"] => Some("slowdown-silent"),
+        _ => None,
+    };
+    if let Some(kind) = fault_kind {
+        let fault = match kind {
             "slowdown" => Fault::Slowdown5x,
+            "slowdown-silent" => Fault::Slowdown5xSilent,
             "errors" => Fault::Errors50,
             "sigstop" => Fault::Sigstop,
             _ => return Err(bad()),
@@ -354,6 +365,7 @@ pub fn run_policy(
         std::thread::sleep(fault_at.saturating_sub(started.elapsed()));
         match f {
             Fault::Slowdown5x => pool.control(0, r#"{"slowdown":5}"#)?,
+            Fault::Slowdown5xSilent => pool.control(0, r#"{"slowdown":5,"throttle":false}"#)?,
             Fault::Errors50 => pool.control(0, r#"{"error_rate":0.5}"#)?,
             Fault::Sigstop => pool.pods[0].proc.sigstop()?,
         }
@@ -662,6 +674,11 @@ mod tests {
             parse_load("fault-sigstop").unwrap().fault,
             Some(Fault::Sigstop)
         );
+        assert_eq!(
+            parse_load("fault-slowdown-silent").unwrap().fault,
+            Some(Fault::Slowdown5xSilent)
+        );
+        assert!(parse_load("fault-slowdown-loud").is_err());
         let e = parse_load("sharegpt-poisson-x").unwrap_err();
         assert!(e.contains("\"x\""), "{e}");
         assert!(parse_load("nonsense").unwrap_err().contains("nonsense"));

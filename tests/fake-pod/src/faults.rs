@@ -15,6 +15,10 @@ pub struct Faults {
     pub hang: bool,
     /// Forces the utilisation reported by /sim/gpu (0..1).
     pub gpu_utilization: Option<f64>,
+    /// Whether /sim/gpu reports the HW-slowdown throttle reason: `None` follows `slowdown`
+    /// (reported while it is above 1, as a thermally or power-throttled GPU would), `Some`
+    /// forces it (`false`: a slowdown the GPU does not show, e.g. a noisy neighbour).
+    pub throttle: Option<bool>,
     /// Forces `vllm:num_requests_waiting` to at least this.
     pub queue: Option<u32>,
     /// Injected Xid errors so far, and the last one.
@@ -31,6 +35,7 @@ impl Default for Faults {
             error_rate: 0.0,
             hang: false,
             gpu_utilization: None,
+            throttle: None,
             queue: None,
             xid_errors: 0,
             last_xid: None,
@@ -44,7 +49,7 @@ impl Default for Faults {
 pub enum ControlError {
     #[error("control body must be a JSON object: {0}")]
     NotAnObject(String),
-    #[error("unknown control field `{field}` (value {value}); known: slowdown, error_rate, hang, gpu_utilization, queue, xid, ecc_errors, reset")]
+    #[error("unknown control field `{field}` (value {value}); known: slowdown, error_rate, hang, gpu_utilization, throttle, queue, xid, ecc_errors, reset")]
     UnknownField { field: String, value: String },
     #[error("invalid value {value} for control field `{field}`: {reason}")]
     InvalidValue {
@@ -101,6 +106,13 @@ impl Faults {
                         None
                     } else {
                         Some(unit_interval(field, v)?)
+                    }
+                }
+                "throttle" => {
+                    next.throttle = match v {
+                        Value::Null => None,
+                        Value::Bool(b) => Some(*b),
+                        _ => return Err(invalid(field, v, "must be true, false or null")),
                     }
                 }
                 "queue" => {
@@ -188,6 +200,7 @@ mod tests {
             (json!({"hang": "yes"}), "hang", "\"yes\""),
             (json!({"gpu_utilization": -0.1}), "gpu_utilization", "-0.1"),
             (json!({"queue": -1}), "queue", "-1"),
+            (json!({"throttle": 1}), "throttle", "1"),
             (json!({"xid": "x"}), "xid", "\"x\""),
             (json!({"reset": 1}), "reset", "1"),
         ] {

@@ -99,7 +99,7 @@ pub fn report(
             power_watts: spec.idle_power_watts
                 + (spec.power_limit_watts - spec.idle_power_watts) * util,
             power_limit_watts: spec.power_limit_watts,
-            throttle_reasons: if faults.slowdown > 1.0 {
+            throttle_reasons: if faults.throttle.unwrap_or(faults.slowdown > 1.0) {
                 THROTTLE_HW_SLOWDOWN
             } else {
                 0
