@@ -58,6 +58,7 @@ def freshness(s, sdir):
             axes[1].plot([p["sample_interval_ms"]], [p["reaction"][kind]["cut_ms"]["p99"]], "s",
                          label=f"{kind}, {p['label']}")
     axes[1].set_ylabel("change -> routing change, p99 (ms)")
+    axes[1].set_yscale("log")
     for ax in axes:
         ax.set_xscale("log")
         ax.set_xlabel("agent sample interval (ms)")
