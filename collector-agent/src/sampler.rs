@@ -350,6 +350,28 @@ fn moved_rel(a: Option<f64>, b: Option<f64>, rel: f64, min_abs: f64) -> bool {
     }
 }
 
+/// Whether the GPU set changed (count, index, UUID), a GPU's throttle reasons or error
+/// counters changed, or its utilisation or memory fraction moved by more than `ratio`. Shared
+/// by [`meaningful_change`] and [`urgent_change`], which differ in the threshold.
+fn gpus_moved(prev: &[GpuStats], next: &[GpuStats], ratio: f64) -> bool {
+    let mem_frac = |g: &GpuStats| match (g.memory_used_bytes, g.memory_total_bytes) {
+        (Some(u), Some(t)) if t > 0 => Some(u as f64 / t as f64),
+        (Some(u), _) => Some(u as f64 / 1e12),
+        _ => None,
+    };
+    prev.len() != next.len()
+        || prev.iter().zip(next).any(|(a, b)| {
+            a.index != b.index
+                || a.uuid != b.uuid
+                || moved_ratio(a.utilization, b.utilization, ratio)
+                || moved_ratio(mem_frac(a), mem_frac(b), ratio)
+                || a.throttle_reasons != b.throttle_reasons
+                || a.ecc_uncorrected_errors != b.ecc_uncorrected_errors
+                || a.xid_errors != b.xid_errors
+                || a.last_xid != b.last_xid
+        })
+}
+
 /// Whether `next` differs from `prev` (the last snapshot watchers were woken for) enough to push:
 /// any source state/reason change, identity/engine/model change, GPU set or error counters,
 /// any change of queue or KV-cache capacity, GPU utilisation / memory / KV / error rate beyond
@@ -368,26 +390,8 @@ pub fn meaningful_change(prev: &PodSnapshot, next: &PodSnapshot, th: &Thresholds
     {
         return true;
     }
-    if prev.gpus.len() != next.gpus.len() {
+    if gpus_moved(&prev.gpus, &next.gpus, th.ratio) {
         return true;
-    }
-    for (a, b) in prev.gpus.iter().zip(&next.gpus) {
-        let mem_frac = |g: &GpuStats| match (g.memory_used_bytes, g.memory_total_bytes) {
-            (Some(u), Some(t)) if t > 0 => Some(u as f64 / t as f64),
-            (Some(u), _) => Some(u as f64 / 1e12),
-            _ => None,
-        };
-        if a.index != b.index
-            || a.uuid != b.uuid
-            || moved_ratio(a.utilization, b.utilization, th.ratio)
-            || moved_ratio(mem_frac(a), mem_frac(b), th.ratio)
-            || a.throttle_reasons != b.throttle_reasons
-            || a.ecc_uncorrected_errors != b.ecc_uncorrected_errors
-            || a.xid_errors != b.xid_errors
-            || a.last_xid != b.last_xid
-        {
-            return true;
-        }
     }
     match (&prev.inference, &next.inference) {
         (None, None) => false,
@@ -438,26 +442,9 @@ pub fn urgent_change(prev: &PodSnapshot, next: &PodSnapshot) -> bool {
     {
         return true;
     }
-    if prev.gpus.len() != next.gpus.len() {
-        return true;
-    }
     let th = URGENT_RATIO - 1e-9;
-    for (a, b) in prev.gpus.iter().zip(&next.gpus) {
-        let mem_frac = |g: &GpuStats| match (g.memory_used_bytes, g.memory_total_bytes) {
-            (Some(u), Some(t)) if t > 0 => Some(u as f64 / t as f64),
-            _ => None,
-        };
-        if a.index != b.index
-            || a.uuid != b.uuid
-            || moved_ratio(a.utilization, b.utilization, th)
-            || moved_ratio(mem_frac(a), mem_frac(b), th)
-            || a.throttle_reasons != b.throttle_reasons
-            || a.ecc_uncorrected_errors != b.ecc_uncorrected_errors
-            || a.xid_errors != b.xid_errors
-            || a.last_xid != b.last_xid
-        {
-            return true;
-        }
+    if gpus_moved(&prev.gpus, &next.gpus, th) {
+        return true;
     }
     match (&prev.inference, &next.inference) {
         (None, None) => false,
