@@ -803,24 +803,23 @@ mod tests {
         }
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn gpus_are_read_between_full_samples_and_keep_the_model_servers_reading() {
-        let gpu = Arc::new(AtomicU64::new(0));
-        let server = Arc::new(AtomicU64::new(0));
-        let sources: Vec<Box<dyn Source>> = vec![
-            Box::new(Counting {
-                name: "sim",
-                local: true,
-                calls: gpu.clone(),
-            }),
-            Box::new(Counting {
-                name: "model-server",
-                local: false,
-                calls: server.clone(),
-            }),
-        ];
+    /// A sampler (100 ms samples) over counting sources named and marked local as given,
+    /// its hub, and each source's call counter.
+    fn counting_sampler(spec: &[(&'static str, bool)]) -> (Sampler, Arc<Hub>, Vec<Arc<AtomicU64>>) {
+        let calls: Vec<Arc<AtomicU64>> = spec.iter().map(|_| Arc::new(AtomicU64::new(0))).collect();
+        let sources: Vec<Box<dyn Source>> = spec
+            .iter()
+            .zip(&calls)
+            .map(|(&(name, local), c)| {
+                Box::new(Counting {
+                    name,
+                    local,
+                    calls: c.clone(),
+                }) as Box<dyn Source>
+            })
+            .collect();
         let hub = Hub::new("x".into());
-        let mut sampler = Sampler::new(
+        let sampler = Sampler::new(
             sources,
             vec![],
             IdentityConfig::default(),
@@ -828,6 +827,26 @@ mod tests {
             Arc::new(SystemClock),
             Duration::from_millis(100),
         );
+        (sampler, hub, calls)
+    }
+
+    /// Runs `sampler` (full samples every 100 ms, local every 20 ms) for 1 s of paused time.
+    async fn run_one_second(sampler: Sampler) {
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let task = tokio::spawn(sampler.run(
+            Duration::from_millis(100),
+            Duration::from_millis(20),
+            stop_rx,
+        ));
+        tokio::time::sleep(Duration::from_millis(1_010)).await;
+        stop_tx.send_replace(true);
+        task.await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn gpus_are_read_between_full_samples_and_keep_the_model_servers_reading() {
+        let (mut sampler, hub, calls) = counting_sampler(&[("sim", true), ("model-server", false)]);
+        let (gpu, server) = (calls[0].clone(), calls[1].clone());
         sampler.step().await;
         let local = sampler.step_local().await.unwrap();
         assert_eq!(
@@ -845,16 +864,8 @@ mod tests {
         assert_eq!(local.snapshot.sources[1].state, SourceState::Fresh as i32);
         assert!(hub.urgent_changes() >= 1, "utilisation 1 -> 0 is urgent");
 
-        let (stop_tx, stop_rx) = watch::channel(false);
         let (g0, s0) = (gpu.load(Ordering::Relaxed), server.load(Ordering::Relaxed));
-        let task = tokio::spawn(sampler.run(
-            Duration::from_millis(100),
-            Duration::from_millis(20),
-            stop_rx,
-        ));
-        tokio::time::sleep(Duration::from_millis(1_010)).await;
-        stop_tx.send_replace(true);
-        task.await.unwrap();
+        run_one_second(sampler).await;
         let full = server.load(Ordering::Relaxed) - s0;
         let all = gpu.load(Ordering::Relaxed) - g0;
         assert!(
@@ -866,32 +877,10 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn without_local_sources_only_full_samples_run() {
-        let server = Arc::new(AtomicU64::new(0));
-        let sources: Vec<Box<dyn Source>> = vec![Box::new(Counting {
-            name: "model-server",
-            local: false,
-            calls: server.clone(),
-        })];
-        let hub = Hub::new("x".into());
-        let mut sampler = Sampler::new(
-            sources,
-            vec![],
-            IdentityConfig::default(),
-            hub,
-            Arc::new(SystemClock),
-            Duration::from_millis(100),
-        );
+        let (mut sampler, _hub, calls) = counting_sampler(&[("model-server", false)]);
         assert!(sampler.step_local().await.is_none());
-        let (stop_tx, stop_rx) = watch::channel(false);
-        let task = tokio::spawn(sampler.run(
-            Duration::from_millis(100),
-            Duration::from_millis(20),
-            stop_rx,
-        ));
-        tokio::time::sleep(Duration::from_millis(1_010)).await;
-        stop_tx.send_replace(true);
-        task.await.unwrap();
-        let n = server.load(Ordering::Relaxed);
+        run_one_second(sampler).await;
+        let n = calls[0].load(Ordering::Relaxed);
         assert!((10..=12).contains(&n), "{n}");
     }
 
