@@ -73,7 +73,8 @@ pub struct RawArgs {
     /// KV-cache capacity in tokens; wins over the model server's own figure.
     #[arg(long, env = "AI_LB_AGENT_KV_CAPACITY_TOKENS")]
     pub kv_capacity_tokens: Option<String>,
-    /// [default: 100ms]
+    /// How often every source is read, the model server's metrics included [default: 50ms,
+    /// the rate the Gateway API Inference Extension's endpoint picker scrapes vLLM at].
     #[arg(long, env = "AI_LB_AGENT_SAMPLE_INTERVAL")]
     pub sample_interval: Option<String>,
     /// How often the GPUs (NVML, or the sim source) are read between full samples; at most
@@ -478,7 +479,7 @@ impl TryFrom<RawArgs> for AgentConfig {
         let sample_interval = duration_in(
             "sample-interval",
             raw.sample_interval.as_deref(),
-            "100ms",
+            "50ms",
             ms(1),
             ms(60_000),
         )?;
@@ -603,7 +604,7 @@ mod tests {
         assert_eq!(c.http_listen, "0.0.0.0:9091".parse().unwrap());
         assert_eq!(c.gpu_source, GpuSource::Nvml);
         assert!(!c.gpu_source_explicit);
-        assert_eq!(c.sample_interval, Duration::from_millis(100));
+        assert_eq!(c.sample_interval, Duration::from_millis(50));
         assert_eq!(c.gpu_sample_interval, Duration::from_millis(20));
         assert_eq!(c.window, Duration::from_secs(10));
         assert_eq!(c.rate_window, Duration::from_secs(5));
@@ -639,12 +640,12 @@ mod tests {
         };
         let fast = with(&["--sample-interval", "10ms"]).unwrap();
         assert_eq!(fast.gpu_sample_interval, Duration::from_millis(10));
-        let same = with(&["--gpu-sample-interval", "100ms"]).unwrap();
-        assert_eq!(same.gpu_sample_interval, Duration::from_millis(100));
+        let same = with(&["--gpu-sample-interval", "50ms"]).unwrap();
+        assert_eq!(same.gpu_sample_interval, Duration::from_millis(50));
         let e = with(&["--gpu-sample-interval", "150ms"]).unwrap_err();
         assert_eq!(
             e.to_string(),
-            r#"invalid value "150ms" for --gpu-sample-interval: expected a duration no longer than --sample-interval (100ms)"#
+            r#"invalid value "150ms" for --gpu-sample-interval: expected a duration no longer than --sample-interval (50ms)"#
         );
     }
 

@@ -338,6 +338,12 @@ impl PodRt {
     /// cache, a request is one seat (its size counts in the KV cache); otherwise each counts
     /// by its body size, the only hint of a long prompt.
     fn seat_load(&self) -> f64 {
+        self.occupancy() / self.capacity
+    }
+
+    /// Estimated seats taken on the pod now (running + waiting), as [`PodRt::seat_load`]
+    /// describes, before dividing by the capacity.
+    fn occupancy(&self) -> f64 {
         let occ = if self.kv_cap.is_some() {
             match self.snap_occ {
                 Some(o) => o + f64::from(self.inflight) - self.inflight_base,
@@ -349,7 +355,7 @@ impl PodRt {
                 None => self.inflight_w,
             }
         };
-        occ.max(0.0) / self.capacity
+        occ.max(0.0)
     }
 
     /// Estimated KV tokens in use now: the snapshot's, plus the KV tokens of this VM's requests
@@ -393,27 +399,56 @@ impl PodRt {
         self.head_blocked || !self.fits(kv_tokens)
     }
 
+    /// How long a request sent to the pod now would wait to start, in service rounds (how
+    /// many times the requests running there must turn over first); 0 when a seat is free for
+    /// it. The requests that start before it (those over the seats or, while the queue's head
+    /// waits for KV cache, every one waiting) plus itself, over how many run at once. So a
+    /// long queue on a pod running eight requests can be the shorter wait, and a short queue
+    /// behind two requests that hold the KV cache the longer.
+    fn drain(&self) -> f64 {
+        let occ = self.occupancy();
+        let running = match self.snap_occ {
+            Some(o) => o - f64::from(self.snap_waiting),
+            None => occ.min(self.capacity),
+        }
+        .max(1.0);
+        let slots = if self.head_blocked {
+            running
+        } else {
+            self.capacity
+        };
+        if occ < slots {
+            return 0.0;
+        }
+        (occ - slots + 1.0) / running
+    }
+
     /// What two candidates are compared by for a request holding `kv_tokens` (lower wins):
-    /// first how long it would wait, in tiers: 0 = starts at once; 1 = queues for a seat (seats
-    /// taken at or over capacity, or requests waiting in the snapshot), which frees when any
-    /// running request ends; 2 = waits for KV cache ([`PodRt::waits_for_kv`]), which frees
-    /// only when enough running tokens end (a long prompt holds it for seconds). Then the load
-    /// with it. The score has already had its say in which two pods were drawn; dividing by
-    /// it here would let a small score difference outweigh a long prompt's size. Idle pods
-    /// tie.
-    fn pick_key(&self, kv_tokens: f64, now_ms: u64) -> (u8, f64) {
-        let tier = if self.waits_for_kv(kv_tokens) {
-            2
-        } else if self.hot
+    /// first how long it would wait, in tiers: 0 = starts at once; 1 = queues (seats taken at
+    /// or over capacity, requests waiting in the snapshot, the queue's head waiting for KV
+    /// cache, the GPU over its hard limit, or a recent failure); 2 = does not fit the
+    /// estimated free KV cache itself, so it waits until enough running tokens end (a long
+    /// prompt holds them for seconds). Within tier 0 and 2, the load with it (the score has
+    /// already had its say in which two pods were drawn; dividing by it here would let a small
+    /// score difference outweigh a long prompt's size; idle pods tie). Within tier 1, the
+    /// estimated wait in service rounds ([`PodRt::drain`]), then the load: a queue behind a
+    /// head that waits for KV cache is not always worse than a queue for seats (a pod that
+    /// runs two requests and has three waiting turns over slower than one that runs eight
+    /// with four waiting, but faster than one that runs eight with thirty waiting).
+    fn pick_key(&self, kv_tokens: f64, now_ms: u64) -> (u8, f64, f64) {
+        let load = self.load_with(kv_tokens);
+        if !self.fits(kv_tokens) {
+            (2, 0.0, load)
+        } else if self.head_blocked
+            || self.hot
             || self.seat_load() >= 1.0
             || self.snap_waiting > 0
             || self.failed_recently(now_ms)
         {
-            1
+            (1, self.drain(), load)
         } else {
-            0
-        };
-        (tier, self.load_with(kv_tokens))
+            (0, 0.0, load)
+        }
     }
 
     /// Not a probe-budgeted pod (its breaker, or the model's, is not closed).
@@ -1051,7 +1086,7 @@ impl Router {
                     view.slots
                         .get(slot)
                         .and_then(|id| p.pods.get(*id as usize))
-                        .map_or((u8::MAX, f64::INFINITY), |r| {
+                        .map_or((u8::MAX, f64::INFINITY, f64::INFINITY), |r| {
                             r.pick_key(size.kv_tokens, now_ms)
                         })
                 };
@@ -1094,7 +1129,9 @@ impl Router {
             let key = |id: u32| {
                 p.pods
                     .get(id as usize)
-                    .map_or((u8::MAX, f64::INFINITY), |r| r.pick_key(need, now_ms))
+                    .map_or((u8::MAX, f64::INFINITY, f64::INFINITY), |r| {
+                        r.pick_key(need, now_ms)
+                    })
             };
             if let Some(b) = second {
                 if key(b) < key(a) {
@@ -1123,7 +1160,7 @@ impl Router {
             }
             // Overflow: the request would queue on the chosen pod, so one pod over the GPU
             // hard limit, drawn evenly, competes too (as queued, so it wins only with the
-            // lower load). The hard limit keeps load off a hot pod while others have room;
+            // shorter wait). The hard limit keeps load off a hot pod while others have room;
             // once they queue too, cutting it only herds its share onto them.
             if key(chosen).0 > 0 && !view.hot.is_empty() {
                 let i = usize::try_from(rng.next_u64() % view.hot.len() as u64).unwrap_or(0);

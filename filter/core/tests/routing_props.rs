@@ -908,6 +908,39 @@ fn waiting_behind_a_kv_blocked_head_is_worse_than_waiting_for_a_seat() {
 }
 
 #[test]
+fn a_long_queue_for_seats_is_worse_than_a_short_one_behind_a_kv_blocked_head() {
+    // The HOL incident seen from the other side: the fast pods hold long prompts, so their
+    // queues' heads wait for KV cache, while a slower pod with free KV has all 8 seats running
+    // short requests and 30 waiting. Pod 0: 6 running and 1 waiting behind a head that waits
+    // for KV (2 service rounds of 6 requests: about a third of a round); pod 1: 8 running, 30
+    // waiting (31 / 8, about 4 rounds). Ranking every KV-blocked queue below every seat queue
+    // sent all short traffic to pod 1 until its queue was seconds long.
+    let mut ev = kv_event(&[0.8, 0.3], 12_500, 1);
+    for (i, running, waiting) in [(0, 6, 1), (1, 8, 30)] {
+        let inf = inference(&mut ev, i);
+        inf.running = Some(running);
+        inf.waiting = Some(waiting);
+    }
+    let mut r = Router::new(config(""));
+    r.apply_pool_event(0, &ev, 1000);
+    let c = counts_for(&mut r, 2, kv(300.0), 20_000, 63);
+    // Pod 1 only when all four draws of the two-choice land on it (scores 0.70 and 0.66:
+    // 0.485^4, about 5.5 %); ranked the old way it took every request.
+    assert!((c[1] as f64 / 20_000.0) < 0.08, "{c:?}");
+    // The same pod 0 with two running and five waiting (3 rounds) loses to pod 1 with 8
+    // running and 12 waiting (13 / 8, under 2 rounds).
+    let mut ev = kv_event(&[0.8, 0.3], 12_500, 2);
+    for (i, running, waiting) in [(0, 2, 5), (1, 8, 12)] {
+        let inf = inference(&mut ev, i);
+        inf.running = Some(running);
+        inf.waiting = Some(waiting);
+    }
+    r.apply_pool_event(0, &ev, 1100);
+    let c = counts_for(&mut r, 2, kv(300.0), 20_000, 64);
+    assert!((c[0] as f64 / 20_000.0) < 0.01, "{c:?}");
+}
+
+#[test]
 fn a_pod_over_the_gpu_limit_takes_requests_only_when_the_other_would_queue_too() {
     // Pod 0 is over the GPU hard limit (cut, score 0 on the scoreboard) with 2 of 8 seats
     // taken; pods 1 and 2 are cool. While they have free seats, pod 0 gets nothing.

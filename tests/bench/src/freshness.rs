@@ -41,7 +41,7 @@ use crate::topology::{self, Error, PodShape, Policy, Pool};
 pub const SWEEP_MS: [u64; 6] = [10, 50, 100, 500, 1000, 5000];
 
 /// The agent's default `--sample-interval`, ms.
-pub const DEFAULT_SAMPLE_MS: u64 = 100;
+pub const DEFAULT_SAMPLE_MS: u64 = 50;
 /// The agent's default `--gpu-sample-interval` cap, ms (the default is min(this, sample)).
 pub const DEFAULT_GPU_SAMPLE_MS: u64 = 20;
 
@@ -623,7 +623,7 @@ mod tests {
     fn sweep_starts_with_the_defaults_and_moves_both_samples() {
         let s = sweep();
         assert_eq!(s[0], Point::DEFAULTS);
-        assert_eq!(s[0].label(), "100 ms, GPU 20 ms (defaults)");
+        assert_eq!(s[0].label(), "50 ms, GPU 20 ms (defaults)");
         assert_eq!(s.len(), SWEEP_MS.len() + 1);
         for (p, ms) in s[1..].iter().zip(SWEEP_MS) {
             assert_eq!(p.sample_interval_ms, ms);
@@ -693,7 +693,7 @@ mod tests {
         });
         let t = table(&v);
         assert!(
-            t.contains("| 100 ms, GPU 20 ms (defaults) | 11 / 22 / 33 (8, 1 already cut) | 101 / 202 / 303 (8, 1 already cut) | 7 / 7 | 50 / 400 | 800 | 0.80 | 0.89 |"),
+            t.contains("| 50 ms, GPU 20 ms (defaults) | 11 / 22 / 33 (8, 1 already cut) | 101 / 202 / 303 (8, 1 already cut) | 7 / 7 | 50 / 400 | 800 | 0.80 | 0.89 |"),
             "{t}"
         );
         assert!(t.contains("| under load (least_request traffic at 80 %), defaults | 11 / 22 / 33"));

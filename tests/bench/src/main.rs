@@ -38,8 +38,9 @@ struct Cli {
     max_num_seqs: u32,
     #[arg(long, default_value_t = 12_500)]
     kv_cache_tokens: u64,
-    /// The agents' `--sample-interval`, ms, in every scenario but freshness (which sweeps it).
-    #[arg(long, default_value_t = 100)]
+    /// The agents' `--sample-interval`, ms, in every scenario but freshness (which sweeps it);
+    /// the default is the agent's own.
+    #[arg(long, default_value_t = ai_lb_bench::freshness::DEFAULT_SAMPLE_MS)]
     sample_interval_ms: u64,
     #[arg(long, default_value_t = 4)]
     sidecars: usize,
