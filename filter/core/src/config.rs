@@ -368,10 +368,11 @@ struct RawConfig {
     )]
     floor_weight: Option<f64>,
     /// How a pod is chosen among those not cut: `twoChoices` (two draws in proportion to
-    /// score; a pod with a free seat beats one where the request would queue for a seat, which
-    /// beats one where it would wait for KV cache (the prompt does not fit the estimated free
-    /// KV cache, or the queue's head already waits for KV); then the lower load wins, the
-    /// fuller of seats (the snapshot's running + waiting moved by this sidecar's own starts
+    /// score; a pod with a free seat beats one where the request would queue, which beats one
+    /// whose estimated free KV cache the prompt does not fit; queued pods are compared by the
+    /// service rounds the request would wait (the requests ahead of it plus itself, over those
+    /// running; while the queue's head waits for KV, every waiting request is ahead); then
+    /// the lower load wins, the fuller of seats (the snapshot's running + waiting moved by this sidecar's own starts
     /// and ends since) and KV cache (the snapshot's KV use plus this sidecar's prompts and
     /// `max_tokens` since; pods whose agent reports KV capacity); a prompt that fits neither
     /// candidate draws up to four more; a pod over the GPU hard limit takes overflow once the

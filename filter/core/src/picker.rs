@@ -18,14 +18,23 @@
 //!   for a distinct second one); a candidate where the request would start at once beats one
 //!   where it would queue, then the lower load wins; on a tie the first draw wins, so with
 //!   nothing in flight the shares are exactly score-proportional.
-//!   - Waiting comes in tiers, compared first: none; for a seat (estimated occupancy at or
-//!     over capacity, or the snapshot shows requests waiting), which frees when any running
-//!     request ends; for KV cache (the request does not fit the pod's estimated free KV
-//!     cache, or the snapshot shows requests waiting while seats are free, i.e. the head of
-//!     the queue waits for KV), which frees only when enough running tokens end.
-//!   - Load = the fuller of seats (occupancy over capacity) and KV cache (estimated use plus
-//!     this request, over capacity). KV is judged only for pods that report their KV-cache
-//!     capacity in tokens and its use.
+//!   - Waiting comes in tiers, compared first: none; queued (estimated occupancy at or over
+//!     capacity, the snapshot shows requests waiting, its queue's head waits for KV cache,
+//!     i.e. requests wait while seats are free, the GPU is over its hard limit, or a request
+//!     to the pod just failed); the request does not fit the pod's estimated free KV cache
+//!     itself, which frees only when enough running tokens end.
+//!   - Queued candidates are compared by the service rounds the request would wait
+//!     ([`PodRt::drain`]): the requests that start before it (those over the seats, or every
+//!     one waiting while the head waits for KV) plus itself, over the requests running. So
+//!     one request waiting behind a KV-blocked head on a pod running six beats thirty waiting
+//!     for eight seats, and five waiting behind two running lose to twelve waiting for eight.
+//!     (Ranking every KV-blocked queue below every seat queue sent all short traffic to the
+//!     few pods without long prompts during a burst of them: queues of 20-34 there, seconds
+//!     of TTFT.)
+//!   - Load (the tie-break, and the measure in the other tiers) = the fuller of seats
+//!     (occupancy over capacity) and KV cache (estimated use plus this request, over
+//!     capacity). KV is judged only for pods that report their KV-cache capacity in tokens
+//!     and its use.
 //!   - Estimated occupancy = the latest snapshot's running + waiting, plus this VM's requests
 //!     started since that snapshot, minus those that ended since (never below 0), over the
 //!     pod's `queue_capacity` (else `cutoffs.maxQueue`). A request counts one seat on pods
@@ -36,7 +45,7 @@
 //!     plus `max_tokens`) of this VM's requests started since, minus those ended since.
 //!   - Overflow: when the request would queue on the chosen pod, one pod cut by the GPU hard
 //!     limit alone (score 0, breakers closed), drawn evenly, competes too, counted as queued:
-//!     it wins only with the lower load (counted as `overflow_over_gpu_limit`). So a hot pod
+//!     it wins only with the shorter wait (counted as `overflow_over_gpu_limit`). So a hot pod
 //!     gets nothing while the drawn pods have free seats; when the whole pool runs hot,
 //!     cutting it outright only herds its share onto the rest, which then run hot in turn.
 //!   - A pod where one of this VM's requests failed in the last second counts as queued: a
