@@ -706,11 +706,7 @@ fn a_pod_with_requests_waiting_counts_as_full() {
     // none waiting) wins every comparison it is in.
     let mut r = Router::new(config(r#"{"cutoffs":{"maxQueue":8}}"#));
     let mut ev = event(&[pod(0.2), pod(0.2)], 1);
-    for (i, running, waiting) in [(0, 1, 2), (1, 6, 0)] {
-        let inf = inference(&mut ev, i);
-        inf.running = Some(running);
-        inf.waiting = Some(waiting);
-    }
+    set_queues(&mut ev, &[(0, 1, 2), (1, 6, 0)]);
     r.apply_pool_event(0, &ev, 1000);
     let c = counts(&mut r, 2, 20_000, 12, 1000);
     // Pod 0 wins only when pod 1 is never drawn (p0^4, p0 a little over 1/2 as pod 0's queue
@@ -773,6 +769,15 @@ fn a_long_prompt_keeps_its_weight_across_snapshots() {
     r.apply_pool_event(0, &ev, 1100);
     let c = start_many(&mut r, 8, 14, 22, 1100);
     assert_eq!(c[i], 0, "{c:?}");
+}
+
+/// Sets running and waiting of each `(peer, running, waiting)` in `ev`.
+fn set_queues(ev: &mut PoolEvent, queues: &[(usize, u32, u32)]) {
+    for &(i, running, waiting) in queues {
+        let inf = inference(ev, i);
+        inf.running = Some(running);
+        inf.waiting = Some(waiting);
+    }
 }
 
 /// Eight equal pods reporting a KV cache of `cap` tokens with the given uses, 4 of 8 seats
@@ -885,11 +890,7 @@ fn waiting_behind_a_kv_blocked_head_is_worse_than_waiting_for_a_seat() {
     // seats running and 4 waiting: queued too, and fuller by count, but a seat frees as soon
     // as any request ends. A short request goes to pod 1 whenever both are candidates.
     let mut ev = kv_event(&[0.3, 0.3], 12_500, 1);
-    for (i, running, waiting) in [(0, 2, 3), (1, 8, 4)] {
-        let inf = inference(&mut ev, i);
-        inf.running = Some(running);
-        inf.waiting = Some(waiting);
-    }
+    set_queues(&mut ev, &[(0, 2, 3), (1, 8, 4)]);
     let mut r = Router::new(config(""));
     r.apply_pool_event(0, &ev, 1000);
     let c = counts_for(&mut r, 2, kv(300.0), 20_000, 61);
@@ -916,11 +917,7 @@ fn a_long_queue_for_seats_is_worse_than_a_short_one_behind_a_kv_blocked_head() {
     // waiting (31 / 8, about 4 rounds). Ranking every KV-blocked queue below every seat queue
     // sent all short traffic to pod 1 until its queue was seconds long.
     let mut ev = kv_event(&[0.8, 0.3], 12_500, 1);
-    for (i, running, waiting) in [(0, 6, 1), (1, 8, 30)] {
-        let inf = inference(&mut ev, i);
-        inf.running = Some(running);
-        inf.waiting = Some(waiting);
-    }
+    set_queues(&mut ev, &[(0, 6, 1), (1, 8, 30)]);
     let mut r = Router::new(config(""));
     r.apply_pool_event(0, &ev, 1000);
     let c = counts_for(&mut r, 2, kv(300.0), 20_000, 63);
@@ -930,11 +927,7 @@ fn a_long_queue_for_seats_is_worse_than_a_short_one_behind_a_kv_blocked_head() {
     // The same pod 0 with two running and five waiting (3 rounds) loses to pod 1 with 8
     // running and 12 waiting (13 / 8, under 2 rounds).
     let mut ev = kv_event(&[0.8, 0.3], 12_500, 2);
-    for (i, running, waiting) in [(0, 2, 5), (1, 8, 12)] {
-        let inf = inference(&mut ev, i);
-        inf.running = Some(running);
-        inf.waiting = Some(waiting);
-    }
+    set_queues(&mut ev, &[(0, 2, 5), (1, 8, 12)]);
     r.apply_pool_event(0, &ev, 1100);
     let c = counts_for(&mut r, 2, kv(300.0), 20_000, 64);
     assert!((c[0] as f64 / 20_000.0) < 0.01, "{c:?}");
