@@ -81,6 +81,12 @@ pub struct RawArgs {
     /// --sample-interval [default: 20ms, or --sample-interval when shorter].
     #[arg(long, env = "AI_LB_AGENT_GPU_SAMPLE_INTERVAL")]
     pub gpu_sample_interval: Option<String>,
+    /// A sample that has waited this long on a source reports it failing, and keeps waiting up
+    /// to the source timeout (500ms, or --sample-interval when longer). Filters cut a pod
+    /// whose model server fails after it has answered once [default: 3 × --sample-interval,
+    /// at least 150ms].
+    #[arg(long, env = "AI_LB_AGENT_SOURCE_STALL_AFTER")]
+    pub source_stall_after: Option<String>,
     /// Window for latency quantiles [default: 10s].
     #[arg(long, env = "AI_LB_AGENT_WINDOW")]
     pub window: Option<String>,
@@ -126,6 +132,7 @@ pub struct FileArgs {
     pub kv_capacity_tokens: Option<serde_yaml::Value>,
     pub sample_interval: Option<String>,
     pub gpu_sample_interval: Option<String>,
+    pub source_stall_after: Option<String>,
     pub window: Option<String>,
     pub rate_window: Option<String>,
     pub watch_min_interval: Option<String>,
@@ -181,6 +188,7 @@ impl RawArgs {
         );
         fill(&mut self.sample_interval, file.sample_interval);
         fill(&mut self.gpu_sample_interval, file.gpu_sample_interval);
+        fill(&mut self.source_stall_after, file.source_stall_after);
         fill(&mut self.window, file.window);
         fill(&mut self.rate_window, file.rate_window);
         fill(&mut self.watch_min_interval, file.watch_min_interval);
@@ -265,6 +273,8 @@ pub struct AgentConfig {
     pub sample_interval: Duration,
     /// How often the local (GPU) sources are read; never longer than `sample_interval`.
     pub gpu_sample_interval: Duration,
+    /// `--source-stall-after`; None: the sampler's default for the sample interval.
+    pub source_stall_after: Option<Duration>,
     pub window: Duration,
     /// Window of the request and error rates.
     pub rate_window: Duration,
@@ -499,6 +509,16 @@ impl TryFrom<RawArgs> for AgentConfig {
                 d
             }
         };
+        let source_stall_after = match raw.source_stall_after.as_deref() {
+            None => None,
+            Some(v) => Some(duration_in(
+                "source-stall-after",
+                Some(v),
+                "150ms",
+                ms(1),
+                ms(60_000),
+            )?),
+        };
         // A window (of quantiles or of rates): 100 ms to 1 h, and at least one sample long.
         let window_in = |flag: &'static str, v: Option<&str>, default: &str| {
             let w = duration_in(flag, v, default, ms(100), ms(3_600_000))?;
@@ -574,6 +594,7 @@ impl TryFrom<RawArgs> for AgentConfig {
             kv_capacity_tokens,
             sample_interval,
             gpu_sample_interval,
+            source_stall_after,
             window,
             rate_window,
             watch_min_interval,
@@ -647,6 +668,22 @@ mod tests {
             e.to_string(),
             r#"invalid value "150ms" for --gpu-sample-interval: expected a duration no longer than --sample-interval (50ms)"#
         );
+    }
+
+    #[test]
+    fn source_stall_after_is_optional_and_validated() {
+        let base = ["--serving-address", "10.0.0.1:8000"];
+        assert_eq!(cfg(&base).unwrap().source_stall_after, None);
+        let mut a = base.to_vec();
+        a.extend_from_slice(&["--source-stall-after", "400ms"]);
+        assert_eq!(
+            cfg(&a).unwrap().source_stall_after,
+            Some(Duration::from_millis(400))
+        );
+        let mut a = base.to_vec();
+        a.extend_from_slice(&["--source-stall-after", "0s"]);
+        let e = cfg(&a).unwrap_err().to_string();
+        assert!(e.contains(r#""0s" for --source-stall-after"#), "{e}");
     }
 
     #[test]

@@ -443,7 +443,7 @@ pub fn start(cfg: &AgentConfig, args: StartArgs) -> std::io::Result<RunningAgent
         queue_capacity: cfg.queue_capacity,
         kv_capacity_tokens: cfg.kv_capacity_tokens,
     };
-    let sampler = Sampler::new(
+    let mut sampler = Sampler::new(
         args.sources,
         args.absent,
         identity,
@@ -451,6 +451,9 @@ pub fn start(cfg: &AgentConfig, args: StartArgs) -> std::io::Result<RunningAgent
         args.clock.clone(),
         cfg.sample_interval,
     );
+    if let Some(stall) = cfg.source_stall_after {
+        sampler = sampler.with_stall_after(stall);
+    }
     tasks.push(tokio::spawn(sampler.run(
         cfg.sample_interval,
         cfg.gpu_sample_interval,

@@ -10,7 +10,7 @@ use ai_lb_proto::v1::{
 };
 use arc_swap::ArcSwapOption;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::watch;
@@ -480,6 +480,15 @@ pub async fn stopped(shutdown: &mut watch::Receiver<bool>) {
 /// Runs the sources and publishes snapshots into a [`Hub`].
 pub struct Sampler {
     sources: Vec<Box<dyn Source>>,
+    /// Everything but the sources, so a snapshot can be published while a source is still
+    /// being awaited (see [`Sampler::stall_after`]).
+    out: Outbox,
+    source_timeout: Duration,
+    stall_after: Duration,
+}
+
+/// The sampler's publishing side: source health, last readings, sequence and change baseline.
+struct Outbox {
     tracks: Vec<SourceTrack>,
     absent: Vec<&'static str>,
     identity: IdentityConfig,
@@ -492,109 +501,28 @@ pub struct Sampler {
     /// snapshot, so a local-only sample keeps the model server's last reading.
     last: Vec<Result<Reading, String>>,
     thresholds: Thresholds,
-    source_timeout: Duration,
 }
 
-impl std::fmt::Debug for Sampler {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Sampler")
-            .field("tracks", &self.tracks)
-            .field("absent", &self.absent)
-            .field("sequence", &self.sequence)
-            .finish()
-    }
-}
-
-impl Sampler {
-    /// `absent` names sources that are not configured (reported `SOURCE_STATE_ABSENT`).
-    pub fn new(
-        sources: Vec<Box<dyn Source>>,
-        absent: Vec<&'static str>,
-        identity: IdentityConfig,
-        hub: Arc<Hub>,
-        clock: Arc<dyn Clock>,
-        sample_interval: Duration,
-    ) -> Sampler {
-        let tracks = sources.iter().map(|s| SourceTrack::new(s.name())).collect();
-        let last = sources
-            .iter()
-            .map(|s| Err(format!("{}: not sampled yet", s.name())))
-            .collect();
-        Sampler {
-            last,
-            sources,
-            tracks,
-            absent,
-            identity,
-            hub,
-            clock,
-            sequence: 0,
-            baseline: None,
-            thresholds: Thresholds::default(),
-            source_timeout: sample_interval
-                .clamp(Duration::from_millis(500), Duration::from_secs(5)),
-        }
-    }
-
-    pub fn with_thresholds(mut self, thresholds: Thresholds) -> Sampler {
-        self.thresholds = thresholds;
-        self
-    }
-
-    /// Samples every source once, publishes the merged snapshot and returns it.
-    pub async fn step(&mut self) -> Arc<Published> {
-        self.sample(false).await
-    }
-
-    /// Samples only the local sources (GPUs, see [`Source::local`]) and publishes them merged
-    /// with the other sources' last readings; `None` when no source is local.
-    pub async fn step_local(&mut self) -> Option<Arc<Published>> {
-        if !self.sources.iter().any(|s| s.local()) {
-            return None;
-        }
-        Some(self.sample(true).await)
-    }
-
-    async fn sample(&mut self, only_local: bool) -> Arc<Published> {
-        let now = self.clock.now();
-        let timeout = self.source_timeout;
-        let outcomes: Vec<(usize, Result<Reading, String>)> = futures::future::join_all(
-            self.sources
-                .iter_mut()
-                .enumerate()
-                .filter(|(_, s)| !only_local || s.local())
-                .map(|(i, s)| async move {
-                    let outcome = match tokio::time::timeout(timeout, s.sample(now)).await {
-                        Ok(Ok(r)) => Ok(r),
-                        Ok(Err(e)) => Err(e.to_string()),
-                        Err(_) => Err(format!("{}: no answer within {timeout:?}", s.name())),
-                    };
-                    (i, outcome)
-                }),
-        )
-        .await;
-        for (i, outcome) in outcomes {
-            let (Some(track), Some(slot)) = (self.tracks.get_mut(i), self.last.get_mut(i)) else {
-                continue;
-            };
-            track.record(&outcome, now);
-            if let Ok(r) = &outcome {
-                for rej in &r.rejected {
-                    self.hub.count_rejected(track.name, &rej.field);
-                    tracing::debug!(source = track.name, field = %rej.field, value = %rej.value, reason = %rej.reason, "rejected value");
-                }
-            } else if let Err(e) = &outcome {
-                if track.consecutive_failures == 1 {
-                    tracing::warn!(source = track.name, error = %e, "source failing");
-                }
-            }
-            *slot = outcome;
-        }
+impl Outbox {
+    /// Merges every source's last outcome into a snapshot taken at `now` and publishes it.
+    /// With `stalled = Some((done, waited))`, the sources not yet `done` are shown failing
+    /// with "no answer for `waited`" and without their last readings; the real records are
+    /// left alone, since the answer (or the timeout) is recorded when it comes.
+    fn publish(
+        &mut self,
+        stalled: Option<(&[AtomicBool], Duration)>,
+        now: Instant,
+    ) -> Arc<Published> {
         self.sequence += 1;
+        let interim = stalled.map(|(done, waited)| self.stalled_view(done, waited, now));
+        let (tracks, last) = match &interim {
+            Some((t, l)) => (t.as_slice(), l.as_slice()),
+            None => (self.tracks.as_slice(), self.last.as_slice()),
+        };
         let snapshot = merge(
             &self.identity,
-            &self.tracks,
-            &self.last,
+            tracks,
+            last,
             &self.absent,
             now,
             self.clock.unix_ms(),
@@ -617,6 +545,172 @@ impl Sampler {
         });
         self.hub.publish(published.clone(), meaningful, urgent);
         published
+    }
+
+    /// Copies of the tracks and last outcomes with every source not yet `done` failing.
+    fn stalled_view(
+        &self,
+        done: &[AtomicBool],
+        waited: Duration,
+        now: Instant,
+    ) -> (Vec<SourceTrack>, Vec<Result<Reading, String>>) {
+        let mut tracks = self.tracks.clone();
+        let mut last = self.last.clone();
+        for (i, (t, l)) in tracks.iter_mut().zip(last.iter_mut()).enumerate() {
+            if done.get(i).is_some_and(|d| !d.load(Ordering::Acquire)) {
+                if t.consecutive_failures == 0 {
+                    tracing::warn!(source = t.name, waited = ?waited, "source stalled");
+                }
+                *l = Err(format!("{}: no answer for {waited:?}", t.name));
+                t.record(l, now);
+            }
+        }
+        (tracks, last)
+    }
+}
+
+impl std::fmt::Debug for Sampler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sampler")
+            .field("tracks", &self.out.tracks)
+            .field("absent", &self.out.absent)
+            .field("sequence", &self.out.sequence)
+            .finish()
+    }
+}
+
+impl Sampler {
+    /// `absent` names sources that are not configured (reported `SOURCE_STATE_ABSENT`).
+    pub fn new(
+        sources: Vec<Box<dyn Source>>,
+        absent: Vec<&'static str>,
+        identity: IdentityConfig,
+        hub: Arc<Hub>,
+        clock: Arc<dyn Clock>,
+        sample_interval: Duration,
+    ) -> Sampler {
+        let tracks = sources.iter().map(|s| SourceTrack::new(s.name())).collect();
+        let last = sources
+            .iter()
+            .map(|s| Err(format!("{}: not sampled yet", s.name())))
+            .collect();
+        let source_timeout =
+            sample_interval.clamp(Duration::from_millis(500), Duration::from_secs(5));
+        Sampler {
+            sources,
+            out: Outbox {
+                tracks,
+                absent,
+                identity,
+                hub,
+                clock,
+                sequence: 0,
+                baseline: None,
+                last,
+                thresholds: Thresholds::default(),
+            },
+            source_timeout,
+            stall_after: Self::default_stall_after(sample_interval, source_timeout),
+        }
+    }
+
+    /// How long a full sample waits on a source before it reports that source failing while
+    /// still waiting for the answer: three sample intervals, at least 150 ms, and never past
+    /// the source timeout. A model server that froze (SIGSTOP, a hung event loop) is reported
+    /// after this, not after the timeout, and filters cut its pod; a slow one that answers
+    /// later is fresh again on that answer.
+    pub fn default_stall_after(sample_interval: Duration, source_timeout: Duration) -> Duration {
+        (sample_interval * 3)
+            .max(Duration::from_millis(150))
+            .min(source_timeout)
+    }
+
+    pub fn with_thresholds(mut self, thresholds: Thresholds) -> Sampler {
+        self.out.thresholds = thresholds;
+        self
+    }
+
+    /// Overrides the stall time ([`Sampler::default_stall_after`]); at or past the source
+    /// timeout, no interim snapshot is published.
+    pub fn with_stall_after(mut self, stall_after: Duration) -> Sampler {
+        self.stall_after = stall_after;
+        self
+    }
+
+    /// Samples every source once, publishes the merged snapshot and returns it.
+    pub async fn step(&mut self) -> Arc<Published> {
+        self.sample(false).await
+    }
+
+    /// Samples only the local sources (GPUs, see [`Source::local`]) and publishes them merged
+    /// with the other sources' last readings; `None` when no source is local.
+    pub async fn step_local(&mut self) -> Option<Arc<Published>> {
+        if !self.sources.iter().any(|s| s.local()) {
+            return None;
+        }
+        Some(self.sample(true).await)
+    }
+
+    async fn sample(&mut self, only_local: bool) -> Arc<Published> {
+        let now = self.out.clock.now();
+        let timeout = self.source_timeout;
+        let stall = self.stall_after;
+        let done: Vec<AtomicBool> = self
+            .sources
+            .iter()
+            .map(|_| AtomicBool::new(false))
+            .collect();
+        let watch_stall = !only_local && stall < timeout && self.sources.iter().any(|s| !s.local());
+        let done_ref = &done;
+        let all = futures::future::join_all(
+            self.sources
+                .iter_mut()
+                .enumerate()
+                .filter(|(_, s)| !only_local || s.local())
+                .map(|(i, s)| async move {
+                    let outcome = match tokio::time::timeout(timeout, s.sample(now)).await {
+                        Ok(Ok(r)) => Ok(r),
+                        Ok(Err(e)) => Err(e.to_string()),
+                        Err(_) => Err(format!("{}: no answer within {timeout:?}", s.name())),
+                    };
+                    if let Some(d) = done_ref.get(i) {
+                        d.store(true, Ordering::Release);
+                    }
+                    (i, outcome)
+                }),
+        );
+        tokio::pin!(all);
+        let outcomes = if watch_stall {
+            tokio::select! {
+                o = &mut all => o,
+                _ = tokio::time::sleep(stall) => {
+                    let at = self.out.clock.now();
+                    self.out.publish(Some((&done, stall)), at);
+                    all.await
+                }
+            }
+        } else {
+            all.await
+        };
+        for (i, outcome) in outcomes {
+            let (Some(track), Some(slot)) = (self.out.tracks.get_mut(i), self.out.last.get_mut(i))
+            else {
+                continue;
+            };
+            track.record(&outcome, now);
+            if let Ok(r) = &outcome {
+                for rej in &r.rejected {
+                    self.out.hub.count_rejected(track.name, &rej.field);
+                    tracing::debug!(source = track.name, field = %rej.field, value = %rej.value, reason = %rej.reason, "rejected value");
+                }
+            } else if let Err(e) = &outcome {
+                if track.consecutive_failures == 1 {
+                    tracing::warn!(source = track.name, error = %e, "source failing");
+                }
+            }
+            *slot = outcome;
+        }
+        self.out.publish(None, now)
     }
 
     /// Samples every source at `interval`, and the local (GPU) sources alone every
@@ -873,6 +967,146 @@ mod tests {
             "full samples in 1 s at 100 ms: {full}"
         );
         assert!((50..=52).contains(&all), "GPU reads in 1 s at 20 ms: {all}");
+    }
+
+    /// A model-server source that answers after `delay` (the test's paused clock), or never
+    /// once `frozen` is set.
+    struct Freezable {
+        delay: Duration,
+        frozen: Arc<AtomicBool>,
+    }
+
+    #[async_trait::async_trait]
+    impl Source for Freezable {
+        fn name(&self) -> &'static str {
+            "model-server"
+        }
+        async fn sample(&mut self, _now: Instant) -> Result<Reading, crate::sources::SourceError> {
+            if self.frozen.load(Ordering::Relaxed) {
+                std::future::pending::<()>().await;
+            }
+            tokio::time::sleep(self.delay).await;
+            Ok(Reading {
+                inference: Some(InferenceStats {
+                    waiting: Some(2),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+        }
+    }
+
+    /// A sampler at the 50 ms default over a local GPU source and a [`Freezable`] model
+    /// server answering after `delay`; its hub and the freeze switch.
+    fn freezable_sampler(delay: Duration) -> (Sampler, Arc<Hub>, Arc<AtomicBool>) {
+        let frozen = Arc::new(AtomicBool::new(false));
+        let sources: Vec<Box<dyn Source>> = vec![
+            Box::new(Counting {
+                name: "sim",
+                local: true,
+                calls: Arc::new(AtomicU64::new(0)),
+            }),
+            Box::new(Freezable {
+                delay,
+                frozen: frozen.clone(),
+            }),
+        ];
+        let hub = Hub::new("x".into());
+        let sampler = Sampler::new(
+            sources,
+            vec![],
+            IdentityConfig::default(),
+            hub.clone(),
+            Arc::new(SystemClock),
+            Duration::from_millis(50),
+        );
+        (sampler, hub, frozen)
+    }
+
+    fn model_server_status(hub: &Hub) -> SourceStatus {
+        hub.latest().unwrap().snapshot.sources[1].clone()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_frozen_model_server_is_reported_failing_after_the_stall_time_not_the_timeout() {
+        let (mut sampler, hub, frozen) = freezable_sampler(Duration::ZERO);
+        assert_eq!(sampler.stall_after, Duration::from_millis(150));
+        assert_eq!(sampler.source_timeout, Duration::from_millis(500));
+        sampler.step().await;
+        assert_eq!(model_server_status(&hub).state, SourceState::Fresh as i32);
+        frozen.store(true, Ordering::Relaxed);
+        let mut urgent = hub.subscribe_urgent();
+        urgent.borrow_and_update();
+        let t0 = tokio::time::Instant::now();
+        let task = tokio::spawn(async move { sampler.step().await });
+        urgent.changed().await.unwrap();
+        assert_eq!(
+            t0.elapsed(),
+            Duration::from_millis(150),
+            "pushed at the stall time"
+        );
+        let interim = hub.latest().unwrap().snapshot.clone();
+        let ms = &interim.sources[1];
+        assert_eq!(ms.state, SourceState::Failing as i32);
+        assert!(ms.reason.contains("no answer for 150ms"), "{}", ms.reason);
+        assert!(ms.last_success_age_ms.is_some(), "it answered before");
+        assert_eq!(
+            interim.inference, None,
+            "a stalled source's reading is dropped"
+        );
+        assert_eq!(
+            interim.sources[0].state,
+            SourceState::Fresh as i32,
+            "the GPU answered"
+        );
+        assert!(!interim.gpus.is_empty());
+        // The sample itself still ends at the timeout, and records it.
+        let done = task.await.unwrap();
+        assert_eq!(t0.elapsed(), Duration::from_millis(500));
+        let ms = &done.snapshot.sources[1];
+        assert_eq!(ms.state, SourceState::Failing as i32);
+        assert_eq!(
+            ms.consecutive_failures, 1,
+            "the interim report is not a second failure"
+        );
+        assert!(
+            ms.reason.contains("no answer within 500ms"),
+            "{}",
+            ms.reason
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_model_server_is_failing_between_the_stall_time_and_its_answer() {
+        let (mut sampler, hub, _frozen) = freezable_sampler(Duration::from_millis(300));
+        // Each sample reports it failing at 150 ms and fresh again on its answer at 300 ms.
+        let first = sampler.step().await;
+        assert_eq!(first.snapshot.sources[1].state, SourceState::Fresh as i32);
+        let seq = first.snapshot.sequence;
+        let done = sampler.step().await;
+        assert_eq!(done.snapshot.sources[1].state, SourceState::Fresh as i32);
+        assert_eq!(done.snapshot.inference.unwrap().waiting, Some(2));
+        assert_eq!(
+            done.snapshot.sequence,
+            seq + 2,
+            "one interim snapshot in between"
+        );
+        drop(hub);
+        // A stall time at or past the timeout publishes no interim snapshot.
+        let (sampler, _hub, _f) = freezable_sampler(Duration::from_millis(300));
+        let mut sampler = sampler.with_stall_after(Duration::from_millis(500));
+        let a = sampler.step().await.snapshot.sequence;
+        assert_eq!(sampler.step().await.snapshot.sequence, a + 1);
+    }
+
+    #[test]
+    fn stall_time_is_three_intervals_at_least_150_ms_within_the_timeout() {
+        let ms = Duration::from_millis;
+        let t = Sampler::default_stall_after;
+        assert_eq!(t(ms(50), ms(500)), ms(150));
+        assert_eq!(t(ms(10), ms(500)), ms(150));
+        assert_eq!(t(ms(100), ms(500)), ms(300));
+        assert_eq!(t(ms(1000), ms(1000)), ms(1000));
     }
 
     #[tokio::test(start_paused = true)]

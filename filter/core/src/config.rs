@@ -90,6 +90,9 @@ pub struct Cutoffs {
     /// ([`crate::signals::SLOWDOWN_REASONS`]); 1 ignores it. Not a cut: a slowed pod still
     /// serves when the others are full.
     pub slowdown_factor: f64,
+    /// Cut a pod whose model server stopped answering its agent
+    /// ([`crate::signals::PodSignals::model_server_down`]).
+    pub cut_model_server_down: bool,
 }
 
 impl Default for Cutoffs {
@@ -100,6 +103,7 @@ impl Default for Cutoffs {
             p99_timeout_ms: 5000,
             staleness_ms: 2000,
             slowdown_factor: 0.25,
+            cut_model_server_down: true,
         }
     }
 }
@@ -296,13 +300,19 @@ fn serde_error(e: serde_path_to_error::Error<serde_json::Error>) -> ConfigError 
             return ConfigError::new(full, "", "unknown field");
         }
     }
+    // `invalid type: string "yes", expected a boolean`: the offending value goes in the value.
+    let value = ["invalid type: ", "invalid value: "]
+        .iter()
+        .find_map(|p| msg.strip_prefix(p))
+        .and_then(|rest| rest.split_once(", expected").map(|(v, _)| v.to_string()))
+        .unwrap_or_default();
     // Strip serde_json's " at line X column Y" into the reason: keep it, it helps.
     let reason = if path.is_empty() || syntax {
         format!("invalid JSON: {msg}")
     } else {
         msg
     };
-    ConfigError::new(path, "", reason)
+    ConfigError::new(path, value, reason)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -540,6 +550,10 @@ struct RawCutoffs {
         schemars(extend("default" = 0.25, "exclusiveMinimum" = 0, "maximum" = 1))
     )]
     slowdown_factor: Option<f64>,
+    /// Cut a pod whose model server stopped answering its agent: the agent's `model-server` source is failing (no answer within its stall time, an HTTP error, or unreadable metrics) after it had answered at least once. A frozen or crashed vLLM stops answering while its GPU still reads, so it would look idle. A source that never answered (a misconfigured agent) is treated as missing metrics instead. `false` leaves such a pod to the breaker and to twoChoices' in-flight counts.
+    #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(extend("default" = true)))]
+    cut_model_server_down: Option<bool>,
 }
 
 /// Per-pod circuit breaker on passive failures.
@@ -923,6 +937,10 @@ impl TryFrom<RawConfig> for FilterConfig {
                 raw.cutoffs.slowdown_factor,
                 d.slowdown_factor,
             )?,
+            cut_model_server_down: raw
+                .cutoffs
+                .cut_model_server_down
+                .unwrap_or(d.cut_model_server_down),
         };
 
         let d = BreakerConfig::default();

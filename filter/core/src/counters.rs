@@ -31,6 +31,9 @@ pub struct Counters {
     pub pool_decode_errors: u64,
     /// Hardware faults detected (Xid/ECC increase).
     pub hardware_faults: u64,
+    /// Pods whose model server stopped answering its agent (counted once per outage, on the
+    /// snapshot that first shows it).
+    pub model_server_down: u64,
     /// Snapshots whose agent error rate was at `breaker.agentErrorRate` but not acted on,
     /// because more than half of the pool's pods were too.
     pub agent_errors_pool_wide: u64,
@@ -51,7 +54,7 @@ impl Counters {
     }
 
     /// `(stat name, value)` pairs, stable names for Envoy counters.
-    pub fn iter(&self) -> [(&'static str, u64); 16] {
+    pub fn iter(&self) -> [(&'static str, u64); 17] {
         [
             ("steered", self.steered),
             ("fallback.no_agent_data", self.fallback_no_agent_data),
@@ -65,6 +68,7 @@ impl Counters {
             ("pool_events", self.pool_events),
             ("pool_decode_errors", self.pool_decode_errors),
             ("hardware_faults", self.hardware_faults),
+            ("model_server_down", self.model_server_down),
             ("agent_errors_pool_wide", self.agent_errors_pool_wide),
             ("breaker.opened", self.breaker_opened),
             ("breaker.half_opened", self.breaker_half_opened),

@@ -177,6 +177,10 @@ impl PoolState {
                                 counters.hardware_faults += 1;
                             }
                         }
+                        let was_down = entry.signals.as_ref().is_some_and(|p| p.model_server_down);
+                        if s.model_server_down && !was_down {
+                            counters.model_server_down += 1;
+                        }
                         entry.signals = Some(s);
                         entry.snapshot = Some(snap.clone());
                         entry.received_at_ms = now_ms;

@@ -22,6 +22,8 @@ pub enum CutReason {
     Stale,
     /// Xid/ECC errors increased in the latest snapshot.
     HardwareFault,
+    /// The model server stopped answering its agent (`cutoffs.cutModelServerDown`).
+    ModelServerDown,
     /// The pod's (or pod+model's) breaker is open, or half-open with its probes spent.
     Breaker(TripReason),
 }
@@ -34,6 +36,7 @@ impl CutReason {
             CutReason::QueueFull => "queue_full",
             CutReason::Stale => "stale",
             CutReason::HardwareFault => "hardware_fault",
+            CutReason::ModelServerDown => "model_server_down",
             CutReason::Breaker(r) => r.cut_name(),
         }
     }
@@ -94,6 +97,8 @@ pub fn score(signals: &PodSignals, weights: &Weights, cutoffs: &Cutoffs, now_ms:
         Some(CutReason::HardwareFault)
     } else if signals.peer_stale || signals.age_ms(now_ms) > cutoffs.staleness_ms {
         Some(CutReason::Stale)
+    } else if signals.model_server_down && cutoffs.cut_model_server_down {
+        Some(CutReason::ModelServerDown)
     } else if signals.has_metrics && signals.gpu.is_some_and(|g| g > cutoffs.gpu_hard_limit) {
         Some(CutReason::GpuHardLimit)
     } else if signals.has_metrics && signals.waiting.is_some_and(|w| w >= cutoffs.max_queue) {
@@ -180,6 +185,17 @@ mod tests {
             Some(CutReason::Stale)
         );
         assert_eq!(score(&sig(0.1, 0, 0.0, 0.0), &w, &c, 3000).cut, None);
+        let mut d = sig(0.1, 0, 0.0, 0.0);
+        d.model_server_down = true;
+        assert_eq!(
+            score(&d, &w, &c, 1000).cut,
+            Some(CutReason::ModelServerDown)
+        );
+        let keep = Cutoffs {
+            cut_model_server_down: false,
+            ..c
+        };
+        assert_eq!(score(&d, &w, &keep, 1000).cut, None);
         let mut f = sig(0.1, 0, 0.0, 0.0);
         f.hardware_fault = true;
         let s = score(&f, &w, &c, 1000);

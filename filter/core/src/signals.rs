@@ -16,6 +16,11 @@
 //!   same agent instance ([`PodSignals::detect_fault_since`]).
 //! - Sources: if every reported source is FAILING, the pod has no metrics (`has_metrics`
 //!   false) even if stale numbers are present.
+//! - Model server down: the agent's `model-server` source is FAILING after it has answered at
+//!   least once (`last_success_age_ms` present). A frozen or crashed vLLM stops answering its
+//!   metrics endpoint while NVML still reads the GPU, so the pod would otherwise look idle. A
+//!   source that never answered (a misconfigured or just-started agent) is missing metrics,
+//!   not a down pod.
 
 use std::net::SocketAddr;
 
@@ -44,6 +49,9 @@ pub struct ServedModel {
 /// slowdown (0x40) and HW power brake (0x80). Idle (0x1), application clocks (0x2), the SW
 /// power cap (0x4, routine under load), sync boost (0x10) and display clocks (0x100) are not.
 pub const SLOWDOWN_REASONS: u64 = 0x8 | 0x20 | 0x40 | 0x80;
+
+/// The agent's name for the source that reads the model server (queue, KV cache, latency).
+pub const MODEL_SERVER_SOURCE: &str = "model-server";
 
 /// Validated, normalised signals of one pod from one snapshot.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -84,6 +92,8 @@ pub struct PodSignals {
     pub slowdown: bool,
     /// False when every source is failing or no usable reading exists.
     pub has_metrics: bool,
+    /// The model server answered its agent before and now does not (see the module docs).
+    pub model_server_down: bool,
     /// The peer was reported STALE by the pool agent.
     pub peer_stale: bool,
     /// Monotonic host time (ms) the metrics were last confirmed: the snapshot's receive time,
@@ -233,6 +243,11 @@ impl PodSignals {
         let any_reading =
             gpu.is_some() || memory.is_some() || waiting.is_some() || p99_ms.is_some();
         let has_metrics = any_reading && !all_failing;
+        let model_server_down = snap.sources.iter().any(|s| {
+            s.name == MODEL_SERVER_SOURCE
+                && s.state == SourceState::Failing as i32
+                && s.last_success_age_ms.is_some()
+        });
 
         let signals = PodSignals {
             address: address.to_string(),
@@ -255,6 +270,7 @@ impl PodSignals {
             hardware_fault: false,
             slowdown,
             has_metrics,
+            model_server_down,
             peer_stale: false,
             confirmed_at_ms: received_at_ms,
             age_at_confirm_ms: snap.age_ms,
@@ -504,6 +520,42 @@ mod tests {
         }];
         let (s, _) = PodSignals::from_proto(&p, 0);
         assert!(!s.unwrap().has_metrics);
+    }
+
+    #[test]
+    fn a_model_server_that_stops_answering_is_down_but_one_that_never_answered_is_not() {
+        let status =
+            |name: &str, state: SourceState, last_success_age_ms: Option<u64>| SourceStatus {
+                name: name.into(),
+                state: state as i32,
+                last_success_age_ms,
+                ..Default::default()
+            };
+        let down = |sources: Vec<SourceStatus>| {
+            let mut p = snap("10.0.0.1:8000");
+            p.sources = sources;
+            PodSignals::from_proto(&p, 0).0.unwrap().model_server_down
+        };
+        let nvml = status("nvml", SourceState::Fresh, Some(3));
+        assert!(down(vec![
+            nvml.clone(),
+            status(MODEL_SERVER_SOURCE, SourceState::Failing, Some(180)),
+        ]));
+        // Never answered: a misconfigured or just-started agent, so missing metrics only.
+        assert!(!down(vec![
+            nvml.clone(),
+            status(MODEL_SERVER_SOURCE, SourceState::Failing, None),
+        ]));
+        assert!(!down(vec![
+            nvml.clone(),
+            status(MODEL_SERVER_SOURCE, SourceState::Fresh, Some(0)),
+        ]));
+        // Another source failing, or no model-server source at all, is not this.
+        assert!(!down(vec![status("nvml", SourceState::Failing, Some(900))]));
+        assert!(!down(vec![
+            nvml,
+            status(MODEL_SERVER_SOURCE, SourceState::Absent, None),
+        ]));
     }
 
     #[test]

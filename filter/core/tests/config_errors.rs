@@ -73,6 +73,11 @@ fn bad_configs_name_their_field_and_value() {
             "0",
         ),
         (
+            with(r#","cutoffs":{"cutModelServerDown":"yes"}"#),
+            "cutoffs.cutModelServerDown",
+            "yes",
+        ),
+        (
             with(r#","cutoffs":{"maxQueue":0}"#),
             "cutoffs.maxQueue",
             "0",

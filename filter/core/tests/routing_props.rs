@@ -426,6 +426,85 @@ fn per_model_breaker_opens_only_for_the_failing_model() {
     assert!(llm0 > 150, "{llm0}");
 }
 
+/// Sets the `model-server` source status of peer `i` in `ev`.
+fn model_server(ev: &mut PoolEvent, i: usize, failing: bool, answered_before: bool) {
+    use ai_lb_proto::{SourceState, SourceStatus};
+    ev.peers[i].snapshot.as_mut().unwrap().sources = vec![
+        SourceStatus {
+            name: "nvml".into(),
+            state: SourceState::Fresh as i32,
+            last_success_age_ms: Some(1),
+            ..Default::default()
+        },
+        SourceStatus {
+            name: "model-server".into(),
+            state: if failing {
+                SourceState::Failing
+            } else {
+                SourceState::Fresh
+            } as i32,
+            reason: if failing {
+                "no answer".into()
+            } else {
+                String::new()
+            },
+            last_success_age_ms: answered_before.then_some(160),
+            ..Default::default()
+        },
+    ];
+}
+
+#[test]
+fn a_pod_whose_model_server_stops_answering_is_cut_until_it_answers_again() {
+    // Frozen vLLM, live GPU: the GPU reads idle, so the pod scores best of the three.
+    let pods = [pod(0.0), pod(0.5), pod(0.5)];
+    let mut r = router(&pods, "");
+    let mut ev = event(&pods, 2);
+    model_server(&mut ev, 0, true, true);
+    r.apply_pool_event(0, &ev, 1100);
+    assert_eq!(r.counters().model_server_down, 1);
+    let c = counts(&mut r, 3, 600, 5, 1100);
+    assert_eq!(c[0], 0, "{c:?}");
+    let status = r.pod_status(0, 1100);
+    let frozen = status.iter().find(|s| s.address == addr(0)).unwrap();
+    assert_eq!(frozen.cut.map(|c| c.as_str()), Some("model_server_down"));
+    // Still down on the next snapshot: counted once per outage.
+    let mut ev = event(&pods, 3);
+    model_server(&mut ev, 0, true, true);
+    r.apply_pool_event(0, &ev, 1150);
+    assert_eq!(r.counters().model_server_down, 1);
+    // It answers again: back in rotation at once.
+    let mut ev = event(&pods, 4);
+    model_server(&mut ev, 0, false, true);
+    r.apply_pool_event(0, &ev, 1200);
+    assert!(counts(&mut r, 3, 600, 5, 1200)[0] > 200);
+    // Never answered (a misconfigured agent): missing metrics, not a cut.
+    let mut ev = event(&pods, 5);
+    model_server(&mut ev, 0, true, false);
+    r.apply_pool_event(0, &ev, 1300);
+    assert!(counts(&mut r, 3, 600, 5, 1300)[0] > 0);
+    assert_eq!(r.counters().model_server_down, 1);
+    // `cutoffs.cutModelServerDown: false` leaves the pod in.
+    let mut off = router(&pods, r#"{"cutoffs": {"cutModelServerDown": false}}"#);
+    let mut ev = event(&pods, 2);
+    model_server(&mut ev, 0, true, true);
+    off.apply_pool_event(0, &ev, 1100);
+    assert!(counts(&mut off, 3, 600, 5, 1100)[0] > 0);
+}
+
+#[test]
+fn every_model_server_down_still_serves_evenly() {
+    // A pool-wide outage cuts every pod; the picker must not stop routing.
+    let pods = [pod(0.1), pod(0.1)];
+    let mut r = router(&pods, "");
+    let mut ev = event(&pods, 2);
+    model_server(&mut ev, 0, true, true);
+    model_server(&mut ev, 1, true, true);
+    r.apply_pool_event(0, &ev, 1100);
+    let c = counts(&mut r, 2, 400, 9, 1100);
+    assert!(c[0] > 100 && c[1] > 100, "{c:?}");
+}
+
 #[test]
 fn hardware_fault_trips_breaker_and_cuts() {
     let mut r = router(&[pod(0.1), pod(0.1)], "");

@@ -13,6 +13,9 @@ pub struct Faults {
     pub error_rate: f64,
     /// New requests are accepted but not answered while true.
     pub hang: bool,
+    /// The API server stops answering anything, `/metrics` and `/v1/models` included (a wedged
+    /// or SIGSTOPped vLLM), while `/sim/gpu` (NVML's stand-in) and `/control` still answer.
+    pub freeze: bool,
     /// Forces the utilisation reported by /sim/gpu (0..1).
     pub gpu_utilization: Option<f64>,
     /// Whether /sim/gpu reports the HW-slowdown throttle reason: `None` follows `slowdown`
@@ -34,6 +37,7 @@ impl Default for Faults {
             slowdown: 1.0,
             error_rate: 0.0,
             hang: false,
+            freeze: false,
             gpu_utilization: None,
             throttle: None,
             queue: None,
@@ -49,7 +53,7 @@ impl Default for Faults {
 pub enum ControlError {
     #[error("control body must be a JSON object: {0}")]
     NotAnObject(String),
-    #[error("unknown control field `{field}` (value {value}); known: slowdown, error_rate, hang, gpu_utilization, throttle, queue, xid, ecc_errors, reset")]
+    #[error("unknown control field `{field}` (value {value}); known: slowdown, error_rate, hang, freeze, gpu_utilization, throttle, queue, xid, ecc_errors, reset")]
     UnknownField { field: String, value: String },
     #[error("invalid value {value} for control field `{field}`: {reason}")]
     InvalidValue {
@@ -98,6 +102,11 @@ impl Faults {
                 "error_rate" => next.error_rate = unit_interval(field, v)?,
                 "hang" => {
                     next.hang = v
+                        .as_bool()
+                        .ok_or_else(|| invalid(field, v, "must be true or false"))?
+                }
+                "freeze" => {
+                    next.freeze = v
                         .as_bool()
                         .ok_or_else(|| invalid(field, v, "must be true or false"))?
                 }
@@ -178,7 +187,7 @@ mod tests {
     #[test]
     fn reset_clears_then_applies_the_rest() {
         let f = Faults::default()
-            .apply(&json!({"hang": true, "xid": 1}))
+            .apply(&json!({"hang": true, "freeze": true, "xid": 1}))
             .unwrap();
         let f = f.apply(&json!({"reset": true, "slowdown": 3})).unwrap();
         assert_eq!(
@@ -198,6 +207,7 @@ mod tests {
             (json!({"slowdown": 0.5}), "slowdown", "0.5"),
             (json!({"error_rate": 1.5}), "error_rate", "1.5"),
             (json!({"hang": "yes"}), "hang", "\"yes\""),
+            (json!({"freeze": 1}), "freeze", "1"),
             (json!({"gpu_utilization": -0.1}), "gpu_utilization", "-0.1"),
             (json!({"queue": -1}), "queue", "-1"),
             (json!({"throttle": 1}), "throttle", "1"),

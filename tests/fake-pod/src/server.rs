@@ -35,6 +35,8 @@ pub struct AppState {
     inner: Mutex<Inner>,
     wake: Notify,
     hang: watch::Sender<bool>,
+    /// The `freeze` fault: every route but `/sim/gpu` and `/control` waits while it is set.
+    freeze: watch::Sender<bool>,
     shutdown: watch::Sender<bool>,
 }
 
@@ -89,6 +91,7 @@ impl AppState {
             inner: Mutex::new(inner),
             wake: Notify::new(),
             hang: watch::Sender::new(false),
+            freeze: watch::Sender::new(false),
             shutdown: watch::Sender::new(false),
         }))
     }
@@ -217,6 +220,12 @@ pub async fn serve(
 }
 
 async fn tag_pod(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let path = req.uri().path();
+    if path != "/sim/gpu" && path != "/control" {
+        if let Err(res) = wait_while_frozen(&st).await {
+            return res;
+        }
+    }
     let mut res = next.run(req).await;
     res.headers_mut()
         .insert("x-fake-pod", st.pod_header.clone());
@@ -353,6 +362,26 @@ async fn generate(st: Arc<AppState>, kind: Kind, body: Bytes) -> Response {
     } else {
         full_response(req, meta, gen, rx, guard).await
     }
+}
+
+/// Holds the request while the `freeze` fault is set; 503 if the pod shuts down meanwhile.
+async fn wait_while_frozen(st: &Arc<AppState>) -> Result<(), Response> {
+    let mut freeze = st.freeze.subscribe();
+    let mut shutdown = st.shutdown.subscribe();
+    while *freeze.borrow_and_update() {
+        if *shutdown.borrow_and_update() {
+            return Err(error_response(&ApiError::unavailable("pod shutting down")));
+        }
+        tokio::select! {
+            r = freeze.changed() => {
+                if r.is_err() {
+                    return Ok(());
+                }
+            }
+            _ = shutdown.changed() => {}
+        }
+    }
+    Ok(())
 }
 
 /// Holds the request while the `hang` fault is set; 503 if the pod shuts down meanwhile.
@@ -573,18 +602,19 @@ async fn post_control(State(st): State<Arc<AppState>>, body: Bytes) -> Response 
             ))
         }
     };
-    let (faults, hang) = {
+    let faults = {
         let mut g = st.lock();
         match g.faults.apply(&value) {
             Ok(f) => {
                 g.engine.set_slowdown(f.slowdown);
                 g.faults = f.clone();
-                (f.clone(), f.hang)
+                f
             }
             Err(e) => return error_response(&ApiError::bad_request(e.to_string(), None)),
         }
     };
-    st.hang.send_replace(hang);
+    st.hang.send_replace(faults.hang);
+    st.freeze.send_replace(faults.freeze);
     tracing::info!(?faults, "faults updated");
     json_response(StatusCode::OK, faults_body(&faults))
 }

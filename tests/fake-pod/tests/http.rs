@@ -358,6 +358,32 @@ async fn hang_holds_requests_until_cleared() {
 }
 
 #[tokio::test]
+async fn freeze_holds_every_route_but_the_gpu_and_control() {
+    let pod = Pod::start(&[]).await;
+    pod.control(json!({"freeze": true})).await;
+    let held: Vec<_> = ["/metrics", "/v1/models", "/health"]
+        .iter()
+        .map(|path| {
+            let (http, url) = (pod.http.clone(), pod.url(path));
+            tokio::spawn(async move { http.get(url).send().await.unwrap().status() })
+        })
+        .collect();
+    // The GPU (NVML's stand-in) and the control endpoint still answer while frozen.
+    assert_eq!(pod.get_json("/sim/gpu").await["gpus"][0]["index"], 0);
+    assert_eq!(pod.get_json("/control").await["freeze"], true);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        held.iter().all(|h| !h.is_finished()),
+        "a frozen pod answered"
+    );
+    pod.control(json!({"freeze": false})).await;
+    for h in held {
+        let status = timeout(Duration::from_secs(10), h).await.unwrap().unwrap();
+        assert_eq!(status, 200);
+    }
+}
+
+#[tokio::test]
 async fn malformed_and_unknown_model_requests() {
     let pod = Pod::start(&[]).await;
     for path in ["/v1/chat/completions", "/v1/completions"] {
