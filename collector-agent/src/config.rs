@@ -83,8 +83,8 @@ pub struct RawArgs {
     pub gpu_sample_interval: Option<String>,
     /// A sample that has waited this long on a source reports it failing, and keeps waiting up
     /// to the source timeout (500ms, or --sample-interval when longer). Filters cut a pod
-    /// whose model server fails after it has answered once [default: 3 × --sample-interval,
-    /// at least 150ms].
+    /// whose model server fails after it has answered once. A GPU read between full samples
+    /// fails after this long [default: 3 × --sample-interval, at least 150ms].
     #[arg(long, env = "AI_LB_AGENT_SOURCE_STALL_AFTER")]
     pub source_stall_after: Option<String>,
     /// Window for latency quantiles [default: 10s].

@@ -653,8 +653,15 @@ impl Sampler {
 
     async fn sample(&mut self, only_local: bool) -> Arc<Published> {
         let now = self.out.clock.now();
-        let timeout = self.source_timeout;
         let stall = self.stall_after;
+        // A GPU read normally takes microseconds: one that has not answered within the stall
+        // time fails rather than hold up the next full sample (which finds a frozen model
+        // server) for the whole timeout.
+        let timeout = if only_local {
+            self.source_timeout.min(stall)
+        } else {
+            self.source_timeout
+        };
         let done: Vec<AtomicBool> = self
             .sources
             .iter()
@@ -1097,6 +1104,45 @@ mod tests {
         let mut sampler = sampler.with_stall_after(Duration::from_millis(500));
         let a = sampler.step().await.snapshot.sequence;
         assert_eq!(sampler.step().await.snapshot.sequence, a + 1);
+    }
+
+    /// A local (GPU) source that never answers.
+    struct HungGpu;
+
+    #[async_trait::async_trait]
+    impl Source for HungGpu {
+        fn name(&self) -> &'static str {
+            "nvml"
+        }
+        fn local(&self) -> bool {
+            true
+        }
+        async fn sample(&mut self, _now: Instant) -> Result<Reading, crate::sources::SourceError> {
+            std::future::pending().await
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hung_gpu_read_fails_at_the_stall_time_and_frees_the_loop() {
+        let hub = Hub::new("x".into());
+        let mut sampler = Sampler::new(
+            vec![Box::new(HungGpu)],
+            vec![],
+            IdentityConfig::default(),
+            hub,
+            Arc::new(SystemClock),
+            Duration::from_millis(50),
+        );
+        let t0 = tokio::time::Instant::now();
+        let p = sampler.step_local().await.unwrap();
+        assert_eq!(t0.elapsed(), Duration::from_millis(150));
+        let gpu = &p.snapshot.sources[0];
+        assert_eq!(gpu.state, SourceState::Failing as i32);
+        assert!(
+            gpu.reason.contains("no answer within 150ms"),
+            "{}",
+            gpu.reason
+        );
     }
 
     #[test]

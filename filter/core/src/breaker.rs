@@ -3,7 +3,9 @@
 //! accrual, with an exponential cooldown (`base · 2^(opens-1)`, capped) while a pod keeps
 //! failing. The doubling survives a close for `maxCooldownMs` (like Envoy's outlier-detection
 //! ejection multiplier), so a pod that fails half its requests, whose probes sometimes all
-//! succeed, is not let back at the base cooldown every time. Time is passed in; every
+//! succeed, is not let back at the base cooldown every time. Half-open, the first probe goes
+//! alone and the rest of `halfOpenProbes` only once it has succeeded, so a pod that still fails
+//! costs one request per cooldown (per sidecar), not the whole budget. Time is passed in; every
 //! transition is returned so the caller can count it.
 //!
 //! Failures: 5xx, resets, connect failures, timeouts, and TTFT above `ttftSloMs`; a 4xx is the
@@ -323,7 +325,7 @@ impl Breaker {
                 })
             }
             BreakerState::HalfOpen
-                if self.probes_issued >= cfg.half_open_probes
+                if self.probes_issued > self.probe_successes
                     && now_ms.saturating_sub(self.last_probe_ms) >= cfg.base_cooldown_ms =>
             {
                 self.probes_issued = self.probe_successes;
@@ -334,11 +336,16 @@ impl Breaker {
     }
 
     /// Whether a request may go to this pod now (call [`Breaker::poll`] first). Closed: yes;
-    /// HalfOpen: while probes remain; Open: no.
+    /// HalfOpen: while probes remain, the first one alone (the rest only once it succeeded, so
+    /// a pod that still fails costs one request per cooldown, not the whole probe budget);
+    /// Open: no.
     pub fn admits(&self, cfg: &BreakerConfig) -> bool {
         match self.state {
             BreakerState::Closed => true,
-            BreakerState::HalfOpen => self.probes_issued < cfg.half_open_probes,
+            BreakerState::HalfOpen => {
+                self.probes_issued < cfg.half_open_probes
+                    && (self.probes_issued == 0 || self.probe_successes > 0)
+            }
             BreakerState::Open => false,
         }
     }
@@ -700,10 +707,11 @@ mod tests {
         b.poll(1000, &c);
         assert!(b.admits(&c));
         b.on_request(1000);
-        assert!(b.admits(&c));
-        b.on_request(1000);
-        assert!(!b.admits(&c), "budget of 2 spent");
+        assert!(!b.admits(&c), "the first probe goes alone");
         assert!(b.record(None, 1001, &c).is_none());
+        assert!(b.admits(&c), "it succeeded: the rest of the budget may go");
+        b.on_request(1001);
+        assert!(!b.admits(&c), "budget of 2 spent");
         let t = b.record(None, 1002, &c).unwrap();
         assert_eq!(
             (t.from, t.to),
@@ -719,12 +727,40 @@ mod tests {
         b.trip(TripReason::Resets, 0, &c);
         b.poll(1000, &c);
         b.on_request(1000);
-        b.on_request(1000);
         assert!(!b.admits(&c));
         b.poll(1999, &c);
         assert!(!b.admits(&c));
         b.poll(2000, &c);
+        assert!(
+            b.admits(&c),
+            "the lone probe never answered: another may go"
+        );
+        // Lost after a success: the success is kept, the lost one forgotten.
+        b.on_request(2000);
+        b.record(None, 2100, &c);
+        b.on_request(2100);
+        assert!(!b.admits(&c));
+        b.poll(3100, &c);
         assert!(b.admits(&c));
+    }
+
+    #[test]
+    fn a_failed_first_probe_reopens_before_any_other_is_sent() {
+        let c = cfg();
+        let mut b = Breaker::default();
+        b.trip(TripReason::ServerErrors, 0, &c);
+        b.poll(1000, &c);
+        let mut sent = 0;
+        for t in 1000..1010 {
+            if b.admits(&c) {
+                b.on_request(t);
+                sent += 1;
+            }
+        }
+        assert_eq!(sent, 1, "one probe while the first is out");
+        let t = b.record(Some(TripReason::ServerErrors), 1010, &c).unwrap();
+        assert_eq!(t.to, BreakerState::Open);
+        assert!(!b.admits(&c));
     }
 
     #[test]

@@ -1328,6 +1328,7 @@ impl Router {
         };
         let failure = outcome.failure(&cfg.breaker);
         let mut out = Vec::new();
+        let admitted = rt.breaker.admits(&cfg.breaker);
         let per_model = model.filter(|_| rt.serves_several);
         let t = match per_model {
             Some(m) => {
@@ -1363,6 +1364,9 @@ impl Router {
         };
         if let Some(t) = t {
             push_event(&mut out, &mut self.counters, &rt.address, per_model, t);
+            p.dirty = true;
+        } else if rt.breaker.admits(&cfg.breaker) != admitted {
+            // A half-open pod's first probe succeeded: the rest of its probes may go.
             p.dirty = true;
         } else {
             update_pod(p, id, cfg);

@@ -324,6 +324,10 @@ pub struct PolicyResult {
     pub fault: Option<Value>,
     /// Whether the ai-lb sidecars listed every pod before the run started.
     pub ailb_ready: Option<bool>,
+    /// ai-lb only: the filter's pool-wide counters (`wasmcustom.ailb.*` except per-endpoint
+    /// ones) at the end of the run, summed over the sidecars: fallbacks, fail-opens, cuts of a
+    /// model server that stopped answering, breaker openings, ...
+    pub filter_counters: Option<std::collections::BTreeMap<String, u64>>,
 }
 
 /// Runs `policy` on `trace` with the pool; returns the merged records and the result.
@@ -384,7 +388,7 @@ pub fn run_policy(
             None => {}
         }
     }
-    // Sidecar stats before they go (retries, upstream errors) would go here; dropping kills.
+    let filter_counters = (policy == Policy::AiLb).then(|| filter_counters(&sidecars));
     drop(sidecars);
     waited?;
     let records = read_records(&rec_paths)?;
@@ -422,8 +426,28 @@ pub fn run_policy(
             by_tag,
             fault,
             ailb_ready,
+            filter_counters,
         },
     ))
+}
+
+/// The filter's counters summed over `sidecars` (see [`PolicyResult::filter_counters`]); a
+/// sidecar whose admin page does not answer adds nothing.
+fn filter_counters(
+    sidecars: &[ai_lb_e2e::envoy::Envoy],
+) -> std::collections::BTreeMap<String, u64> {
+    let mut sum = std::collections::BTreeMap::new();
+    for s in sidecars {
+        let Ok(stats) = s.stats() else { continue };
+        for (k, v) in stats {
+            if let Some(name) = k.strip_prefix("wasmcustom.ailb.") {
+                if !name.starts_with("endpoint.") {
+                    *sum.entry(name.to_string()).or_insert(0) += v;
+                }
+            }
+        }
+    }
+    sum
 }
 
 /// Runs every policy on one load scenario; writes `<out>/<name>/summary.json` and `table.md`,
@@ -649,6 +673,23 @@ pub fn table(load: &Load, results: &[PolicyResult], rate: f64, env: &Env, cmd: &
                     a["sidecar_steered_after_own_open"].as_u64().unwrap_or(0),
                 ));
             }
+        }
+        if let Some(c) = &r.filter_counters {
+            let nonzero: Vec<String> = c
+                .iter()
+                .filter(|(_, v)| **v > 0)
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect();
+            t.push_str(&format!(
+                "\n{} filter counters at the end, summed over the {} sidecars (non-zero only): {}",
+                r.policy,
+                env.sidecars,
+                if nonzero.is_empty() {
+                    "none".to_string()
+                } else {
+                    nonzero.join(", ")
+                }
+            ));
         }
         if r.ailb_ready == Some(false) {
             t.push_str(&format!(
