@@ -919,6 +919,12 @@ mod tests {
                 }) as Box<dyn Source>
             })
             .collect();
+        let (sampler, hub) = test_sampler(sources, Duration::from_millis(100));
+        (sampler, hub, calls)
+    }
+
+    /// A sampler over `sources` at `interval`, with a default identity, and its hub.
+    fn test_sampler(sources: Vec<Box<dyn Source>>, interval: Duration) -> (Sampler, Arc<Hub>) {
         let hub = Hub::new("x".into());
         let sampler = Sampler::new(
             sources,
@@ -926,9 +932,9 @@ mod tests {
             IdentityConfig::default(),
             hub.clone(),
             Arc::new(SystemClock),
-            Duration::from_millis(100),
+            interval,
         );
-        (sampler, hub, calls)
+        (sampler, hub)
     }
 
     /// Runs `sampler` (full samples every 100 ms, local every 20 ms) for 1 s of paused time.
@@ -1018,15 +1024,7 @@ mod tests {
                 frozen: frozen.clone(),
             }),
         ];
-        let hub = Hub::new("x".into());
-        let sampler = Sampler::new(
-            sources,
-            vec![],
-            IdentityConfig::default(),
-            hub.clone(),
-            Arc::new(SystemClock),
-            Duration::from_millis(50),
-        );
+        let (sampler, hub) = test_sampler(sources, Duration::from_millis(50));
         (sampler, hub, frozen)
     }
 
@@ -1124,15 +1122,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_hung_gpu_read_fails_at_the_stall_time_and_frees_the_loop() {
-        let hub = Hub::new("x".into());
-        let mut sampler = Sampler::new(
-            vec![Box::new(HungGpu)],
-            vec![],
-            IdentityConfig::default(),
-            hub,
-            Arc::new(SystemClock),
-            Duration::from_millis(50),
-        );
+        let (mut sampler, _hub) = test_sampler(vec![Box::new(HungGpu)], Duration::from_millis(50));
         let t0 = tokio::time::Instant::now();
         let p = sampler.step_local().await.unwrap();
         assert_eq!(t0.elapsed(), Duration::from_millis(150));
