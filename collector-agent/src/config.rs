@@ -93,6 +93,11 @@ pub struct RawArgs {
     /// Window for request and error rates [default: 5s].
     #[arg(long, env = "AI_LB_AGENT_RATE_WINDOW")]
     pub rate_window: Option<String>,
+    /// Window of the recent inter-token latency, how fast the pod decodes right now (filters
+    /// compare it across the pool to see a pod slowed without its GPU saying so); at least 2
+    /// × --sample-interval [default: 3 × --sample-interval, at least 150ms].
+    #[arg(long, env = "AI_LB_AGENT_RECENT_WINDOW")]
+    pub recent_window: Option<String>,
     /// Minimum interval between Watch pushes [default: 50ms].
     #[arg(long, env = "AI_LB_AGENT_WATCH_MIN_INTERVAL")]
     pub watch_min_interval: Option<String>,
@@ -135,6 +140,7 @@ pub struct FileArgs {
     pub source_stall_after: Option<String>,
     pub window: Option<String>,
     pub rate_window: Option<String>,
+    pub recent_window: Option<String>,
     pub watch_min_interval: Option<String>,
     pub heartbeat: Option<String>,
     #[serde(default)]
@@ -191,6 +197,7 @@ impl RawArgs {
         fill(&mut self.source_stall_after, file.source_stall_after);
         fill(&mut self.window, file.window);
         fill(&mut self.rate_window, file.rate_window);
+        fill(&mut self.recent_window, file.recent_window);
         fill(&mut self.watch_min_interval, file.watch_min_interval);
         fill(&mut self.heartbeat, file.heartbeat);
         if self.peers.is_empty() {
@@ -278,6 +285,8 @@ pub struct AgentConfig {
     pub window: Duration,
     /// Window of the request and error rates.
     pub rate_window: Duration,
+    /// Window of the recent inter-token latency (`--recent-window`).
+    pub recent_window: Duration,
     pub watch_min_interval: Duration,
     pub heartbeat: Duration,
     /// `host:port` of each static peer.
@@ -533,6 +542,24 @@ impl TryFrom<RawArgs> for AgentConfig {
         };
         let window = window_in("window", raw.window.as_deref(), "10s")?;
         let rate_window = window_in("rate-window", raw.rate_window.as_deref(), "5s")?;
+        // Two scrapes at least, so the window always holds a delta.
+        let recent_window = match raw.recent_window.as_deref() {
+            None => (sample_interval * 3).max(ms(150)),
+            Some(v) => {
+                let w = duration_in("recent-window", Some(v), "250ms", ms(20), ms(60_000))?;
+                if w < sample_interval * 2 {
+                    return Err(invalid(
+                        "recent-window",
+                        v,
+                        &format!(
+                            "a duration at least 2 × --sample-interval ({:?})",
+                            sample_interval * 2
+                        ),
+                    ));
+                }
+                w
+            }
+        };
         let watch_min_interval = duration_in(
             "watch-min-interval",
             raw.watch_min_interval.as_deref(),
@@ -597,6 +624,7 @@ impl TryFrom<RawArgs> for AgentConfig {
             source_stall_after,
             window,
             rate_window,
+            recent_window,
             watch_min_interval,
             heartbeat,
             peers,
@@ -684,6 +712,30 @@ mod tests {
         a.extend_from_slice(&["--source-stall-after", "0s"]);
         let e = cfg(&a).unwrap_err().to_string();
         assert!(e.contains(r#""0s" for --source-stall-after"#), "{e}");
+    }
+
+    #[test]
+    fn recent_window_follows_the_sample_interval_and_spans_two_samples() {
+        let base = ["--serving-address", "10.0.0.1:8000"];
+        let with = |extra: &[&str]| {
+            let mut a = base.to_vec();
+            a.extend_from_slice(extra);
+            cfg(&a)
+        };
+        assert_eq!(with(&[]).unwrap().recent_window, Duration::from_millis(150));
+        assert_eq!(
+            with(&["--sample-interval", "200ms"]).unwrap().recent_window,
+            Duration::from_millis(600)
+        );
+        assert_eq!(
+            with(&["--recent-window", "100ms"]).unwrap().recent_window,
+            Duration::from_millis(100)
+        );
+        let e = with(&["--recent-window", "80ms"]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            r#"invalid value "80ms" for --recent-window: expected a duration at least 2 × --sample-interval (100ms)"#
+        );
     }
 
     #[test]

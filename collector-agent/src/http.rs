@@ -351,10 +351,11 @@ fn render_snapshot(o: &mut Out, s: &PodSnapshot) {
             o.line(name, &pod, v);
         }
     }
-    let lat: [(&str, &Option<LatencyQuantiles>); 3] = [
+    let lat: [(&str, &Option<LatencyQuantiles>); 4] = [
         ("ttft", &inf.ttft),
         ("e2e", &inf.e2e),
         ("inter_token", &inf.inter_token),
+        ("inter_token_recent", &inf.inter_token_recent),
     ];
     let mut headed = false;
     for (kind, q) in lat {
@@ -365,7 +366,7 @@ fn render_snapshot(o: &mut Out, s: &PodSnapshot) {
                     o.head(
                         "ai_lb_agent_latency_ms",
                         "gauge",
-                        "Windowed latency quantiles from histogram deltas.",
+                        "Windowed latency quantiles from histogram deltas (inter_token_recent: over --recent-window).",
                     );
                     headed = true;
                 }

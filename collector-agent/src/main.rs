@@ -83,6 +83,7 @@ fn build_sources(cfg: &AgentConfig) -> anyhow::Result<Sources> {
             };
             opts.window = cfg.window;
             opts.rate_window = cfg.rate_window;
+            opts.recent_window = cfg.recent_window;
             opts.queue_capacity = cfg.queue_capacity;
             opts.kv_capacity_tokens = cfg.kv_capacity_tokens;
             opts.model_names = cfg.models.clone();

@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 pub const DEFAULT_WINDOW: Duration = Duration::from_secs(10);
 /// Default window of request and error rates (the agent's `--rate-window`).
 pub const DEFAULT_RATE_WINDOW: Duration = Duration::from_secs(5);
+/// Default window of the recent inter-token latency (3 scrapes at the 50 ms default).
+pub const DEFAULT_RECENT_WINDOW: Duration = Duration::from_millis(150);
 
 /// At most this many scrapes are kept per window, whatever the scrape interval.
 const MAX_SCRAPES: usize = 4096;

@@ -7,7 +7,9 @@
 use super::{Reading, Rejected, Source, SourceError};
 use crate::engines::{self, EngineKind, Extracted};
 use crate::prometheus;
-use crate::window::{CounterWindow, HistogramSnapshot, HistogramWindow, WindowedQuantiles};
+use crate::window::{
+    CounterWindow, HistogramSnapshot, HistogramWindow, WindowedQuantiles, DEFAULT_RECENT_WINDOW,
+};
 use ai_lb_proto::v1::{InferenceStats, LatencyQuantiles, ModelInfo};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -31,6 +33,8 @@ pub struct ModelServerOptions {
     pub window: Duration,
     /// Sliding window of the request and error rates.
     pub rate_window: Duration,
+    /// Sliding window of the recent inter-token latency (a few scrapes).
+    pub recent_window: Duration,
     /// Maximum concurrently running sequences, when the operator knows it (vLLM max_num_seqs).
     pub queue_capacity: Option<u32>,
     /// KV-cache capacity in tokens, when the operator knows it; wins over the page's.
@@ -59,6 +63,7 @@ impl ModelServerOptions {
             engine: None,
             window: crate::window::DEFAULT_WINDOW,
             rate_window: crate::window::DEFAULT_RATE_WINDOW,
+            recent_window: crate::window::DEFAULT_RECENT_WINDOW,
             queue_capacity: None,
             kv_capacity_tokens: None,
             timeout: Duration::from_secs(2),
@@ -74,16 +79,19 @@ struct Windows {
     ttft: HistogramWindow,
     e2e: HistogramWindow,
     inter_token: HistogramWindow,
+    /// The same histogram over the recent window only.
+    inter_token_recent: HistogramWindow,
     /// [finished, errors] when both known, [finished] otherwise.
     requests: CounterWindow,
 }
 
 impl Windows {
-    fn new(window: Duration, rate_window: Duration) -> Self {
+    fn new(window: Duration, rate_window: Duration, recent_window: Duration) -> Self {
         Self {
             ttft: HistogramWindow::new(window),
             e2e: HistogramWindow::new(window),
             inter_token: HistogramWindow::new(window),
+            inter_token_recent: HistogramWindow::new(recent_window),
             requests: CounterWindow::new(rate_window),
         }
     }
@@ -94,6 +102,7 @@ impl Windows {
 pub struct InferenceTracker {
     window: Duration,
     rate_window: Duration,
+    recent_window: Duration,
     queue_capacity: Option<u32>,
     kv_capacity_tokens: Option<u64>,
     windows: Windows,
@@ -111,15 +120,23 @@ impl InferenceTracker {
         Self {
             window,
             rate_window,
+            recent_window: DEFAULT_RECENT_WINDOW,
             queue_capacity,
             kv_capacity_tokens,
-            windows: Windows::new(window, rate_window),
+            windows: Windows::new(window, rate_window, DEFAULT_RECENT_WINDOW),
         }
+    }
+
+    /// Sets the window of the recent inter-token latency (forgets what it held).
+    pub fn with_recent_window(mut self, recent_window: Duration) -> Self {
+        self.recent_window = recent_window;
+        self.windows.inter_token_recent = HistogramWindow::new(recent_window);
+        self
     }
 
     /// Forgets the windows (the engine changed).
     pub fn reset(&mut self) {
-        self.windows = Windows::new(self.window, self.rate_window);
+        self.windows = Windows::new(self.window, self.rate_window, self.recent_window);
     }
 
     /// Records one page's values taken at `now` and answers the stats over the window.
@@ -138,6 +155,7 @@ impl InferenceTracker {
         let ttft = q(&mut w.ttft, &x.ttft);
         let e2e = q(&mut w.e2e, &x.e2e);
         let inter_token = q(&mut w.inter_token, &x.inter_token);
+        let inter_token_recent = q(&mut w.inter_token_recent, &x.inter_token);
         let (request_rate, error_rate) = match (x.finished_total, x.errors_total) {
             (Some(f), Some(e)) => {
                 w.requests.observe(now, vec![f, e]);
@@ -174,6 +192,9 @@ impl InferenceTracker {
             window_ms: u32::try_from(span.as_millis()).unwrap_or(u32::MAX),
             kv_capacity_tokens: self.kv_capacity_tokens.or(x.kv_capacity_tokens),
             rate_window_ms: u32::try_from(w.requests.span().as_millis()).unwrap_or(u32::MAX),
+            inter_token_recent: Some(inter_token_recent),
+            recent_window_ms: u32::try_from(w.inter_token_recent.span().as_millis())
+                .unwrap_or(u32::MAX),
         }
     }
 }
@@ -260,7 +281,8 @@ impl ModelServerSource {
                 opts.rate_window,
                 opts.queue_capacity,
                 opts.kv_capacity_tokens,
-            ),
+            )
+            .with_recent_window(opts.recent_window),
             opts,
             client,
             last_engine: None,
@@ -471,6 +493,49 @@ mod tests {
         assert_eq!(st.error_rate, Some(0.5));
         assert_eq!(st.request_rate, Some(10.0));
         assert_eq!(st.rate_window_ms, 1000);
+    }
+
+    #[test]
+    fn recent_inter_token_latency_shows_a_slowdown_the_long_window_hides() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut t =
+            InferenceTracker::new(Duration::from_secs(10), Duration::from_secs(5), None, None)
+                .with_recent_window(ms(250));
+        // Buckets 10 ms, 50 ms, +Inf (in ms, as the engines' extraction gives them);
+        // cumulative counts.
+        let page = |fast: f64, slow: f64| Extracted {
+            inter_token: Some(
+                HistogramSnapshot::from_buckets(vec![
+                    (10.0, fast),
+                    (50.0, fast + slow),
+                    (f64::INFINITY, fast + slow),
+                ])
+                .unwrap(),
+            ),
+            ..Extracted::default()
+        };
+        // 10 s of 1 000 fast tokens a second, scraped every 50 ms, then 300 ms of slow ones
+        // at a fifth of the rate.
+        let mut fast = 0.0;
+        let mut st = InferenceStats::default();
+        for i in 0..=200u64 {
+            st = t.update(t0 + ms(50 * i), &page(fast, 0.0));
+            fast += 50.0;
+        }
+        let before = st.inter_token_recent.unwrap();
+        assert!(before.p50_ms.unwrap() <= 10.0, "{before:?}");
+        let mut slow = 0.0;
+        for i in 1..=6u64 {
+            slow += 10.0;
+            st = t.update(t0 + ms(10_000 + 50 * i), &page(fast, slow));
+        }
+        let recent = st.inter_token_recent.unwrap();
+        assert!(recent.p50_ms.unwrap() > 10.0, "{recent:?}");
+        assert_eq!(recent.samples, 50);
+        assert_eq!(st.recent_window_ms, 250);
+        let long = st.inter_token.unwrap();
+        assert!(long.p50_ms.unwrap() <= 10.0, "{long:?}");
     }
 
     #[test]

@@ -93,6 +93,9 @@ pub struct Cutoffs {
     /// Cut a pod whose model server stopped answering its agent
     /// ([`crate::signals::PodSignals::model_server_down`]).
     pub cut_model_server_down: bool,
+    /// A pod whose recent inter-token latency is at least this many times the pool's median
+    /// gets the `slowdown_factor` penalty too, as if its GPU reported a slowdown; 0 = off.
+    pub slow_itl_ratio: f64,
 }
 
 impl Default for Cutoffs {
@@ -104,6 +107,7 @@ impl Default for Cutoffs {
             staleness_ms: 2000,
             slowdown_factor: 0.25,
             cut_model_server_down: true,
+            slow_itl_ratio: 3.0,
         }
     }
 }
@@ -554,6 +558,13 @@ struct RawCutoffs {
     #[serde(default)]
     #[cfg_attr(feature = "schema", schemars(extend("default" = true)))]
     cut_model_server_down: Option<bool>,
+    /// A pod decoding this many times slower than the pool's median is drawn as if its GPU reported a slowdown (its weight times `slowdownFactor`), whatever the cause: a noisy neighbour, a co-located job, clocks the GPU does not report. Speed is the median inter-token latency over the agent's `--recent-window` (150 ms by default), so a slowed pod shows within about one window (about 150 ms measured in the bench), long before its p99 moves. Pools with fewer than 3 pods reporting it are not judged. A pod with fewer than 8 tokens in that window (a slow pod running one request) keeps its last judgement until it reports enough. Pools that mix models or GPUs of very different speeds should raise it. 0 turns it off; otherwise at least 1.5.
+    #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 3.0, "minimum" = 0, "maximum" = 1000))
+    )]
+    slow_itl_ratio: Option<f64>,
 }
 
 /// Per-pod circuit breaker on passive failures.
@@ -941,6 +952,17 @@ impl TryFrom<RawConfig> for FilterConfig {
                 .cutoffs
                 .cut_model_server_down
                 .unwrap_or(d.cut_model_server_down),
+            slow_itl_ratio: match raw.cutoffs.slow_itl_ratio {
+                None => d.slow_itl_ratio,
+                Some(x) if x == 0.0 || (x.is_finite() && (1.5..=1000.0).contains(&x)) => x,
+                Some(x) => {
+                    return Err(ConfigError::new(
+                        "cutoffs.slowItlRatio",
+                        x,
+                        "must be 0 (off) or within [1.5, 1000]",
+                    ))
+                }
+            },
         };
 
         let d = BreakerConfig::default();

@@ -34,6 +34,9 @@ pub struct Counters {
     /// Pods whose model server stopped answering its agent (counted once per outage, on the
     /// snapshot that first shows it).
     pub model_server_down: u64,
+    /// Pods newly judged slow by their recent inter-token latency (`cutoffs.slowItlRatio`
+    /// times the pool's median), once per episode.
+    pub slow_decode: u64,
     /// Snapshots whose agent error rate was at `breaker.agentErrorRate` but not acted on,
     /// because more than half of the pool's pods were too.
     pub agent_errors_pool_wide: u64,
@@ -54,7 +57,7 @@ impl Counters {
     }
 
     /// `(stat name, value)` pairs, stable names for Envoy counters.
-    pub fn iter(&self) -> [(&'static str, u64); 17] {
+    pub fn iter(&self) -> [(&'static str, u64); 18] {
         [
             ("steered", self.steered),
             ("fallback.no_agent_data", self.fallback_no_agent_data),
@@ -69,6 +72,7 @@ impl Counters {
             ("pool_decode_errors", self.pool_decode_errors),
             ("hardware_faults", self.hardware_faults),
             ("model_server_down", self.model_server_down),
+            ("slow_decode", self.slow_decode),
             ("agent_errors_pool_wide", self.agent_errors_pool_wide),
             ("breaker.opened", self.breaker_opened),
             ("breaker.half_opened", self.breaker_half_opened),

@@ -8,8 +8,12 @@
 //!   (Open, or HalfOpen with its probe budget spent);
 //! - else `max(ema × penalty, floorWeight)` where `ema = α·raw + (1-α)·ema` is updated once per
 //!   new snapshot (first value = raw), and `penalty` is `cutoffs.slowdownFactor` while a GPU
-//!   of the pod reports a hardware slowdown (NVML throttle reasons), else 1: applied to the
-//!   smoothed value, so it acts on the first snapshot that shows it;
+//!   of the pod reports a hardware slowdown (NVML throttle reasons), or while the pod decodes
+//!   `cutoffs.slowItlRatio` times slower than the pool's median (its median inter-token
+//!   latency over the agent's recent window, 150 ms by default, against the median of the
+//!   pool's pods that report one, at least three; a pod without a reading keeps its last
+//!   judgement), else 1: applied to the smoothed value, so it acts on the first snapshot
+//!   that shows it;
 //! - a pod with a snapshot but no usable reading (cold start) gets the pool MEAN of the pods
 //!   with metrics that are not cut (neither 0 nor the best), floored likewise.
 //!
@@ -96,6 +100,10 @@ const RECENT_FAILURE_MS: u64 = 1000;
 
 /// Extra candidates drawn for a request that fits neither first candidate's KV cache.
 const KV_EXTRA_DRAWS: usize = 4;
+
+/// Fewest pods reporting a recent inter-token latency for the pool's median to judge one
+/// slow: with two, either could be the odd one.
+const MIN_ITL_PODS: usize = 3;
 
 /// How much one request counts in a VM's in-flight estimates ([`Router::request_size`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -234,6 +242,9 @@ pub struct PodStatus<'a> {
     pub metrics_age_ms: Option<u64>,
     /// A GPU reports a hardware slowdown (the score is scaled by `cutoffs.slowdownFactor`).
     pub slowdown: bool,
+    /// The pod decodes at least `cutoffs.slowItlRatio` times slower than the pool's median
+    /// (its score is scaled by `cutoffs.slowdownFactor` too).
+    pub slow_decode: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -290,6 +301,8 @@ struct PodRt {
     last_failure_ms: Option<u64>,
     model_breakers: Vec<(String, Breaker)>,
     serves_several: bool,
+    /// Its recent inter-token latency is `cutoffs.slowItlRatio` times the pool's median.
+    slow_decode: bool,
 }
 
 impl PodRt {
@@ -330,6 +343,7 @@ impl PodRt {
             last_failure_ms: None,
             model_breakers: Vec::new(),
             serves_several: false,
+            slow_decode: false,
         }
     }
 
@@ -571,6 +585,8 @@ struct PoolRt {
     dirty: bool,
     /// Pool mean of smoothed scores of pods with metrics that are not cut.
     mean: f64,
+    /// Scratch for the pool's median recent inter-token latency (kept to avoid allocating).
+    itl_scratch: Vec<f64>,
 }
 
 /// The routing state of every configured pool. Single-threaded (one per wasm VM).
@@ -817,6 +833,8 @@ impl Router {
             }
             2 * failing > pods
         };
+        let slow_itl_above = median_recent_itl(&p.state, &mut p.itl_scratch, cfg, now_ms)
+            .map(|m| m * cfg.cutoffs.slow_itl_ratio);
         for pod in p.pods.iter_mut() {
             let Some(entry) = p.state.peers().get(pod.peer_idx) else {
                 continue;
@@ -825,7 +843,23 @@ impl Router {
                 continue;
             };
             let weights = pool_cfg.weights_for(&pod.address);
-            let s = score(sig, weights, &cfg.cutoffs, now_ms);
+            let mut s = score(sig, weights, &cfg.cutoffs, now_ms);
+            // No reading (too few tokens in the window: a slow pod running one request
+            // decodes fewer than a fast one), or too few pods to compare: the last judgement
+            // holds until a reading says otherwise.
+            let slow = sig.has_metrics
+                && match slow_itl_above.zip(sig.itl_recent_ms) {
+                    Some((above, itl)) => itl >= above,
+                    None => pod.slow_decode && cfg.cutoffs.slow_itl_ratio > 0.0,
+                };
+            if slow && !pod.slow_decode {
+                self.counters.slow_decode += 1;
+            }
+            pod.slow_decode = slow;
+            if slow {
+                s.penalty = cfg.cutoffs.slowdown_factor;
+                s.value = s.value.min(s.raw * s.penalty);
+            }
             let key = (entry.received_at_ms, sig.sequence);
             let fresh = pod.seen != Some(key);
             if fresh {
@@ -1519,6 +1553,7 @@ impl Router {
                     window_requests: sig.and_then(|s| s.window_requests),
                     metrics_age_ms: sig.map(|s| s.age_ms(now_ms)),
                     slowdown: sig.is_some_and(|s| s.slowdown),
+                    slow_decode: r.slow_decode,
                 }
             })
             .collect()
@@ -1528,6 +1563,45 @@ impl Router {
     pub fn pool_count(&self) -> usize {
         self.pools.len()
     }
+}
+
+/// The median recent inter-token latency over the pool's pods that report one and are neither
+/// stale nor without a model server; None with fewer than [`MIN_ITL_PODS`] such pods, or when
+/// `cutoffs.slowItlRatio` is 0.
+fn median_recent_itl(
+    state: &PoolState,
+    scratch: &mut Vec<f64>,
+    cfg: &FilterConfig,
+    now_ms: u64,
+) -> Option<f64> {
+    if cfg.cutoffs.slow_itl_ratio <= 0.0 {
+        return None;
+    }
+    scratch.clear();
+    scratch.extend(
+        state
+            .peers()
+            .iter()
+            .filter_map(|e| e.signals.as_ref())
+            .filter(|s| {
+                s.has_metrics
+                    && !s.model_server_down
+                    && !s.peer_stale
+                    && s.age_ms(now_ms) <= cfg.cutoffs.staleness_ms
+            })
+            .filter_map(|s| s.itl_recent_ms),
+    );
+    if scratch.len() < MIN_ITL_PODS {
+        return None;
+    }
+    scratch.sort_unstable_by(f64::total_cmp);
+    let n = scratch.len();
+    let mid = scratch.get(n / 2).copied()?;
+    Some(if n % 2 == 0 {
+        (scratch.get(n / 2 - 1).copied()? + mid) / 2.0
+    } else {
+        mid
+    })
 }
 
 fn update_pod(p: &mut PoolRt, id: u32, cfg: &FilterConfig) {

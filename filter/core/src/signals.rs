@@ -53,6 +53,10 @@ pub const SLOWDOWN_REASONS: u64 = 0x8 | 0x20 | 0x40 | 0x80;
 /// The agent's name for the source that reads the model server (queue, KV cache, latency).
 pub const MODEL_SERVER_SOURCE: &str = "model-server";
 
+/// Fewest tokens in the agent's recent window for its inter-token latency to count: fewer is a
+/// pod that barely decodes, whose median says little.
+pub const MIN_RECENT_ITL_SAMPLES: u64 = 8;
+
 /// Validated, normalised signals of one pod from one snapshot.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct PodSignals {
@@ -77,6 +81,9 @@ pub struct PodSignals {
     pub kv_capacity_tokens: Option<u64>,
     /// TTFT p99 (else e2e p99), ms, ≥ 0.
     pub p99_ms: Option<f64>,
+    /// Median inter-token latency over the agent's recent window (a few hundred ms), ms > 0;
+    /// None with fewer than [`MIN_RECENT_ITL_SAMPLES`] tokens in it.
+    pub itl_recent_ms: Option<f64>,
     /// Share of the model server's requests that failed over the agent's window, 0..=1.
     pub error_rate: Option<f64>,
     /// Requests that finished over that window (`request_rate` × `window_ms`, rounded).
@@ -214,6 +221,11 @@ impl PodSignals {
             .filter(|q| q.samples > 0)
             .and_then(|q| millis("inference.e2e.p99_ms", q.p99_ms, &mut issues));
         let p99_ms = ttft.or(e2e);
+        let itl_recent_ms = inf
+            .and_then(|s| s.inter_token_recent.as_ref())
+            .filter(|q| q.samples >= MIN_RECENT_ITL_SAMPLES)
+            .and_then(|q| millis("inference.inter_token_recent.p50_ms", q.p50_ms, &mut issues))
+            .filter(|&v| v > 0.0);
         let error_rate = inf.and_then(|s| ratio("inference.error_rate", s.error_rate, &mut issues));
         let window_requests = inf.and_then(|s| {
             let r = s.request_rate?;
@@ -263,6 +275,7 @@ impl PodSignals {
             kv_usage: kv,
             kv_capacity_tokens,
             p99_ms,
+            itl_recent_ms,
             error_rate,
             window_requests,
             xid_total,
@@ -423,6 +436,30 @@ mod tests {
         assert_eq!(s.age_ms(1100), 130);
         assert_eq!(s.stale_at_ms(100), 1071);
         assert!(s.has_metrics);
+    }
+
+    #[test]
+    fn recent_itl_needs_enough_tokens_and_a_sane_value() {
+        let with = |p50: Option<f64>, samples: u64| {
+            let mut p = snap("10.0.0.1:8000");
+            if let Some(i) = p.inference.as_mut() {
+                i.inter_token_recent = Some(LatencyQuantiles {
+                    p50_ms: p50,
+                    p99_ms: None,
+                    samples,
+                });
+            }
+            let (s, issues) = PodSignals::from_proto(&p, 0);
+            (s.unwrap().itl_recent_ms, issues)
+        };
+        assert_eq!(with(Some(12.5), 8), (Some(12.5), vec![]));
+        // Too few tokens to judge: no reading, no issue.
+        assert_eq!(with(Some(12.5), 7), (None, vec![]));
+        assert_eq!(with(Some(0.0), 100).0, None);
+        let (v, issues) = with(Some(f64::NAN), 100);
+        assert_eq!(v, None);
+        assert_eq!(issues[0].field, "inference.inter_token_recent.p50_ms");
+        assert_eq!(issues[0].value, "NaN");
     }
 
     #[test]

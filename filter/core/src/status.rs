@@ -32,6 +32,7 @@ pub fn scoreboard(router: &Router, now_ms: u64) -> Value {
                         "windowRequests": s.window_requests,
                         "metricsAgeMs": s.metrics_age_ms,
                         "slowdown": s.slowdown,
+                        "slowDecode": s.slow_decode,
                     })
                 })
                 .collect();

@@ -73,6 +73,16 @@ fn bad_configs_name_their_field_and_value() {
             "0",
         ),
         (
+            with(r#","cutoffs":{"slowItlRatio":1.2}"#),
+            "cutoffs.slowItlRatio",
+            "1.2",
+        ),
+        (
+            with(r#","cutoffs":{"slowItlRatio":-1}"#),
+            "cutoffs.slowItlRatio",
+            "-1",
+        ),
+        (
             with(r#","cutoffs":{"cutModelServerDown":"yes"}"#),
             "cutoffs.cutModelServerDown",
             "yes",

@@ -1370,3 +1370,79 @@ fn a_gpu_slowed_by_hardware_gets_a_quarter_of_its_share_at_once_and_all_back_whe
     let c = counts(&mut off, 3, 100_000, 8, 1000);
     assert!((c[0] as f64 / 100_000.0 - 1.0 / 3.0).abs() < 0.005);
 }
+
+/// `ev` with peer `i` reporting a recent median inter-token latency of `ms` over `samples`
+/// tokens.
+fn decoding(ev: &mut PoolEvent, i: usize, ms: f64, samples: u64) {
+    inference(ev, i).inter_token_recent = Some(LatencyQuantiles {
+        p50_ms: Some(ms),
+        p99_ms: Some(ms * 2.0),
+        samples,
+    });
+}
+
+#[test]
+fn a_pod_decoding_three_times_slower_than_the_pool_median_is_drawn_as_if_its_gpu_said_so() {
+    let pods = [pod(0.2), pod(0.2), pod(0.2), pod(0.2)];
+    let share0 = |r: &mut Router, seed: u64, now: u64| {
+        counts(r, 4, 100_000, seed, now)[0] as f64 / 100_000.0
+    };
+    let slowed = |seq: u64, itl0: f64| {
+        let mut ev = event(&pods, seq);
+        for (i, itl) in [itl0, 20.0, 24.0, 30.0].into_iter().enumerate() {
+            decoding(&mut ev, i, itl, 100);
+        }
+        ev
+    };
+    let mut r = Router::new(config(""));
+    // Median 27 ms: 80 ms is under 3x (81), no penalty.
+    r.apply_pool_event(0, &slowed(1, 80.0), 1000);
+    assert!((share0(&mut r, 1, 1000) - 0.25).abs() < 0.005);
+    assert_eq!(r.counters().slow_decode, 0);
+    // Median (24 + 30) / 2 = 27 ms: 100 ms is 3.7x. Weight 0.25 against 1, 1 and 1.
+    r.apply_pool_event(0, &slowed(2, 100.0), 1100);
+    assert!((share0(&mut r, 2, 1100) - 0.25 / 3.25).abs() < 0.005);
+    let status = r.pod_status(0, 1100);
+    assert!(status[0].slow_decode && !status[0].slowdown && !status[1].slow_decode);
+    // Counted once per episode, not per snapshot.
+    r.apply_pool_event(0, &slowed(3, 110.0), 1200);
+    assert_eq!(r.counters().slow_decode, 1);
+    // Back to speed: all its share back at once.
+    r.apply_pool_event(0, &slowed(4, 22.0), 1300);
+    assert!((share0(&mut r, 3, 1300) - 0.25).abs() < 0.005);
+    assert!(!r.pod_status(0, 1300)[0].slow_decode);
+    r.apply_pool_event(0, &slowed(5, 100.0), 1400);
+    assert_eq!(r.counters().slow_decode, 2);
+
+    // Too few tokens in the window to judge the pod (a slow pod running one request): the
+    // last judgement holds, slow here, until a reading says otherwise.
+    let mut ev = slowed(6, 22.0);
+    decoding(&mut ev, 0, 22.0, 7);
+    r.apply_pool_event(0, &ev, 1500);
+    assert!((share0(&mut r, 4, 1500) - 0.25 / 3.25).abs() < 0.005);
+    assert_eq!(r.counters().slow_decode, 2);
+    r.apply_pool_event(0, &slowed(7, 22.0), 1600);
+    assert!((share0(&mut r, 9, 1600) - 0.25).abs() < 0.005);
+    let mut ev = slowed(8, 100.0);
+    decoding(&mut ev, 0, 100.0, 7);
+    r.apply_pool_event(0, &ev, 1700);
+    assert!((share0(&mut r, 10, 1700) - 0.25).abs() < 0.005);
+
+    // Two pods reporting it are not enough to say which is the odd one.
+    let mut ev = event(&pods, 1);
+    decoding(&mut ev, 0, 100.0, 100);
+    decoding(&mut ev, 1, 20.0, 100);
+    let mut few = Router::new(config(""));
+    few.apply_pool_event(0, &ev, 1000);
+    assert!((share0(&mut few, 5, 1000) - 0.25).abs() < 0.005);
+
+    // `slowItlRatio: 0` switches it off; a higher ratio asks for a slower pod.
+    let mut off = Router::new(config(r#"{"cutoffs": {"slowItlRatio": 0}}"#));
+    off.apply_pool_event(0, &slowed(1, 100.0), 1000);
+    assert!((share0(&mut off, 6, 1000) - 0.25).abs() < 0.005);
+    let mut five = Router::new(config(r#"{"cutoffs": {"slowItlRatio": 5}}"#));
+    five.apply_pool_event(0, &slowed(1, 100.0), 1000);
+    assert!((share0(&mut five, 7, 1000) - 0.25).abs() < 0.005);
+    five.apply_pool_event(0, &slowed(2, 140.0), 1100);
+    assert!((share0(&mut five, 8, 1100) - 0.25 / 3.25).abs() < 0.005);
+}

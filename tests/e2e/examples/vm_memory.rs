@@ -160,6 +160,8 @@ fn snapshot(i: usize, addr: SocketAddr, t: u64) -> PodSnapshot {
             window_ms: 10_000,
             kv_capacity_tokens: Some(400_000),
             rate_window_ms: 5_000,
+            inter_token_recent: Some(q(12.0 + 12.0 * util)),
+            recent_window_ms: 150,
         }),
         sources: vec![fresh("nvml"), fresh("model-server")],
         sample_time_unix_ms: unix_ms(),
