@@ -8,11 +8,12 @@
 //!   (Open, or HalfOpen with its probe budget spent);
 //! - else `max(ema × penalty, floorWeight)` where `ema = α·raw + (1-α)·ema` is updated once per
 //!   new snapshot (first value = raw), and `penalty` is `cutoffs.slowdownFactor` while a GPU
-//!   of the pod reports a hardware slowdown (NVML throttle reasons), or while the pod decodes
+//!   of the pod reports a hardware slowdown (NVML throttle reasons), or, the lower of that and
+//!   its speed relative to the pool (pool median / its own), while the pod decodes
 //!   `cutoffs.slowItlRatio` times slower than the pool's median (its median inter-token
 //!   latency over the agent's recent window, 150 ms by default, against the median of the
 //!   pool's pods that report one, at least three; a pod without a reading keeps its last
-//!   judgement), else 1: applied to the smoothed value, so it acts on the first snapshot
+//!   judgement for up to 5 s), else 1: applied to the smoothed value, so it acts on the first snapshot
 //!   that shows it;
 //! - a pod with a snapshot but no usable reading (cold start) gets the pool MEAN of the pods
 //!   with metrics that are not cut (neither 0 nor the best), floored likewise.
@@ -104,6 +105,11 @@ const KV_EXTRA_DRAWS: usize = 4;
 /// Fewest pods reporting a recent inter-token latency for the pool's median to judge one
 /// slow: with two, either could be the odd one.
 const MIN_ITL_PODS: usize = 3;
+
+/// How long a pod judged slow stays so without a reading of its own (too few tokens in its
+/// window: a slow pod running one request decodes few). Bounded, so a pod that no longer gets
+/// enough traffic to show its speed is not penalised for ever.
+const SLOW_DECODE_HOLD_MS: u64 = 5000;
 
 /// How much one request counts in a VM's in-flight estimates ([`Router::request_size`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -303,6 +309,11 @@ struct PodRt {
     serves_several: bool,
     /// Its recent inter-token latency is `cutoffs.slowItlRatio` times the pool's median.
     slow_decode: bool,
+    /// When a reading last judged it slow (ms): bounds how long the judgement holds without one.
+    slow_decode_seen_ms: u64,
+    /// Its draw-weight factor while slow: the pool's median over its inter-token latency, at
+    /// most `cutoffs.slowdownFactor`.
+    slow_decode_penalty: f64,
 }
 
 impl PodRt {
@@ -344,6 +355,8 @@ impl PodRt {
             model_breakers: Vec::new(),
             serves_several: false,
             slow_decode: false,
+            slow_decode_seen_ms: 0,
+            slow_decode_penalty: 1.0,
         }
     }
 
@@ -833,8 +846,7 @@ impl Router {
             }
             2 * failing > pods
         };
-        let slow_itl_above = median_recent_itl(&p.state, &mut p.itl_scratch, cfg, now_ms)
-            .map(|m| m * cfg.cutoffs.slow_itl_ratio);
+        let itl_median = median_recent_itl(&p.state, &mut p.itl_scratch, cfg, now_ms);
         for pod in p.pods.iter_mut() {
             let Some(entry) = p.state.peers().get(pod.peer_idx) else {
                 continue;
@@ -845,19 +857,33 @@ impl Router {
             let weights = pool_cfg.weights_for(&pod.address);
             let mut s = score(sig, weights, &cfg.cutoffs, now_ms);
             // No reading (too few tokens in the window: a slow pod running one request
-            // decodes fewer than a fast one), or too few pods to compare: the last judgement
-            // holds until a reading says otherwise.
+            // decodes fewer than a fast one): the last judgement holds for a while.
             let slow = sig.has_metrics
-                && match slow_itl_above.zip(sig.itl_recent_ms) {
-                    Some((above, itl)) => itl >= above,
-                    None => pod.slow_decode && cfg.cutoffs.slow_itl_ratio > 0.0,
+                && match (itl_median, sig.itl_recent_ms) {
+                    (Some(median), Some(itl)) => {
+                        let slow = itl >= median * cfg.cutoffs.slow_itl_ratio;
+                        if slow {
+                            pod.slow_decode_seen_ms = now_ms;
+                            // Its speed relative to the pool: a pod decoding 5x slower serves
+                            // about a fifth as much.
+                            pod.slow_decode_penalty =
+                                (median / itl).min(cfg.cutoffs.slowdown_factor).max(0.0);
+                        }
+                        slow
+                    }
+                    (Some(_), None) => {
+                        pod.slow_decode
+                            && now_ms.saturating_sub(pod.slow_decode_seen_ms) <= SLOW_DECODE_HOLD_MS
+                    }
+                    // Nothing to compare with (too few pods, or switched off): not slow.
+                    (None, _) => false,
                 };
             if slow && !pod.slow_decode {
                 self.counters.slow_decode += 1;
             }
             pod.slow_decode = slow;
             if slow {
-                s.penalty = cfg.cutoffs.slowdown_factor;
+                s.penalty = s.penalty.min(pod.slow_decode_penalty);
                 s.value = s.value.min(s.raw * s.penalty);
             }
             let key = (entry.received_at_ms, sig.sequence);

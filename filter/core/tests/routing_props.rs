@@ -1427,6 +1427,28 @@ fn a_pod_decoding_three_times_slower_than_the_pool_median_is_drawn_as_if_its_gpu
     decoding(&mut ev, 0, 100.0, 7);
     r.apply_pool_event(0, &ev, 1700);
     assert!((share0(&mut r, 10, 1700) - 0.25).abs() < 0.005);
+    // ... and for 5 s at most: a pod that no longer gets enough traffic to show its speed is
+    // not penalised for ever.
+    r.apply_pool_event(0, &slowed(9, 100.0), 1800);
+    let quiet = |seq: u64| {
+        let mut ev = slowed(seq, 22.0);
+        decoding(&mut ev, 0, 22.0, 7);
+        ev
+    };
+    r.apply_pool_event(0, &quiet(10), 6800);
+    assert!(r.pod_status(0, 6800)[0].slow_decode);
+    r.apply_pool_event(0, &quiet(11), 6801);
+    assert!(!r.pod_status(0, 6801)[0].slow_decode);
+    assert!((share0(&mut r, 11, 6801) - 0.25).abs() < 0.005);
+
+    // A pool that drops below three pods reporting it judges nobody, the flagged pod included.
+    r.apply_pool_event(0, &slowed(12, 100.0), 6900);
+    assert!(r.pod_status(0, 6900)[0].slow_decode);
+    let mut ev = slowed(13, 100.0);
+    decoding(&mut ev, 2, 24.0, 7);
+    decoding(&mut ev, 3, 30.0, 7);
+    r.apply_pool_event(0, &ev, 7000);
+    assert!(!r.pod_status(0, 7000)[0].slow_decode);
 
     // Two pods reporting it are not enough to say which is the odd one.
     let mut ev = event(&pods, 1);
@@ -1444,5 +1466,10 @@ fn a_pod_decoding_three_times_slower_than_the_pool_median_is_drawn_as_if_its_gpu
     five.apply_pool_event(0, &slowed(1, 100.0), 1000);
     assert!((share0(&mut five, 7, 1000) - 0.25).abs() < 0.005);
     five.apply_pool_event(0, &slowed(2, 140.0), 1100);
-    assert!((share0(&mut five, 8, 1100) - 0.25 / 3.25).abs() < 0.005);
+    // Its speed relative to the pool, 27 / 140, is below slowdownFactor: that is its weight.
+    let w = 27.0 / 140.0;
+    assert!((share0(&mut five, 8, 1100) - w / (w + 3.0)).abs() < 0.005);
+    // A pod 10x slower gets a tenth of its weight, whatever the ratio that flagged it.
+    r.apply_pool_event(0, &slowed(14, 270.0), 7100);
+    assert!((share0(&mut r, 12, 7100) - 0.1 / 3.1).abs() < 0.005);
 }
