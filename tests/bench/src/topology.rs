@@ -11,6 +11,9 @@ use std::time::{Duration, Instant};
 use ai_lb_e2e::envoy::{self, Envoy, EnvoyOptions};
 use ai_lb_e2e::process::{Proc, Spec};
 
+/// The agents' `--rate-window` (their default; the bench does not set it).
+const AGENT_RATE_WINDOW: Duration = Duration::from_secs(5);
+
 pub type Error = String;
 
 /// The routing policies compared.
@@ -206,11 +209,16 @@ impl Pool {
         Ok(gauge(&text, "vllm:generation_tokens_total"))
     }
 
-    /// Waits until no pod runs or queues anything (after a run's stragglers were cut off).
+    /// Waits until no pod runs or queues anything (after a run's stragglers were cut off), then
+    /// until the agents' rate windows no longer hold the previous phase: requests cut off by
+    /// the client (calibration kills its generators, timeouts) count as aborts, which the
+    /// agents report as errors for a rate window, and ai-lb's breakers would open on them at
+    /// the start of the next run.
     pub fn wait_idle(&self, deadline: Duration) -> Result<(), Error> {
         let end = Instant::now() + deadline;
         loop {
             if self.busy()? == 0.0 {
+                std::thread::sleep(AGENT_RATE_WINDOW + Duration::from_millis(500));
                 return Ok(());
             }
             if Instant::now() > end {
