@@ -13,8 +13,8 @@
 //!   `cutoffs.slowItlRatio` times slower than the pool's median (its median inter-token
 //!   latency over the agent's recent window, 150 ms by default, against the median of the
 //!   pool's pods that report one, at least three; a pod without a reading keeps its last
-//!   judgement for up to 5 s), else 1: applied to the smoothed value, so it acts on the first snapshot
-//!   that shows it;
+//!   judgement for up to 5 s), else 1: applied to the smoothed value, so it acts on the first
+//!   snapshot that shows it;
 //! - a pod with a snapshot but no usable reading (cold start) gets the pool MEAN of the pods
 //!   with metrics that are not cut (neither 0 nor the best), floored likewise.
 //!
@@ -249,7 +249,7 @@ pub struct PodStatus<'a> {
     /// A GPU reports a hardware slowdown (the score is scaled by `cutoffs.slowdownFactor`).
     pub slowdown: bool,
     /// The pod decodes at least `cutoffs.slowItlRatio` times slower than the pool's median
-    /// (its score is scaled by `cutoffs.slowdownFactor` too).
+    /// (its weight is scaled by its speed relative to the pool, at most `slowdownFactor`).
     pub slow_decode: bool,
 }
 
@@ -1612,8 +1612,7 @@ fn median_recent_itl(
             .filter(|s| {
                 s.has_metrics
                     && !s.model_server_down
-                    && !s.peer_stale
-                    && s.age_ms(now_ms) <= cfg.cutoffs.staleness_ms
+                    && !s.is_stale(now_ms, cfg.cutoffs.staleness_ms)
             })
             .filter_map(|s| s.itl_recent_ms),
     );

@@ -95,7 +95,7 @@ pub fn score(signals: &PodSignals, weights: &Weights, cutoffs: &Cutoffs, now_ms:
 
     let cut = if signals.hardware_fault {
         Some(CutReason::HardwareFault)
-    } else if signals.peer_stale || signals.age_ms(now_ms) > cutoffs.staleness_ms {
+    } else if signals.is_stale(now_ms, cutoffs.staleness_ms) {
         Some(CutReason::Stale)
     } else if signals.model_server_down && cutoffs.cut_model_server_down {
         Some(CutReason::ModelServerDown)

@@ -322,6 +322,12 @@ impl PodSignals {
             .saturating_add(now_ms.saturating_sub(self.confirmed_at_ms))
     }
 
+    /// Whether the pod counts as stale at `now_ms`: its agent's stream went stale, or the
+    /// metrics are older than `staleness_ms`.
+    pub fn is_stale(&self, now_ms: u64, staleness_ms: u64) -> bool {
+        self.peer_stale || self.age_ms(now_ms) > staleness_ms
+    }
+
     /// The first `now_ms` at which the metrics are older than `staleness_ms`.
     pub fn stale_at_ms(&self, staleness_ms: u64) -> u64 {
         let left = staleness_ms.saturating_sub(self.age_at_confirm_ms);
