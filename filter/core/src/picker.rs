@@ -24,7 +24,8 @@
 //!   where it would queue, then the lower load wins; on a tie the first draw wins, so with
 //!   nothing in flight the shares are exactly score-proportional.
 //!   - Waiting comes in tiers, compared first: none; queued (estimated occupancy at or over
-//!     capacity, the snapshot shows requests waiting, its queue's head waits for KV cache,
+//!     capacity, the snapshot shows more requests waiting than this VM has seen end since,
+//!     its queue's head waits for KV cache,
 //!     i.e. requests wait while seats are free, the GPU is over its hard limit, or a request
 //!     to the pod just failed); the request does not fit the pod's estimated free KV cache
 //!     itself, which frees only when enough running tokens end.
@@ -282,6 +283,9 @@ struct PodRt {
     snap_occ: Option<f64>,
     /// Waiting of that snapshot: > 0 means the pod could not admit more (seats or KV full).
     snap_waiting: u32,
+    /// This VM's requests to the pod that ended since that snapshot (see
+    /// [`PodRt::waiting_now`]).
+    ended_since_snap: u32,
     /// That snapshot showed requests waiting while seats were free (running below the
     /// reported `queue_capacity`): the head of its queue waits for KV cache, and every new
     /// request waits behind it until a running request finishes.
@@ -341,6 +345,7 @@ impl PodRt {
             inflight_base: 0.0,
             snap_occ: None,
             snap_waiting: 0,
+            ended_since_snap: 0,
             head_blocked: false,
             occ_seq: None,
             kv_cap: None,
@@ -429,6 +434,15 @@ impl PodRt {
             .is_some_and(|t| now_ms.saturating_sub(t) < RECENT_FAILURE_MS)
     }
 
+    /// Requests still waiting of those the latest snapshot showed waiting, as far as this VM
+    /// can tell: each of its requests that ended since freed a seat and its KV cache, and a
+    /// FIFO queue admits its head first, so that many have left the queue. Without this, one
+    /// request caught waiting in a snapshot (arrived just before it) made the pod count as
+    /// queued until the next snapshot, even after this VM saw it end.
+    fn waiting_now(&self) -> u32 {
+        self.snap_waiting.saturating_sub(self.ended_since_snap)
+    }
+
     /// Whether a request holding `kv_tokens` would wait for KV cache there: it does not fit
     /// the estimated free KV cache, or the queue's head already waits for KV.
     fn waits_for_kv(&self, kv_tokens: f64) -> bool {
@@ -461,7 +475,8 @@ impl PodRt {
 
     /// What two candidates are compared by for a request holding `kv_tokens` (lower wins):
     /// first how long it would wait, in tiers: 0 = starts at once; 1 = queues (seats taken at
-    /// or over capacity, requests waiting in the snapshot, the queue's head waiting for KV
+    /// or over capacity, requests waiting in the snapshot and not since drained
+    /// ([`PodRt::waiting_now`]), the queue's head waiting for KV
     /// cache, the GPU over its hard limit, or a recent failure); 2 = does not fit the
     /// estimated free KV cache itself, so it waits until enough running tokens end (a long
     /// prompt holds them for seconds). Within tier 0 and 2, the load with it (the score has
@@ -478,7 +493,7 @@ impl PodRt {
         } else if self.head_blocked
             || self.hot
             || self.seat_load() >= 1.0
-            || self.snap_waiting > 0
+            || self.waiting_now() > 0
             || self.failed_recently(now_ms)
         {
             (1, self.drain(), load)
@@ -902,6 +917,7 @@ impl Router {
                     pod.occ_seq = Some(sig.sequence);
                     pod.inflight_base = f64::from(pod.inflight);
                     pod.snap_waiting = sig.waiting.unwrap_or(0);
+                    pod.ended_since_snap = 0;
                     pod.head_blocked = pod.snap_waiting > 0
                         && sig
                             .queue_capacity
@@ -1339,6 +1355,7 @@ impl Router {
     pub fn on_request_end(&mut self, pool_idx: usize, pod: &str, size: RequestSize) {
         self.with_pod(pool_idx, pod, |rt| {
             rt.inflight = rt.inflight.saturating_sub(1);
+            rt.ended_since_snap = rt.ended_since_snap.saturating_add(1);
             if rt.inflight == 0 {
                 // Nothing left in flight: drop rounding residue.
                 rt.inflight_w = 0.0;

@@ -810,6 +810,30 @@ fn a_pod_with_requests_waiting_counts_as_full() {
 }
 
 #[test]
+fn waiting_this_sidecar_saw_drain_no_longer_counts() {
+    // Pod 0's snapshot caught this sidecar's own request waiting (1 running, 1 waiting); the
+    // request then ended. Pod 0 (2 of 8 seats by the snapshot, 1 now) must win over pod 1 (6
+    // running) again without waiting for the next snapshot; before the end it loses.
+    let mut r = Router::new(config(r#"{"cutoffs":{"maxQueue":8}}"#));
+    r.on_request_start(0, &addr(0), RequestSize::UNIT);
+    let mut ev = event(&[pod(0.2), pod(0.2)], 1);
+    set_queues(&mut ev, &[(0, 1, 1), (1, 6, 0)]);
+    r.apply_pool_event(0, &ev, 1000);
+    let before = counts(&mut r, 2, 20_000, 13, 1000);
+    assert!(before[1] as f64 / 20_000.0 > 0.9, "{before:?}");
+    r.on_request_end(0, &addr(0), RequestSize::UNIT);
+    let after = counts(&mut r, 2, 20_000, 13, 1000);
+    // Pod 1 now wins only when pod 0 is never drawn.
+    assert!(after[0] as f64 / 20_000.0 > 0.9, "{after:?}");
+    // A new snapshot that still shows one waiting counts again.
+    let mut ev = event(&[pod(0.2), pod(0.2)], 2);
+    set_queues(&mut ev, &[(0, 1, 1), (1, 6, 0)]);
+    r.apply_pool_event(0, &ev, 1050);
+    let again = counts(&mut r, 2, 20_000, 13, 1050);
+    assert!(again[1] as f64 / 20_000.0 > 0.9, "{again:?}");
+}
+
+#[test]
 fn request_weight_follows_body_size_against_the_running_mean() {
     let mut r = router(&[pod(0.2); 4], "");
     assert_eq!(r.request_size(None, None).weight, 1.0);

@@ -12,6 +12,7 @@
 mod filter_common;
 
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use ai_lb_e2e::envoy::HttpClient;
 use filter_common::*;
@@ -79,8 +80,26 @@ fn a_long_prompt_goes_where_it_fits_the_kv_cache_short_ones_where_seats_are_free
         assert_eq!(r.status, 200, "{}", r.text());
         r.header("x-fake-pod").unwrap_or("none").to_string()
     };
-    // 6 000 prompt tokens: pod 0 has at most 5 000 free, pod 1 at least 11 000.
-    let long: Vec<String> = (0..10).map(|_| served(&body(6000, 10))).collect();
+    // 6 000 prompt tokens: pod 0 has at most 5 000 free, pod 1 at least 11 000. One that lands
+    // on pod 0 anyway (all eight candidate draws there: 1/256) would wait there until the
+    // background request ends and so end the run: give up on it after 3 s (one on pod 1
+    // takes ~0.2 s) and count it as stuck.
+    let long: Vec<String> = (0..10)
+        .map(|_| {
+            let mut c = HttpClient::new(envoy.listener).with_timeout(Duration::from_secs(3));
+            match c.post_json(
+                "/v1/completions",
+                &[("connection", "close")],
+                &body(6000, 10),
+            ) {
+                Ok(r) => {
+                    assert_eq!(r.status, 200, "{}", r.text());
+                    r.header("x-fake-pod").unwrap_or("none").to_string()
+                }
+                Err(_) => "stuck".to_string(),
+            }
+        })
+        .collect();
     let short: Vec<String> = (0..20).map(|_| served(&body(2, 4))).collect();
     let sb = scoreboard(&envoy);
     assert!(
@@ -89,7 +108,7 @@ fn a_long_prompt_goes_where_it_fits_the_kv_cache_short_ones_where_seats_are_free
     );
 
     let to_pod1 = long.iter().filter(|p| *p == "pod1").count();
-    // Pod 0 only if all eight candidate draws land on it (1/256 each).
+    // Pod 0 (stuck) only if all eight candidate draws land on it (1/256 each).
     assert!(
         to_pod1 >= 9,
         "long prompts should go where they fit: {long:?}\n{sb:#}"

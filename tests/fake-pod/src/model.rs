@@ -269,7 +269,10 @@ impl Engine {
         let held: u64 = self.running.iter().map(Seq::kv_held).sum();
         let cap = self.params.kv_cache_tokens.max(1) as f64;
         EngineStats {
-            waiting: self.pending.len() + self.waiting.len(),
+            // As vLLM V1 reports it: the scheduler's queue after its last step, i.e. requests
+            // it could not admit. Requests still in the front end (HTTP, tokenisation, the
+            // engine's input queue) are not in it; they join at the next step.
+            waiting: self.waiting.len(),
             running: self.running.len(),
             kv_tokens_held: held,
             kv_usage: (held as f64 / cap).clamp(0.0, 1.0),
@@ -536,6 +539,27 @@ mod tests {
             .map(|t| t.at);
         let done = first_done.fold(f64::MIN, f64::max);
         assert!(late_first.fold(f64::MAX, f64::min) > done - 1e-12);
+    }
+
+    #[test]
+    fn requests_in_the_front_end_are_not_waiting() {
+        let mut p = params();
+        p.overhead = 0.01;
+        let mut e = Engine::new(p);
+        e.submit(req(1, 100, 50), 0.0).unwrap();
+        let mut out = Vec::new();
+        e.advance_to(0.0, &mut out);
+        // Still in the front end: neither waiting nor running.
+        assert_eq!((e.stats().running, e.stats().waiting), (0, 0));
+        e.advance_to(0.011, &mut out);
+        assert_eq!((e.stats().running, e.stats().waiting), (1, 0));
+        // Arrives mid-iteration: joins at its end with a seat free, never reported waiting.
+        e.submit(req(2, 10, 5), 0.011).unwrap();
+        e.advance_to(0.0215, &mut out);
+        assert_eq!(e.stats().waiting, 0);
+        let t = e.next_wake().unwrap();
+        e.advance_to(t, &mut out);
+        assert_eq!((e.stats().running, e.stats().waiting), (2, 0));
     }
 
     #[test]
