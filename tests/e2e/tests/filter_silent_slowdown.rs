@@ -108,11 +108,7 @@ fn a_pod_slowed_without_a_gpu_signal_loses_its_share_and_gets_it_back() {
         "the slowed pod kept its share: {during:?}; {}",
         decision_stats(&envoy)
     );
-    assert!(
-        envoy.stat("wasmcustom.ailb.slow_decode").unwrap() >= 1,
-        "{}",
-        decision_stats(&envoy)
-    );
+    wait_stat(&envoy, "wasmcustom.ailb.slow_decode", |v| v >= 1);
 
     pool.control(0, r#"{"slowdown":1}"#).unwrap();
     wait_scoreboard(&envoy, "the pod no longer slowDecode", 15, |sb| {

@@ -54,6 +54,18 @@ pub fn scoreboard(envoy: &Envoy) -> Value {
     serde_json::from_slice(&r.body).unwrap_or_else(|e| panic!("status JSON: {e}: {}", r.text()))
 }
 
+/// Reads Envoy stat `name` until `ok` holds for it (up to 5 s) and returns it. The filter
+/// exports its counters every 200 ms, so a stat read right after the event can lag it.
+pub fn wait_stat(envoy: &Envoy, name: &str, ok: impl Fn(u64) -> bool) -> u64 {
+    let mut last = None;
+    envoy
+        .poll(Duration::from_secs(5), name, || {
+            last = envoy.stat(name).ok();
+            last.filter(|v| ok(*v))
+        })
+        .unwrap_or_else(|e| panic!("stat {name} = {last:?}: {e}"))
+}
+
 /// The scoreboard row of the pod serving at `addr` (first pool).
 pub fn row(sb: &Value, addr: &str) -> Option<Value> {
     sb["pools"][0]["pods"]
