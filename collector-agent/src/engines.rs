@@ -653,10 +653,23 @@ fn histogram(
             });
             return None;
         }
+        // Each series' `_sum` (same labels), for the windowed mean.
+        let sum_name = format!("{}_sum", h.name);
+        let mut sums: BTreeMap<String, f64> = BTreeMap::new();
+        for s in page.samples_named(&sum_name) {
+            let key = s
+                .labels
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(",");
+            sums.insert(key, s.value);
+        }
         let mut total: Option<HistogramSnapshot> = None;
         for (key, buckets) in series {
+            let sum = sums.get(&key).copied();
             let snap = match HistogramSnapshot::from_buckets(buckets) {
-                Ok(s) => s,
+                Ok(s) => s.with_sum(sum),
                 Err(e) => {
                     rejected.push(Rejected {
                         field: format!("{}{{{key}}}", h.name),
@@ -723,6 +736,31 @@ mod tests {
             x.models,
             vec![("a".into(), "".into()), ("b".into(), "".into())]
         );
+    }
+
+    #[test]
+    fn histogram_sums_are_carried_per_series_and_added() {
+        let page = |sum_b: &str| {
+            format!(
+                "vllm:inter_token_latency_seconds_bucket{{model_name=\"a\",le=\"0.01\"}} 10\n\
+                 vllm:inter_token_latency_seconds_bucket{{model_name=\"a\",le=\"+Inf\"}} 10\n\
+                 vllm:inter_token_latency_seconds_sum{{model_name=\"a\"}} 0.05\n\
+                 vllm:inter_token_latency_seconds_count{{model_name=\"a\"}} 10\n\
+                 vllm:inter_token_latency_seconds_bucket{{model_name=\"b\",le=\"0.01\"}} 5\n\
+                 vllm:inter_token_latency_seconds_bucket{{model_name=\"b\",le=\"+Inf\"}} 5\n\
+                 {sum_b}"
+            )
+        };
+        let text = page("vllm:inter_token_latency_seconds_sum{model_name=\"b\"} 0.04\n");
+        let p = parse(&text).unwrap();
+        let h = extract(EngineKind::Vllm, &p).inter_token.unwrap();
+        assert_eq!(h.total(), 15.0);
+        // Seconds to ms, both series: 50 + 40 ms.
+        assert!((h.sum.unwrap() - 90.0).abs() < 1e-9, "{h:?}");
+        // One series without a sum: no sum (a mean over part of the tokens would mislead).
+        let text = page("");
+        let p = parse(&text).unwrap();
+        assert_eq!(extract(EngineKind::Vllm, &p).inter_token.unwrap().sum, None);
     }
 
     #[test]

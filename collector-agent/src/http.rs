@@ -375,6 +375,25 @@ fn render_snapshot(o: &mut Out, s: &PodSnapshot) {
             }
         }
     }
+    let mut headed = false;
+    for (kind, q) in lat {
+        let Some(v) = q.as_ref().and_then(|q| q.mean_ms) else {
+            continue;
+        };
+        if !headed {
+            o.head(
+                "ai_lb_agent_latency_mean_ms",
+                "gauge",
+                "Windowed latency mean (histogram _sum delta over _count delta), where the model server exports _sum.",
+            );
+            headed = true;
+        }
+        o.line(
+            "ai_lb_agent_latency_mean_ms",
+            &format!("{pod},kind=\"{kind}\""),
+            v,
+        );
+    }
 }
 
 #[cfg(test)]
@@ -402,6 +421,35 @@ mod tests {
         ] {
             assert!(o.0.lines().any(|x| x == line), "missing {line}\n{}", o.0);
         }
+    }
+
+    #[test]
+    fn latency_means_are_exported_where_known() {
+        let s = PodSnapshot {
+            inference: Some(ai_lb_proto::v1::InferenceStats {
+                inter_token_recent: Some(LatencyQuantiles {
+                    p50_ms: Some(5.0),
+                    samples: 40,
+                    mean_ms: Some(4.8),
+                    ..Default::default()
+                }),
+                ttft: Some(LatencyQuantiles {
+                    p50_ms: Some(20.0),
+                    samples: 4,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let mut o = Out(String::new());
+        render_snapshot(&mut o, &s);
+        let l = "pod=\"\",namespace=\"\",address=\"\"";
+        let want = format!("ai_lb_agent_latency_mean_ms{{{l},kind=\"inter_token_recent\"}} 4.8");
+        assert!(o.0.lines().any(|x| x == want), "missing {want}\n{}", o.0);
+        assert!(!o.0.contains(
+            "ai_lb_agent_latency_mean_ms{pod=\"\",namespace=\"\",address=\"\",kind=\"ttft\"}"
+        ));
     }
 
     #[test]

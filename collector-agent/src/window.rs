@@ -25,6 +25,8 @@ pub struct HistogramSnapshot {
     pub bounds: Vec<f64>,
     /// Cumulative counts, one per bound.
     pub counts: Vec<f64>,
+    /// The cumulative sum of the observations (`_sum`), when the page has it.
+    pub sum: Option<f64>,
 }
 
 impl HistogramSnapshot {
@@ -57,7 +59,18 @@ impl HistogramSnapshot {
             prev = Some((le, c));
         }
         let (bounds, counts) = buckets.into_iter().unzip();
-        Ok(Self { bounds, counts })
+        Ok(Self {
+            bounds,
+            counts,
+            sum: None,
+        })
+    }
+
+    /// The same histogram with its cumulative `_sum` (a sum that is not finite and ≥ 0 is
+    /// left out: the mean is then absent, the quantiles stay).
+    pub fn with_sum(mut self, sum: Option<f64>) -> Self {
+        self.sum = sum.filter(|s| s.is_finite() && *s >= 0.0);
+        self
     }
 
     /// Total observations (the `+Inf` bucket).
@@ -70,6 +83,7 @@ impl HistogramSnapshot {
         for b in &mut self.bounds {
             *b *= factor;
         }
+        self.sum = self.sum.map(|s| s * factor);
         self
     }
 
@@ -81,6 +95,10 @@ impl HistogramSnapshot {
         for (a, b) in self.counts.iter_mut().zip(&other.counts) {
             *a += *b;
         }
+        self.sum = match (self.sum, other.sum) {
+            (Some(a), Some(b)) => Some(a + b),
+            _ => None,
+        };
         Ok(())
     }
 
@@ -143,6 +161,8 @@ pub struct WindowedQuantiles {
     pub p99: Option<f64>,
     /// Observations inside the window; 0 → quantiles absent.
     pub samples: u64,
+    /// Their mean (the `_sum` delta over the count delta), when both scrapes carry a sum.
+    pub mean: Option<f64>,
 }
 
 /// A ring of timestamped scrapes pruned to a sliding window.
@@ -236,10 +256,15 @@ impl HistogramWindow {
         if total < 1.0 {
             return WindowedQuantiles::default();
         }
+        let mean = match (new.sum, old.sum) {
+            (Some(n), Some(o)) if n >= o => Some((n - o) / total),
+            _ => None,
+        };
         WindowedQuantiles {
             p50: bucket_quantile(0.5, &new.bounds, &delta),
             p99: bucket_quantile(0.99, &new.bounds, &delta),
             samples: total.round() as u64,
+            mean,
         }
     }
 
@@ -362,6 +387,46 @@ mod tests {
         assert_eq!(q.samples, 100);
         assert!((q.p50.unwrap() - 5.0).abs() < 1e-9);
         assert!((q.p99.unwrap() - 9.9).abs() < 1e-9);
+    }
+
+    #[test]
+    fn mean_comes_from_the_sum_delta_where_buckets_cannot_tell() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        // Two pods whose tokens all fall in the first bucket (0, 10]: 4.8 and 8 ms each. The
+        // median interpolates to 5 for both; the mean tells them apart.
+        for ms in [4.8, 8.0] {
+            let mut w = HistogramWindow::new(s(10));
+            w.observe(t0, snap(&B, &[100.0; 4]).with_sum(Some(100.0 * ms)));
+            w.observe(t0 + s(1), snap(&B, &[300.0; 4]).with_sum(Some(300.0 * ms)));
+            let q = w.quantiles();
+            assert!((q.p50.unwrap() - 5.0).abs() < 1e-9);
+            assert!((q.mean.unwrap() - ms).abs() < 1e-9, "{q:?}");
+        }
+        // No _sum, or one that went down without the counts: no mean, quantiles as before.
+        let mut w = HistogramWindow::new(s(10));
+        w.observe(t0, snap(&B, &[100.0; 4]));
+        w.observe(t0 + s(1), snap(&B, &[300.0; 4]));
+        assert_eq!(w.quantiles().mean, None);
+        assert_eq!(w.quantiles().samples, 200);
+        let mut w = HistogramWindow::new(s(10));
+        w.observe(t0, snap(&B, &[100.0; 4]).with_sum(Some(900.0)));
+        w.observe(t0 + s(1), snap(&B, &[300.0; 4]).with_sum(Some(800.0)));
+        assert_eq!(w.quantiles().mean, None);
+        // Nonsense sums are left out; scaling and adding carry the sum.
+        assert_eq!(snap(&B, &[1.0; 4]).with_sum(Some(f64::NAN)).sum, None);
+        assert_eq!(snap(&B, &[1.0; 4]).with_sum(Some(-1.0)).sum, None);
+        let mut a = snap(&B, &[1.0; 4]).with_sum(Some(0.5)).scaled(1000.0);
+        assert_eq!(a.sum, Some(500.0));
+        a.add(&snap(&[10_000.0, 20_000.0, 40_000.0, f64::INFINITY], &[1.0; 4]).with_sum(Some(2.0)))
+            .unwrap();
+        assert_eq!(a.sum, Some(502.0));
+        a.add(&snap(
+            &[10_000.0, 20_000.0, 40_000.0, f64::INFINITY],
+            &[1.0; 4],
+        ))
+        .unwrap();
+        assert_eq!(a.sum, None);
     }
 
     #[test]

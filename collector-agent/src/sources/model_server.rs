@@ -204,6 +204,7 @@ fn to_proto(q: WindowedQuantiles) -> LatencyQuantiles {
         p50_ms: q.p50,
         p99_ms: q.p99,
         samples: q.samples,
+        mean_ms: q.mean,
     }
 }
 

@@ -225,6 +225,9 @@ pub struct FilterConfig {
     pub floor_weight: f64,
     /// How a pod is chosen among those not cut.
     pub pick_strategy: PickStrategy,
+    /// Requests reserving at least this many output tokens prefer the faster-decoding pod
+    /// (`twoChoices`; see [`crate::picker`]); 0 = off.
+    pub long_output_tokens: u64,
     /// Header carrying `IP:PORT[,IP:PORT...]` to Envoy's `override_host` policy.
     pub routing_header: String,
     /// Extra ranked endpoints after the chosen one (0..=15), for retries.
@@ -400,6 +403,21 @@ struct RawConfig {
         schemars(extend("default" = "twoChoices", "enum" = ["twoChoices", "proportional", null]))
     )]
     pick_strategy: Option<String>,
+    /// With `twoChoices`: a request reserving at least this many output tokens (its body's
+    /// `max_tokens` or `max_completion_tokens`, times `n`; read only when the router reads the
+    /// body, i.e. `modelHeader` is set and the request lacks it, or admission needs it) spends
+    /// most of its time decoding, so between candidates where it would start equally soon it
+    /// goes to the one that decodes at least 10 % faster (lower median inter-token latency
+    /// over the agent's recent window, smoothed; a reading older than 5 s does not count),
+    /// else the lower load wins as usual; it also draws two more candidates. In a pool that
+    /// mixes GPU generations this keeps the longest answers, which set the p99 of end-to-end
+    /// latency, off the slower GPUs. 0 turns it off.
+    #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 512, "minimum" = 0, "maximum" = 10_000_000))
+    )]
+    long_output_tokens: Option<u64>,
     /// Request header carrying `IP:PORT[,IP:PORT...]` to Envoy's `override_host` policy. A
     /// lowercase HTTP header name.
     #[serde(default)]
@@ -1070,6 +1088,17 @@ impl TryFrom<RawConfig> for FilterConfig {
                 ))
             }
         };
+        let long_output_tokens = match raw.long_output_tokens {
+            None => 512,
+            Some(n) if n <= 10_000_000 => n,
+            Some(n) => {
+                return Err(ConfigError::new(
+                    "longOutputTokens",
+                    n,
+                    "must be within 0..=10000000 (0 turns it off)",
+                ))
+            }
+        };
         let routing_header = header_name(
             "routingHeader",
             raw.routing_header
@@ -1151,6 +1180,7 @@ impl TryFrom<RawConfig> for FilterConfig {
             min_pods,
             floor_weight,
             pick_strategy,
+            long_output_tokens,
             routing_header,
             fallback_endpoints,
             model_header,

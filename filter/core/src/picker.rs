@@ -59,6 +59,13 @@
 //!   - A request that would wait for KV cache on both candidates draws up to four more and
 //!     takes the best: it would otherwise wait at the head of that pod's queue, holding up
 //!     every request behind it (head-of-line blocking).
+//!   - A request reserving at least `longOutputTokens` output tokens (`max_tokens`, known when
+//!     the body is read; 512 by default) draws two more candidates, and between two in the
+//!     same tier with the same wait, the one whose smoothed recent inter-token latency (the
+//!     agent's mean over its recent window, else the median) is at least 10 % lower wins before the load is compared: its answer takes about output ×
+//!     inter-token latency, so in a pool that mixes GPU generations the longest answers (which
+//!     set the end-to-end p99) land on the faster GPUs. A pod without a reading in the last
+//!     5 s (idle) is compared by load.
 //!
 //!   Why: every sidecar scores from the same sampled snapshot, so one weighted draw sends all
 //!   of them to the same "best" pods between updates (herding); the second choice on live
@@ -112,6 +119,20 @@ const MIN_ITL_PODS: usize = 3;
 /// enough traffic to show its speed is not penalised for ever.
 const SLOW_DECODE_HOLD_MS: u64 = 5000;
 
+/// How long a pod's smoothed inter-token latency counts for `longOutputTokens` without a new
+/// reading (ms): an idle pod reports none, and its last one says little about it later.
+const DECODE_SPEED_HOLD_MS: u64 = 5000;
+
+/// How much faster (relative) a pod must decode for a long-output request to prefer it over
+/// the less loaded candidate: readings are medians over ~150 ms, so small gaps are noise.
+const DECODE_SPEED_MARGIN: f64 = 0.1;
+
+/// Smoothing of each pod's inter-token latency for `longOutputTokens` (weight of a reading).
+const DECODE_SPEED_ALPHA: f64 = 0.3;
+
+/// More candidates a long-output request draws (`longOutputTokens`), after the first two.
+const LONG_OUTPUT_EXTRA_DRAWS: usize = 2;
+
 /// How much one request counts in a VM's in-flight estimates ([`Router::request_size`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RequestSize {
@@ -119,6 +140,9 @@ pub struct RequestSize {
     pub weight: f64,
     /// KV-cache tokens it will hold at most: prompt estimate plus output reservation.
     pub kv_tokens: f64,
+    /// Output tokens it reserves (`max_tokens`), 0 when unknown: decides whether it prefers
+    /// the faster-decoding pod (`longOutputTokens`).
+    pub output_tokens: f64,
 }
 
 impl RequestSize {
@@ -126,6 +150,7 @@ impl RequestSize {
     pub const UNIT: RequestSize = RequestSize {
         weight: 1.0,
         kv_tokens: 0.0,
+        output_tokens: 0.0,
     };
 }
 
@@ -315,6 +340,11 @@ struct PodRt {
     slow_decode: bool,
     /// When a reading last judged it slow (ms): bounds how long the judgement holds without one.
     slow_decode_seen_ms: u64,
+    /// Its recent inter-token latency (ms; the window's mean, else its median), smoothed over
+    /// snapshots ([`DECODE_SPEED_ALPHA`]).
+    itl_ms: Option<f64>,
+    /// When that last took a reading (ms).
+    itl_at_ms: u64,
     /// Its draw-weight factor while slow: the pool's median over its inter-token latency, at
     /// most `cutoffs.slowdownFactor`.
     slow_decode_penalty: f64,
@@ -362,6 +392,8 @@ impl PodRt {
             slow_decode: false,
             slow_decode_seen_ms: 0,
             slow_decode_penalty: 1.0,
+            itl_ms: None,
+            itl_at_ms: 0,
         }
     }
 
@@ -500,6 +532,13 @@ impl PodRt {
         } else {
             (0, 0.0, load)
         }
+    }
+
+    /// Its smoothed inter-token latency (ms) if a reading came in the last
+    /// [`DECODE_SPEED_HOLD_MS`].
+    fn decode_ms(&self, now_ms: u64) -> Option<f64> {
+        self.itl_ms
+            .filter(|_| now_ms.saturating_sub(self.itl_at_ms) <= DECODE_SPEED_HOLD_MS)
     }
 
     /// Not a probe-budgeted pod (its breaker, or the model's, is not closed).
@@ -905,6 +944,22 @@ impl Router {
             let fresh = pod.seen != Some(key);
             if fresh {
                 pod.seen = Some(key);
+                // The mean where the model server exports it: a long answer takes about
+                // output × mean, and the median is limited to its bucket (vLLM's first ends
+                // at 10 ms).
+                if let Some(itl) = sig
+                    .itl_recent_mean_ms
+                    .or(sig.itl_recent_ms)
+                    .filter(|_| sig.has_metrics)
+                {
+                    pod.itl_ms = Some(match pod.itl_ms {
+                        Some(e) if pod.decode_ms(now_ms).is_some() => {
+                            DECODE_SPEED_ALPHA * itl + (1.0 - DECODE_SPEED_ALPHA) * e
+                        }
+                        _ => itl,
+                    });
+                    pod.itl_at_ms = now_ms;
+                }
                 if s.has_terms {
                     pod.ema = Some(match pod.ema {
                         Some(e) => cfg.ema_alpha * s.raw + (1.0 - cfg.ema_alpha) * e,
@@ -1218,9 +1273,38 @@ impl Router {
                         r.pick_key(need, now_ms)
                     })
             };
+            // A long answer spends its time decoding: between candidates where it would start
+            // equally soon, the one that decodes clearly faster serves it sooner.
+            let long =
+                cfg.long_output_tokens > 0 && size.output_tokens >= cfg.long_output_tokens as f64;
+            let decode_ms = |id: u32| p.pods.get(id as usize).and_then(|r| r.decode_ms(now_ms));
+            // Whether candidate `b` would serve the request better than `a`.
+            let better = |b: u32, a: u32| {
+                let (kb, ka) = (key(b), key(a));
+                if long && kb.0 == ka.0 && kb.1 == ka.1 {
+                    if let (Some(db), Some(da)) = (decode_ms(b), decode_ms(a)) {
+                        if db < da * (1.0 - DECODE_SPEED_MARGIN) {
+                            return true;
+                        }
+                        if da < db * (1.0 - DECODE_SPEED_MARGIN) {
+                            return false;
+                        }
+                    }
+                }
+                kb < ka
+            };
             if let Some(b) = second {
-                if key(b) < key(a) {
+                if better(b, a) {
                     chosen = b;
+                }
+            }
+            if long {
+                for _ in 0..LONG_OUTPUT_EXTRA_DRAWS {
+                    if let Some(&c) = view.slots.get(draw(view, total, rng)) {
+                        if better(c, chosen) {
+                            chosen = c;
+                        }
+                    }
                 }
             }
             // A request that fits neither candidate's KV cache would wait at the head of that
@@ -1235,7 +1319,7 @@ impl Router {
                     let Some(&c) = view.slots.get(draw(view, total, rng)) else {
                         continue;
                     };
-                    if key(c) < key(chosen) {
+                    if better(c, chosen) {
                         chosen = c;
                     }
                     if fits(chosen) {
@@ -1322,12 +1406,15 @@ impl Router {
         max_output_tokens: Option<u64>,
     ) -> RequestSize {
         let prompt = body_bytes.map_or(0.0, |b| (b as f64 / PROMPT_BYTES_PER_TOKEN).ceil());
-        let output = max_output_tokens.map_or(0.0, |t| t as f64);
+        let output = max_output_tokens
+            .map_or(0.0, |t| t as f64)
+            .min(MAX_REQUEST_KV_TOKENS);
         let kv_tokens = (prompt + output).min(MAX_REQUEST_KV_TOKENS);
         let Some(b) = body_bytes else {
             return RequestSize {
                 weight: 1.0,
                 kv_tokens,
+                output_tokens: output,
             };
         };
         let b = (b as f64).max(1.0);
@@ -1337,6 +1424,7 @@ impl Router {
         RequestSize {
             weight: (b / mean).clamp(0.25, 16.0),
             kv_tokens,
+            output_tokens: output,
         }
     }
 

@@ -84,6 +84,10 @@ pub struct PodSignals {
     /// Median inter-token latency over the agent's recent window (a few hundred ms), ms > 0;
     /// None with fewer than [`MIN_RECENT_ITL_SAMPLES`] tokens in it.
     pub itl_recent_ms: Option<f64>,
+    /// Mean inter-token latency over the same window, ms > 0 (the histogram's sum over its
+    /// count, exact where the median is limited to its bucket); None as above, or without a
+    /// `_sum` on the model server's page.
+    pub itl_recent_mean_ms: Option<f64>,
     /// Share of the model server's requests that failed over the agent's window, 0..=1.
     pub error_rate: Option<f64>,
     /// Requests that finished over that window (`request_rate` × `window_ms`, rounded).
@@ -221,10 +225,20 @@ impl PodSignals {
             .filter(|q| q.samples > 0)
             .and_then(|q| millis("inference.e2e.p99_ms", q.p99_ms, &mut issues));
         let p99_ms = ttft.or(e2e);
-        let itl_recent_ms = inf
+        let recent = inf
             .and_then(|s| s.inter_token_recent.as_ref())
-            .filter(|q| q.samples >= MIN_RECENT_ITL_SAMPLES)
+            .filter(|q| q.samples >= MIN_RECENT_ITL_SAMPLES);
+        let itl_recent_ms = recent
             .and_then(|q| millis("inference.inter_token_recent.p50_ms", q.p50_ms, &mut issues))
+            .filter(|&v| v > 0.0);
+        let itl_recent_mean_ms = recent
+            .and_then(|q| {
+                millis(
+                    "inference.inter_token_recent.mean_ms",
+                    q.mean_ms,
+                    &mut issues,
+                )
+            })
             .filter(|&v| v > 0.0);
         let error_rate = inf.and_then(|s| ratio("inference.error_rate", s.error_rate, &mut issues));
         let window_requests = inf.and_then(|s| {
@@ -276,6 +290,7 @@ impl PodSignals {
             kv_capacity_tokens,
             p99_ms,
             itl_recent_ms,
+            itl_recent_mean_ms,
             error_rate,
             window_requests,
             xid_total,
@@ -453,10 +468,14 @@ mod tests {
                     p50_ms: p50,
                     p99_ms: None,
                     samples,
+                    mean_ms: p50.map(|v| v * 0.9),
                 });
             }
             let (s, issues) = PodSignals::from_proto(&p, 0);
-            (s.unwrap().itl_recent_ms, issues)
+            let s = s.unwrap();
+            // The mean goes with the median: same token minimum, same checks.
+            assert_eq!(s.itl_recent_mean_ms, s.itl_recent_ms.map(|v| v * 0.9));
+            (s.itl_recent_ms, issues)
         };
         assert_eq!(with(Some(12.5), 8), (Some(12.5), vec![]));
         // Too few tokens to judge: no reading, no issue.
@@ -466,6 +485,18 @@ mod tests {
         assert_eq!(v, None);
         assert_eq!(issues[0].field, "inference.inter_token_recent.p50_ms");
         assert_eq!(issues[0].value, "NaN");
+        assert_eq!(issues[1].field, "inference.inter_token_recent.mean_ms");
+        // Without a mean (no `_sum` on the page), the median alone.
+        let mut p = snap("10.0.0.1:8000");
+        if let Some(i) = p.inference.as_mut() {
+            i.inter_token_recent = Some(LatencyQuantiles {
+                p50_ms: Some(5.0),
+                samples: 100,
+                ..Default::default()
+            });
+        }
+        let s = PodSignals::from_proto(&p, 0).0.unwrap();
+        assert_eq!((s.itl_recent_ms, s.itl_recent_mean_ms), (Some(5.0), None));
     }
 
     #[test]

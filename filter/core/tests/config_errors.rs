@@ -83,6 +83,12 @@ fn bad_configs_name_their_field_and_value() {
             "-1",
         ),
         (
+            with(r#","longOutputTokens":10000001"#),
+            "longOutputTokens",
+            "10000001",
+        ),
+        (with(r#","longOutputTokens":-5"#), "longOutputTokens", "-5"),
+        (
             with(r#","cutoffs":{"cutModelServerDown":"yes"}"#),
             "cutoffs.cutModelServerDown",
             "yes",

@@ -95,10 +95,12 @@ fn a_pick_with_its_start_and_end_allocates_nothing() {
     let before = ALLOCS.load(Ordering::Relaxed);
     let mut steered = 0;
     for k in 0..10_000usize {
-        // Every fifth request is a long prompt that fits few KV caches (extra draws).
+        // Every fifth request is a long prompt that fits few KV caches (extra draws), every
+        // seventh a long answer (decode-speed comparison, extra draws).
         let size = RequestSize {
             weight: 1.0,
             kv_tokens: if k % 5 == 0 { 9_000.0 } else { 400.0 },
+            output_tokens: if k % 7 == 0 { 2_000.0 } else { 100.0 },
         };
         if let Decision::Steer { ranked, .. } = r.decide_for(0, None, size, 1000, &mut rng) {
             steered += 1;

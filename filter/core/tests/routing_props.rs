@@ -99,6 +99,7 @@ fn weighted(weight: f64) -> RequestSize {
     RequestSize {
         weight,
         kv_tokens: 0.0,
+        output_tokens: 0.0,
     }
 }
 
@@ -913,6 +914,103 @@ fn kv_event(uses: &[f64], cap: u64, seq: u64) -> PoolEvent {
     ev
 }
 
+#[test]
+fn a_long_answer_goes_to_the_pod_that_decodes_faster() {
+    // Four equal pods: two decode at 8 ms a token (an older GPU), two at 4.8 ms.
+    let pods = [pod(0.2); 4];
+    let ev = |seq: u64, fast_ms: f64, samples: u64| {
+        let mut ev = event(&pods, seq);
+        for (i, ms) in [8.0, 8.0, fast_ms, fast_ms].into_iter().enumerate() {
+            decoding(&mut ev, i, ms, samples);
+        }
+        ev
+    };
+    let long = RequestSize {
+        weight: 1.0,
+        kv_tokens: 2_100.0,
+        output_tokens: 2_000.0,
+    };
+    let short = RequestSize {
+        output_tokens: 100.0,
+        ..long
+    };
+    let fast_share = |r: &mut Router, size: RequestSize, seed: u64, now: u64| {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut fast = 0;
+        for _ in 0..40_000 {
+            let d = r.decide_for(0, None, size, now, &mut rng);
+            let a = chosen(r, &d).unwrap();
+            if a == addr(2) || a == addr(3) {
+                fast += 1;
+            }
+        }
+        fast as f64 / 40_000.0
+    };
+    let mut r = Router::new(config(""));
+    r.apply_pool_event(0, &ev(1, 4.8, 100), 1000);
+    // Four candidates, the fastest wins. All slow: the first (1/2), a distinct second (1/3),
+    // two more draws (1/4): 1/24.
+    let f = fast_share(&mut r, long, 1, 1000);
+    assert!((f - 23.0 / 24.0).abs() < 0.01, "{f}");
+    // A short answer: shares follow the score (equal), the first draw wins among idle pods.
+    let f = fast_share(&mut r, short, 2, 1000);
+    assert!((f - 0.5).abs() < 0.01, "{f}");
+    // Just under the 512-token default: short.
+    let f = fast_share(
+        &mut r,
+        RequestSize {
+            output_tokens: 511.0,
+            ..long
+        },
+        3,
+        1000,
+    );
+    assert!((f - 0.5).abs() < 0.01, "{f}");
+    // Under 10 % apart is noise: the load decides (idle: the first draw).
+    let mut close = Router::new(config(""));
+    close.apply_pool_event(0, &ev(1, 7.5, 100), 1000);
+    let f = fast_share(&mut close, long, 4, 1000);
+    assert!((f - 0.5).abs() < 0.01, "{f}");
+    // Smoothed: one reading that says the fast pods slowed to 8 ms moves them only part way
+    // (0.3 × 8 + 0.7 × 4.8 = 5.76 ms, still over 10 % faster).
+    r.apply_pool_event(0, &ev(2, 8.0, 100), 1100);
+    let f = fast_share(&mut r, long, 5, 1100);
+    assert!((f - 23.0 / 24.0).abs() < 0.01, "{f}");
+    // Readings older than 5 s do not count (a pod that went idle reports none).
+    r.apply_pool_event(0, &ev(3, 4.8, 100), 2000);
+    r.apply_pool_event(0, &ev(4, 4.8, 7), 7001);
+    let f = fast_share(&mut r, long, 6, 7001);
+    assert!((f - 0.5).abs() < 0.01, "{f}");
+    // vLLM's first bucket ends at 10 ms: both medians read 5 ms, the means (histogram sum
+    // over count) tell 4.8 from 8.
+    let mut bucketed = Router::new(config(""));
+    let mut e = event(&pods, 1);
+    for (i, mean) in [8.0, 8.0, 4.8, 4.8].into_iter().enumerate() {
+        inference(&mut e, i).inter_token_recent = Some(LatencyQuantiles {
+            p50_ms: Some(5.0),
+            p99_ms: Some(9.9),
+            samples: 100,
+            mean_ms: Some(mean),
+        });
+    }
+    bucketed.apply_pool_event(0, &e, 1000);
+    let f = fast_share(&mut bucketed, long, 9, 1000);
+    assert!((f - 23.0 / 24.0).abs() < 0.01, "{f}");
+    // Off.
+    let mut off = Router::new(config(r#"{"longOutputTokens": 0}"#));
+    off.apply_pool_event(0, &ev(1, 4.8, 100), 1000);
+    let f = fast_share(&mut off, long, 7, 1000);
+    assert!((f - 0.5).abs() < 0.01, "{f}");
+    // Waiting comes first: with the fast pods' seats full, a long answer goes to a slow pod
+    // with a free seat unless all four draws are fast (under 1/24: they score lower too).
+    let mut full = Router::new(config(r#"{"cutoffs": {"maxQueue": 8}}"#));
+    let mut e = ev(1, 4.8, 100);
+    set_queues(&mut e, &[(0, 2, 0), (1, 2, 0), (2, 8, 0), (3, 8, 0)]);
+    full.apply_pool_event(0, &e, 1000);
+    let f = fast_share(&mut full, long, 8, 1000);
+    assert!(f < 1.0 / 24.0 + 0.01, "{f}");
+}
+
 /// Like `counts`, for requests of `size` (not started).
 fn counts_for(r: &mut Router, n: usize, size: RequestSize, picks: usize, seed: u64) -> Vec<usize> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -934,6 +1032,7 @@ fn kv(tokens: f64) -> RequestSize {
     RequestSize {
         weight: 1.0,
         kv_tokens: tokens,
+        output_tokens: 0.0,
     }
 }
 
@@ -1402,6 +1501,7 @@ fn decoding(ev: &mut PoolEvent, i: usize, ms: f64, samples: u64) {
         p50_ms: Some(ms),
         p99_ms: Some(ms * 2.0),
         samples,
+        mean_ms: None,
     });
 }
 

@@ -111,6 +111,7 @@ fn snapshot(i: usize, addr: SocketAddr, t: u64) -> PodSnapshot {
         p50_ms: Some(p50),
         p99_ms: Some(p50 * 3.0),
         samples: 40,
+        mean_ms: Some(p50 * 1.2),
     };
     let fresh = |name: &str| SourceStatus {
         name: name.into(),
