@@ -406,12 +406,15 @@ struct RawConfig {
     /// With `twoChoices`: a request reserving at least this many output tokens (its body's
     /// `max_tokens` or `max_completion_tokens`, times `n`; read only when the router reads the
     /// body, i.e. `modelHeader` is set and the request lacks it, or admission needs it) spends
-    /// most of its time decoding, so between candidates where it would start equally soon it
-    /// goes to the one that decodes at least 10 % faster (lower median inter-token latency
-    /// over the agent's recent window, smoothed; a reading older than 5 s does not count),
-    /// else the lower load wins as usual; it also draws two more candidates. In a pool that
-    /// mixes GPU generations this keeps the longest answers, which set the p99 of end-to-end
-    /// latency, off the slower GPUs. 0 turns it off.
+    /// most of its time decoding. It draws two more candidates and goes where it would finish
+    /// at least 10 % sooner: (its wait in service rounds × the mean output reservation + its
+    /// own output) × the pod's inter-token latency (the mean over the agent's recent window,
+    /// i.e. the histogram's sum over its count, else its median; smoothed; a reading older
+    /// than 5 s does not count). Otherwise, or where it would wait for KV cache or a request
+    /// just failed, it is compared like any request. In a pool that mixes GPU generations this
+    /// keeps the longest answers, which set the p99 of end-to-end latency, off the slower
+    /// GPUs, and off a pod that decodes much slower than it should even when it has free
+    /// seats. 0 turns it off.
     #[serde(default)]
     #[cfg_attr(
         feature = "schema",

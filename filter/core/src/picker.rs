@@ -60,12 +60,14 @@
 //!     takes the best: it would otherwise wait at the head of that pod's queue, holding up
 //!     every request behind it (head-of-line blocking).
 //!   - A request reserving at least `longOutputTokens` output tokens (`max_tokens`, known when
-//!     the body is read; 512 by default) draws two more candidates, and between two in the
-//!     same tier with the same wait, the one whose smoothed recent inter-token latency (the
-//!     agent's mean over its recent window, else the median) is at least 10 % lower wins before the load is compared: its answer takes about output ×
-//!     inter-token latency, so in a pool that mixes GPU generations the longest answers (which
-//!     set the end-to-end p99) land on the faster GPUs. A pod without a reading in the last
-//!     5 s (idle) is compared by load.
+//!     the body is read; 512 by default) draws two more candidates and goes where it would
+//!     finish first: (its wait in service rounds × the mean output reservation + its own
+//!     output) × the pod's smoothed recent inter-token latency (the agent's mean over its
+//!     recent window, else the median), when that is at least 10 % sooner; else, or when
+//!     either candidate has no reading in the last 5 s (idle), would wait for KV cache, or just
+//!     failed a request, it is compared like any request. So in a pool that mixes GPU
+//!     generations the longest answers (which set the end-to-end p99) land on the faster GPUs,
+//!     and a pod decoding 5x slower loses them even with free seats.
 //!
 //!   Why: every sidecar scores from the same sampled snapshot, so one weighted draw sends all
 //!   of them to the same "best" pods between updates (herding); the second choice on live
@@ -277,6 +279,9 @@ pub struct PodStatus<'a> {
     /// The pod decodes at least `cutoffs.slowItlRatio` times slower than the pool's median
     /// (its weight is scaled by its speed relative to the pool, at most `slowdownFactor`).
     pub slow_decode: bool,
+    /// Its smoothed recent inter-token latency (ms), as `longOutputTokens` compares it; None
+    /// without a reading in the last 5 s.
+    pub decode_ms: Option<f64>,
 }
 
 #[derive(Debug, Clone)]
@@ -668,6 +673,9 @@ pub struct Router {
     signal_trips: Vec<SignalTrip>,
     /// Running mean of request body sizes, for [`Router::request_size`].
     mean_body_bytes: Option<f64>,
+    /// Running mean of the output reservations (`max_tokens`) of requests that state one: a
+    /// service round's length in a long answer's estimated finish.
+    mean_output_tokens: Option<f64>,
 }
 
 fn uniform01(rng: &mut (impl RngCore + ?Sized)) -> f64 {
@@ -757,6 +765,7 @@ impl Router {
             events: Vec::new(),
             signal_trips: Vec::new(),
             mean_body_bytes: None,
+            mean_output_tokens: None,
         }
     }
 
@@ -1273,20 +1282,32 @@ impl Router {
                         r.pick_key(need, now_ms)
                     })
             };
-            // A long answer spends its time decoding: between candidates where it would start
-            // equally soon, the one that decodes clearly faster serves it sooner.
+            // A long answer spends its time decoding: it goes where it would finish first,
+            // its wait (service rounds, each about a mean answer long) plus its own output, at
+            // the pod's inter-token latency. So a pod decoding 5x slower loses it even with a
+            // free seat, and a fast pod with a long queue loses it too.
             let long =
                 cfg.long_output_tokens > 0 && size.output_tokens >= cfg.long_output_tokens as f64;
-            let decode_ms = |id: u32| p.pods.get(id as usize).and_then(|r| r.decode_ms(now_ms));
+            let round_tokens = self.mean_output_tokens.unwrap_or(size.output_tokens);
+            // None (compared as any request is) when it would wait for KV cache there (for how
+            // long is unknown), the pod just failed a request, or it has no recent reading.
+            let finish_ms = |id: u32, k: (u8, f64, f64)| {
+                let r = p.pods.get(id as usize)?;
+                if k.0 >= 2 || r.failed_recently(now_ms) {
+                    return None;
+                }
+                let d = r.decode_ms(now_ms)?;
+                Some((k.1 * round_tokens + size.output_tokens) * d)
+            };
             // Whether candidate `b` would serve the request better than `a`.
             let better = |b: u32, a: u32| {
                 let (kb, ka) = (key(b), key(a));
-                if long && kb.0 == ka.0 && kb.1 == ka.1 {
-                    if let (Some(db), Some(da)) = (decode_ms(b), decode_ms(a)) {
-                        if db < da * (1.0 - DECODE_SPEED_MARGIN) {
+                if long {
+                    if let (Some(fb), Some(fa)) = (finish_ms(b, kb), finish_ms(a, ka)) {
+                        if fb < fa * (1.0 - DECODE_SPEED_MARGIN) {
                             return true;
                         }
-                        if da < db * (1.0 - DECODE_SPEED_MARGIN) {
+                        if fa < fb * (1.0 - DECODE_SPEED_MARGIN) {
                             return false;
                         }
                     }
@@ -1410,6 +1431,10 @@ impl Router {
             .map_or(0.0, |t| t as f64)
             .min(MAX_REQUEST_KV_TOKENS);
         let kv_tokens = (prompt + output).min(MAX_REQUEST_KV_TOKENS);
+        if max_output_tokens.is_some() {
+            let m = self.mean_output_tokens.unwrap_or(output);
+            self.mean_output_tokens = Some(m + 0.02 * (output - m));
+        }
         let Some(b) = body_bytes else {
             return RequestSize {
                 weight: 1.0,
@@ -1685,6 +1710,7 @@ impl Router {
                     metrics_age_ms: sig.map(|s| s.age_ms(now_ms)),
                     slowdown: sig.is_some_and(|s| s.slowdown),
                     slow_decode: r.slow_decode,
+                    decode_ms: r.decode_ms(now_ms),
                 }
             })
             .collect()

@@ -33,6 +33,7 @@ pub fn scoreboard(router: &Router, now_ms: u64) -> Value {
                         "metricsAgeMs": s.metrics_age_ms,
                         "slowdown": s.slowdown,
                         "slowDecode": s.slow_decode,
+                        "decodeMs": s.decode_ms,
                     })
                 })
                 .collect();

@@ -13,7 +13,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use ai_lb_filter_core::config::FilterConfig;
 use ai_lb_filter_core::picker::{Decision, RequestSize, Router};
 use ai_lb_proto::{
-    GpuStats, InferenceStats, PeerState, PeerStatus, PodIdentity, PodSnapshot, PoolEvent,
+    GpuStats, InferenceStats, LatencyQuantiles, PeerState, PeerStatus, PodIdentity, PodSnapshot,
+    PoolEvent,
 };
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
@@ -64,6 +65,13 @@ fn router(n: usize) -> (Router, Vec<String>) {
                     kv_cache_usage: Some((i % 7) as f64 / 10.0),
                     // Half the pods report their KV capacity (the KV-aware path), half not.
                     kv_capacity_tokens: (i % 2 == 0).then_some(12_500),
+                    // Decode speeds for long answers (`longOutputTokens`).
+                    inter_token_recent: Some(LatencyQuantiles {
+                        p50_ms: Some(5.0),
+                        samples: 100,
+                        mean_ms: Some(4.0 + (i % 5) as f64),
+                        ..Default::default()
+                    }),
                     ..Default::default()
                 }),
                 ..Default::default()

@@ -1001,13 +1001,27 @@ fn a_long_answer_goes_to_the_pod_that_decodes_faster() {
     off.apply_pool_event(0, &ev(1, 4.8, 100), 1000);
     let f = fast_share(&mut off, long, 7, 1000);
     assert!((f - 0.5).abs() < 0.01, "{f}");
-    // Waiting comes first: with the fast pods' seats full, a long answer goes to a slow pod
-    // with a free seat unless all four draws are fast (under 1/24: they score lower too).
-    let mut full = Router::new(config(r#"{"cutoffs": {"maxQueue": 8}}"#));
-    let mut e = ev(1, 4.8, 100);
-    set_queues(&mut e, &[(0, 2, 0), (1, 2, 0), (2, 8, 0), (3, 8, 0)]);
-    full.apply_pool_event(0, &e, 1000);
-    let f = fast_share(&mut full, long, 8, 1000);
+    // The wait counts in the finish, in service rounds of mean answers. Seats full and one
+    // waiting on the fast pods (a quarter of a round): a long answer still finishes sooner
+    // there, (0.25 × 2000 + 2000) × 4.8 ms, than on a pod decoding at 8 ms with free seats
+    // (2000 × 8). Twenty waiting (2.6 rounds): it goes to a slow pod unless all four draws
+    // are fast (under 1/24: they score lower too).
+    let queued = |waiting: u32| {
+        let mut r = Router::new(config(""));
+        let mut e = ev(1, 4.8, 100);
+        for i in 0..4 {
+            inference(&mut e, i).queue_capacity = Some(8);
+        }
+        set_queues(
+            &mut e,
+            &[(0, 2, 0), (1, 2, 0), (2, 8, waiting), (3, 8, waiting)],
+        );
+        r.apply_pool_event(0, &e, 1000);
+        r
+    };
+    let f = fast_share(&mut queued(1), long, 8, 1000);
+    assert!(f > 0.9, "{f}");
+    let f = fast_share(&mut queued(20), long, 10, 1000);
     assert!(f < 1.0 / 24.0 + 0.01, "{f}");
 }
 
