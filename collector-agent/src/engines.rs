@@ -16,6 +16,7 @@ use crate::prometheus::{parse_float, Exposition, Sample};
 use crate::sources::Rejected;
 use crate::window::HistogramSnapshot;
 use ai_lb_proto::v1::Engine;
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::str::FromStr;
@@ -610,6 +611,17 @@ fn sum_counter(
     acc
 }
 
+/// A histogram series' identity: its labels other than `le`, in page order (the `_bucket`
+/// samples of one series and its `_sum` share it).
+fn series_key(labels: &[(&str, Cow<'_, str>)]) -> String {
+    labels
+        .iter()
+        .filter(|(k, _)| *k != "le")
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 /// The first alternative with `_bucket` series on the page: each series (labels other than `le`)
 /// validated, then summed, bounds converted to ms.
 fn histogram(
@@ -631,14 +643,10 @@ fn histogram(
                 bad_le = true;
                 continue;
             };
-            let key = s
-                .labels
-                .iter()
-                .filter(|(k, _)| *k != "le")
-                .map(|(k, v)| format!("{k}={v}"))
-                .collect::<Vec<_>>()
-                .join(",");
-            series.entry(key).or_default().push((le, s.value));
+            series
+                .entry(series_key(&s.labels))
+                .or_default()
+                .push((le, s.value));
         }
         // A bucket dropped by the parser (NaN, negative) leaves the histogram incomplete.
         let parser_dropped = page.issues.iter().any(|i| i.metric == bucket);
@@ -657,13 +665,7 @@ fn histogram(
         let sum_name = format!("{}_sum", h.name);
         let mut sums: BTreeMap<String, f64> = BTreeMap::new();
         for s in page.samples_named(&sum_name) {
-            let key = s
-                .labels
-                .iter()
-                .map(|(k, v)| format!("{k}={v}"))
-                .collect::<Vec<_>>()
-                .join(",");
-            sums.insert(key, s.value);
+            sums.insert(series_key(&s.labels), s.value);
         }
         let mut total: Option<HistogramSnapshot> = None;
         for (key, buckets) in series {

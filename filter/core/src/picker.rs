@@ -116,17 +116,14 @@ const KV_EXTRA_DRAWS: usize = 4;
 /// slow: with two, either could be the odd one.
 const MIN_ITL_PODS: usize = 3;
 
-/// How long a pod judged slow stays so without a reading of its own (too few tokens in its
-/// window: a slow pod running one request decodes few). Bounded, so a pod that no longer gets
-/// enough traffic to show its speed is not penalised for ever.
-const SLOW_DECODE_HOLD_MS: u64 = 5000;
+/// How long a pod's last inter-token reading counts without a new one (too few tokens in its
+/// window: an idle pod, or a slow pod running one request): a pod judged slow stays so, and
+/// long answers use its smoothed speed. Bounded, so a pod that no longer gets enough traffic
+/// to show its speed is not judged on an old reading for ever.
+const ITL_HOLD_MS: u64 = 5000;
 
-/// How long a pod's smoothed inter-token latency counts for `longOutputTokens` without a new
-/// reading (ms): an idle pod reports none, and its last one says little about it later.
-const DECODE_SPEED_HOLD_MS: u64 = 5000;
-
-/// How much faster (relative) a pod must decode for a long-output request to prefer it over
-/// the less loaded candidate: readings are medians over ~150 ms, so small gaps are noise.
+/// How much sooner (relative) a long-output request must finish on a candidate to prefer it
+/// over the usual comparison: readings cover ~150 ms of tokens, so small gaps are noise.
 const DECODE_SPEED_MARGIN: f64 = 0.1;
 
 /// Smoothing of each pod's inter-token latency for `longOutputTokens` (weight of a reading).
@@ -540,10 +537,10 @@ impl PodRt {
     }
 
     /// Its smoothed inter-token latency (ms) if a reading came in the last
-    /// [`DECODE_SPEED_HOLD_MS`].
+    /// [`ITL_HOLD_MS`] (an idle pod reports none, and an old one says little about it now).
     fn decode_ms(&self, now_ms: u64) -> Option<f64> {
         self.itl_ms
-            .filter(|_| now_ms.saturating_sub(self.itl_at_ms) <= DECODE_SPEED_HOLD_MS)
+            .filter(|_| now_ms.saturating_sub(self.itl_at_ms) <= ITL_HOLD_MS)
     }
 
     /// Not a probe-budgeted pod (its breaker, or the model's, is not closed).
@@ -936,7 +933,7 @@ impl Router {
                     }
                     (Some(_), None) => {
                         pod.slow_decode
-                            && now_ms.saturating_sub(pod.slow_decode_seen_ms) <= SLOW_DECODE_HOLD_MS
+                            && now_ms.saturating_sub(pod.slow_decode_seen_ms) <= ITL_HOLD_MS
                     }
                     // Nothing to compare with (too few pods, or switched off): not slow.
                     (None, _) => false,
