@@ -931,12 +931,16 @@ impl Router {
                         }
                         slow
                     }
-                    (Some(_), None) => {
+                    // Whatever the pool: without its own reading the pool may drop under
+                    // three pods reporting *because* the slow pod has too few tokens, which
+                    // must not clear its judgement.
+                    (_, None) => {
                         pod.slow_decode
                             && now_ms.saturating_sub(pod.slow_decode_seen_ms) <= ITL_HOLD_MS
                     }
-                    // Nothing to compare with (too few pods, or switched off): not slow.
-                    (None, _) => false,
+                    // Its reading, nothing to compare with (too few other pods, or switched
+                    // off): not slow.
+                    (None, Some(_)) => false,
                 };
             if slow && !pod.slow_decode {
                 self.counters.slow_decode += 1;

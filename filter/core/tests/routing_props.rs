@@ -1610,4 +1610,12 @@ fn a_pod_decoding_three_times_slower_than_the_pool_median_is_drawn_as_if_its_gpu
     // A pod 10x slower gets a tenth of its weight, whatever the ratio that flagged it.
     r.apply_pool_event(0, &slowed(14, 270.0), 7100);
     assert!((share0(&mut r, 12, 7100) - 0.1 / 3.1).abs() < 0.005);
+    // The flagged pod itself dropping under 8 tokens takes the pool under three readings;
+    // its judgement holds anyway (it is why the pool is short).
+    let mut ev = slowed(15, 270.0);
+    decoding(&mut ev, 0, 270.0, 7);
+    decoding(&mut ev, 3, 30.0, 7);
+    r.apply_pool_event(0, &ev, 7200);
+    assert!(r.pod_status(0, 7200)[0].slow_decode);
+    assert!((share0(&mut r, 13, 7200) - 0.1 / 3.1).abs() < 0.005);
 }
