@@ -796,7 +796,8 @@ impl Router {
         self.pools.get(pool_idx).map(|p| &p.state)
     }
 
-    /// Subscriber path: applies one `WatchPool` event to the pool's state.
+    /// Applies one `WatchPool` event to the pool's state (a copy of it; the subscriber's path
+    /// is [`Router::apply_pool_event_bytes`]).
     pub fn apply_pool_event(
         &mut self,
         pool_idx: usize,
@@ -808,6 +809,22 @@ impl Router {
         };
         p.state.apply_event(ev, now_ms, &mut self.counters);
         self.relayout(pool_idx, now_ms)
+    }
+
+    /// Subscriber path: applies one encoded `WatchPool` event to the pool's state, one peer at
+    /// a time (see [`PoolState::apply_event_bytes`], also for what an undecodable peer does).
+    pub fn apply_pool_event_bytes(
+        &mut self,
+        pool_idx: usize,
+        bytes: &[u8],
+        now_ms: u64,
+    ) -> Result<Vec<BreakerEvent>, DecodeError> {
+        let Some(p) = self.pools.get_mut(pool_idx) else {
+            return Ok(Vec::new());
+        };
+        let applied = p.state.apply_event_bytes(bytes, now_ms, &mut self.counters);
+        let events = self.relayout(pool_idx, now_ms);
+        applied.map(|()| events)
     }
 
     /// Worker path: replaces the pool's state (decoded from shared data). Pods keep their
@@ -825,34 +842,78 @@ impl Router {
         self.relayout(pool_idx, now_ms)
     }
 
-    /// Worker path: decodes shared bytes and installs them unless their version is the one
-    /// already installed. Counts decode errors.
+    /// Worker path: installs shared bytes unless their version is the one already installed
+    /// ([`PoolState::install`]: the old state goes before the new one is built, and bytes
+    /// that do not decode leave the pool empty). Counts decode errors.
     pub fn set_pool_state_bytes(
         &mut self,
         pool_idx: usize,
         bytes: &[u8],
         now_ms: u64,
     ) -> Result<Vec<BreakerEvent>, DecodeError> {
-        match PoolState::decode(bytes) {
-            Ok(s) => {
-                let same = self.pools.get(pool_idx).is_some_and(|p| {
-                    p.state.version() == s.version() && p.state.last_event_ms() == s.last_event_ms()
-                });
-                if same {
-                    return Ok(Vec::new());
-                }
-                Ok(self.set_pool_state(pool_idx, s, now_ms))
-            }
+        let version = match PoolState::encoded_version(bytes) {
+            Ok(v) => v,
             Err(e) => {
                 self.counters.pool_decode_errors += 1;
-                Err(e)
+                return Err(e);
             }
+        };
+        let Some(p) = self.pools.get_mut(pool_idx) else {
+            return Ok(Vec::new());
+        };
+        if (p.state.version(), p.state.last_event_ms()) == version {
+            return Ok(Vec::new());
         }
+        let installed = p.state.install(bytes);
+        if installed.is_err() {
+            self.counters.pool_decode_errors += 1;
+        }
+        let events = self.relayout(pool_idx, now_ms);
+        installed.map(|()| events)
     }
 
     fn relayout(&mut self, pool_idx: usize, now_ms: u64) -> Vec<BreakerEvent> {
         let Some(p) = self.pools.get_mut(pool_idx) else {
             return Vec::new();
+        };
+        // Usually the same pods in the same order as before: then they stay where they are
+        // (no map of the old pods, whose size is that of the pod table).
+        let mut k = 0usize;
+        let unchanged = p.state.peers().iter().all(|peer| match &peer.signals {
+            None => true,
+            Some(sig) => {
+                let same = p.pods.get(k).is_some_and(|pod| pod.address == sig.address);
+                k += 1;
+                same
+            }
+        }) && k == p.pods.len();
+        if unchanged {
+            let mut pods = p.pods.iter_mut();
+            for (i, peer) in p.state.peers().iter().enumerate() {
+                if peer.signals.is_some() {
+                    if let Some(pod) = pods.next() {
+                        pod.peer_idx = i;
+                    }
+                }
+            }
+        } else {
+            self.rebuild_pods(pool_idx);
+        }
+        let Some(p) = self.pools.get_mut(pool_idx) else {
+            return Vec::new();
+        };
+        p.generation = p.generation.wrapping_add(1);
+        p.views.clear();
+        p.dirty = true;
+        let before = self.events.len();
+        self.refresh(pool_idx, now_ms);
+        self.events.split_off(before)
+    }
+
+    /// The pod table anew from the pool's peers; pods keep their runtime state by address.
+    fn rebuild_pods(&mut self, pool_idx: usize) {
+        let Some(p) = self.pools.get_mut(pool_idx) else {
+            return;
         };
         let mut old: HashMap<String, PodRt> =
             p.pods.drain(..).map(|r| (r.address.clone(), r)).collect();
@@ -871,12 +932,6 @@ impl Router {
             p.by_addr.insert(sig.address.clone(), id);
             p.pods.push(rt);
         }
-        p.generation = p.generation.wrapping_add(1);
-        p.views.clear();
-        p.dirty = true;
-        let before = self.events.len();
-        self.refresh(pool_idx, now_ms);
-        self.events.split_off(before)
     }
 
     /// Recomputes scores, breaker polls and every view's tree.

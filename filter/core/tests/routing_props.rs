@@ -1308,6 +1308,66 @@ fn shared_state_round_trip_drives_a_worker_router() {
     assert_eq!(worker.counters().pool_decode_errors, 1);
 }
 
+/// Events usually list the same pods in the same order, and the pod table then stays as it
+/// is; a peer that leaves ahead of them (shifting every index), or pods that trade places,
+/// must still leave each pod with its own reading and its own in-flight count.
+#[test]
+fn pods_keep_their_readings_and_counts_when_peers_leave_or_move() {
+    // A connecting peer (no snapshot) first, then the two pods.
+    let connecting = PeerState {
+        peer: "agent-new:9090".into(),
+        status: PeerStatus::Connecting as i32,
+        snapshot: None,
+        reason: "dialing".into(),
+    };
+    let mut ev = event(&[pod(0.1), pod(0.8)], 1);
+    ev.peers.insert(0, connecting);
+    let mut r = Router::new(config(""));
+    r.apply_pool_event(0, &ev, 1000);
+    r.on_request_start(0, &addr(0), RequestSize::UNIT);
+    for _ in 0..3 {
+        r.on_request_start(0, &addr(1), RequestSize::UNIT);
+    }
+    // (address, in flight, raw score x 1000), by address.
+    let seen = |r: &Router, now| {
+        let mut v: Vec<_> = r
+            .pod_status(0, now)
+            .iter()
+            .map(|s| {
+                (
+                    s.address.to_string(),
+                    s.inflight,
+                    (s.raw * 1000.0).round() as i64,
+                )
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let s = seen(&r, 1000);
+    assert!(s[0].2 > s[1].2, "{s:?}");
+
+    // A full event without the connecting peer: it is forgotten and every pod's peer index
+    // moves down by one. The readings are swapped.
+    let ev = event(&[pod(0.8), pod(0.1)], 2);
+    r.apply_pool_event(0, &ev, 1100);
+    let s = seen(&r, 1100);
+    assert_eq!((s[0].1, s[1].1), (1, 3), "{s:?}");
+    assert!(s[0].2 < s[1].2, "{s:?}");
+
+    // The two agents now report each other's address (the pod table's order changes): each
+    // pod follows the reading for its address, and keeps its count.
+    let mut ev = event(&[pod(0.1), pod(0.8)], 3);
+    for (i, p) in ev.peers.iter_mut().enumerate() {
+        let snap = p.snapshot.as_mut().unwrap();
+        snap.identity.as_mut().unwrap().address = addr(1 - i);
+    }
+    r.apply_pool_event(0, &ev, 1200);
+    let s = seen(&r, 1200);
+    assert_eq!((s[0].1, s[1].1), (1, 3), "{s:?}");
+    assert!(s[0].2 < s[1].2, "{s:?}");
+}
+
 #[test]
 fn status_json_lists_pods() {
     let r = router(&[pod(0.1), pod(0.99)], "");

@@ -21,7 +21,7 @@ use ai_lb_filter_core::admission::AdmissionConfig;
 use ai_lb_filter_core::breaker::{BreakerState, Transition};
 use ai_lb_filter_core::config::{FilterConfig, Mode};
 use ai_lb_filter_core::picker::Router;
-use ai_lb_proto::{PoolEvent, WatchPoolRequest};
+use ai_lb_proto::WatchPoolRequest;
 
 use crate::admission::{AdmissionRt, AdmissionSection};
 use crate::guard::{self, Guard};
@@ -448,12 +448,15 @@ impl Root {
         }
     }
 
-    fn on_event(&mut self, i: usize, bytes: &[u8], now: u64) {
+    /// Takes the message's bytes: they go as soon as the event is applied, before the state
+    /// is encoded (at 1024 pods each copy of the pool held at once stays in the VM's linear
+    /// memory for good).
+    fn on_event(&mut self, i: usize, bytes: Vec<u8>, now: u64) {
         if self.guard.is_some() {
             let Some(name) = self.pools.get(i).map(|p| p.name.clone()) else {
                 return;
             };
-            if let Err(e) = guard::on_watch_bytes(&name, bytes, now) {
+            if let Err(e) = guard::on_watch_bytes(&name, &bytes, now) {
                 self.inc("ailb.stream.decode_errors");
                 self.log_limited(now, &format!("ai-lb: guard: pool `{name}`: {e}"));
             }
@@ -462,23 +465,21 @@ impl Root {
         let Some(state) = self.state.clone() else {
             return;
         };
-        let ev = match PoolEvent::decode(bytes) {
-            Ok(ev) => ev,
-            Err(e) => {
-                self.inc("ailb.stream.decode_errors");
-                self.log_limited(now, &format!("ai-lb: undecodable PoolEvent: {e}"));
-                return;
-            }
-        };
-        let Some(p) = self.pools.get_mut(i) else {
-            return;
-        };
-        let encoded = {
+        let (applied, encoded) = {
             let Ok(mut s) = state.try_borrow_mut() else {
                 return;
             };
-            let _ = s.router.apply_pool_event(i, &ev, now);
-            s.router.pool_state(i).map(|st| st.encode())
+            let applied = s.router.apply_pool_event_bytes(i, &bytes, now);
+            drop(bytes);
+            (applied, s.router.pool_state(i).map(|st| st.encode()))
+        };
+        if let Err(e) = applied {
+            // The peers before the one that did not decode are applied (see the core).
+            self.inc("ailb.stream.decode_errors");
+            self.log_limited(now, &format!("ai-lb: undecodable PoolEvent: {e}"));
+        }
+        let Some(p) = self.pools.get_mut(i) else {
+            return;
         };
         if let Some(bytes) = encoded {
             match shared::publish_state(&p.name, &bytes) {
@@ -508,7 +509,7 @@ impl Context for Root {
         let Some(bytes) = host::grpc_message(message_size) else {
             return;
         };
-        self.on_event(i, &bytes, now);
+        self.on_event(i, bytes, now);
     }
 
     fn on_grpc_stream_close(&mut self, token_id: u32, status_code: u32) {
