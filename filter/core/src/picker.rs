@@ -986,16 +986,17 @@ impl Router {
                         }
                         slow
                     }
-                    // Whatever the pool: without its own reading the pool may drop under
-                    // three pods reporting *because* the slow pod has too few tokens, which
-                    // must not clear its judgement.
-                    (_, None) => {
+                    // No reading of its own, or nothing to compare it with: the judgement
+                    // last made holds for a while. Without its own reading the pool may drop
+                    // under three pods reporting *because* the slow pod has too few tokens;
+                    // and a fast pod between requests briefly has too few tokens too, which
+                    // says nothing about this pod. Neither may clear it (a pod judged slow
+                    // then flapped back to its full share). Switched off, no pod is ever
+                    // judged slow, so nothing holds.
+                    _ => {
                         pod.slow_decode
                             && now_ms.saturating_sub(pod.slow_decode_seen_ms) <= ITL_HOLD_MS
                     }
-                    // Its reading, nothing to compare with (too few other pods, or switched
-                    // off): not slow.
-                    (None, Some(_)) => false,
                 };
             if slow && !pod.slow_decode {
                 self.counters.slow_decode += 1;
