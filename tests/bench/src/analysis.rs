@@ -170,6 +170,41 @@ pub fn share_between(records: &[&Record], pod: &str, from_ms: f64, to_ms: f64) -
     (all > 0).then(|| hits as f64 / all as f64)
 }
 
+/// What each sidecar still sent to the faulty pod `pod` after its own routing showed the pod
+/// cut (`cut_ms[i]`, ms since the start, for the sidecar whose records are `per_sidecar[i]`;
+/// None: never seen cut). A request counts as sent to the pod when the pod answered it, or
+/// when it timed out with no answer at all (a frozen pod sends nothing).
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct AfterCut {
+    /// Sidecars whose routing showed the pod cut.
+    pub sidecars_cut: usize,
+    pub sent_to_pod: usize,
+    pub timeouts: usize,
+    /// Send times of those requests, ms after that sidecar's cut.
+    pub sent_ms_after_cut: Vec<f64>,
+}
+
+pub fn after_cut(per_sidecar: &[Vec<Record>], cut_ms: &[Option<f64>], pod: &str) -> AfterCut {
+    let mut out = AfterCut::default();
+    for (records, cut) in per_sidecar.iter().zip(cut_ms) {
+        let Some(cut) = cut else { continue };
+        out.sidecars_cut += 1;
+        for r in records {
+            let t = r.sent_us as f64 / 1000.0;
+            let timed_out = r.outcome == Outcome::Timeout && r.pod.is_none();
+            if t < *cut || !(r.pod.as_deref() == Some(pod) || timed_out) {
+                continue;
+            }
+            out.sent_to_pod += 1;
+            if r.outcome == Outcome::Timeout {
+                out.timeouts += 1;
+            }
+            out.sent_ms_after_cut.push(t - cut);
+        }
+    }
+    out
+}
+
 /// `a / b`, None when either is missing or `b` is 0.
 pub fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
     match (a, b) {
@@ -276,6 +311,27 @@ mod tests {
         );
         assert_eq!(share_between(&refs, "b", 0.0, 2000.0), Some(2.0 / 3.0));
         assert_eq!(share_between(&refs, "b", 5000.0, 6000.0), None);
+    }
+
+    #[test]
+    fn after_the_cut_counts_each_sidecars_own_requests_to_the_pod() {
+        let sidecar0 = vec![
+            rec(0, Outcome::Timeout, None, 900, 0.0),
+            rec(1, Outcome::Timeout, None, 1100, 0.0),
+            rec(2, Outcome::Ok, Some("b"), 1200, 1.0),
+            rec(3, Outcome::Ok, Some("a"), 1300, 1.0),
+        ];
+        let sidecar1 = vec![rec(4, Outcome::Timeout, None, 1100, 0.0)];
+        let sidecar2 = vec![rec(5, Outcome::Timeout, None, 5000, 0.0)];
+        // Sidecar 0 cut pod a at 1000 ms, sidecar 1 at 1200 ms, sidecar 2 never.
+        let a = after_cut(
+            &[sidecar0, sidecar1, sidecar2],
+            &[Some(1000.0), Some(1200.0), None],
+            "a",
+        );
+        assert_eq!(a.sidecars_cut, 2);
+        assert_eq!((a.sent_to_pod, a.timeouts), (2, 1));
+        assert_eq!(a.sent_ms_after_cut, vec![100.5, 300.5]);
     }
 
     #[test]

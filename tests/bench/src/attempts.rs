@@ -7,7 +7,7 @@
 //! all its steered requests. The pod-side share after the first opening (any sidecar's) is the
 //! strict measure; the per-sidecar one, picks of the pod after that sidecar's own breaker first
 //! opened, is what one breaker lets through (first attempts only: Envoy's retries are not
-//! picks).
+//! picks). [`CutWatch`] records when each sidecar's routing first showed the pod cut.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -118,6 +118,75 @@ impl Probe {
         self.stop.store(true, Ordering::Relaxed);
         let samples = self.handle.join().unwrap_or_default();
         summarize(&samples, faulty, fault_at_ms, end_ms)
+    }
+}
+
+/// How often [`CutWatch`] reads each sidecar's status page.
+const CUT_EVERY: Duration = Duration::from_millis(25);
+
+/// When each ai-lb sidecar's routing first showed the faulty pod cut: a thread reads every
+/// sidecar's status page (`/ai-lb/status`, served by the VM that routes its requests) every
+/// 25 ms from the fault on, until each shows the pod with a `cut` reason or `window` passes.
+/// Requests a sidecar sent before its own cut could not have been kept off the pod by it;
+/// those sent after could.
+pub struct CutWatch {
+    stop: Arc<AtomicBool>,
+    handle: JoinHandle<Vec<Option<f64>>>,
+}
+
+/// Whether the status page `body` shows the pod serving at `pod` cut.
+fn shows_cut(body: &str, pod: &str) -> bool {
+    let Ok(v) = serde_json::from_str::<Value>(body) else {
+        return false;
+    };
+    v["pools"].as_array().into_iter().flatten().any(|pool| {
+        pool["pods"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|row| row["address"] == pod && !row["cut"].is_null())
+    })
+}
+
+impl CutWatch {
+    /// Starts watching the sidecars listening at `listeners` for pod `pod` (its serving
+    /// address); times are ms since `started`.
+    pub fn start(
+        listeners: Vec<SocketAddr>,
+        pod: String,
+        started: Instant,
+        window: Duration,
+    ) -> CutWatch {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let handle = std::thread::spawn(move || {
+            let end = Instant::now() + window;
+            let mut cut: Vec<Option<f64>> = vec![None; listeners.len()];
+            while !flag.load(Ordering::Relaxed)
+                && Instant::now() < end
+                && cut.iter().any(Option::is_none)
+            {
+                for (at, l) in cut.iter_mut().zip(&listeners) {
+                    if at.is_some() {
+                        continue;
+                    }
+                    let t_ms = started.elapsed().as_secs_f64() * 1000.0;
+                    if http_get(*l, "/ai-lb/status").is_ok_and(|r| shows_cut(&r.text(), &pod)) {
+                        *at = Some(t_ms);
+                    }
+                }
+                std::thread::sleep(CUT_EVERY);
+            }
+            cut
+        });
+        CutWatch { stop, handle }
+    }
+
+    /// Stops watching; per sidecar, ms since the start when its page first showed the pod
+    /// cut (the time the read was sent, so at most 25 ms plus one read late), None if never.
+    pub fn finish(self) -> Vec<Option<f64>> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.handle.join().unwrap_or_default()
     }
 }
 
@@ -287,6 +356,17 @@ mod tests {
         assert_eq!(v["breaker_openings_after_fault"], 3);
         let after = v["pod_share_of_attempts_after_fault"].as_f64().unwrap();
         assert!((after - 52.0 / 452.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_pod_shows_cut_only_with_a_cut_reason_on_its_own_row() {
+        let page = r#"{"pools":[{"pods":[
+            {"address":"127.0.0.1:1","cut":null},
+            {"address":"127.0.0.1:2","cut":"model_server_down"}]}]}"#;
+        assert!(shows_cut(page, "127.0.0.1:2"));
+        assert!(!shows_cut(page, "127.0.0.1:1"));
+        assert!(!shows_cut(page, "127.0.0.1:3"));
+        assert!(!shows_cut("not json", "127.0.0.1:2"));
     }
 
     #[test]

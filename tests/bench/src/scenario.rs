@@ -365,6 +365,7 @@ pub fn run_policy(
         crate::attempts::Probe::start(pool.addrs(), 0, admins, started)
     });
     let mut fault_done = false;
+    let mut cut_watch = None;
     if let Some(f) = load.fault {
         std::thread::sleep(fault_at.saturating_sub(started.elapsed()));
         match f {
@@ -374,6 +375,15 @@ pub fn run_policy(
             Fault::Sigstop => pool.pods[0].proc.sigstop()?,
         }
         fault_done = true;
+        // When each sidecar's routing cut the pod (a slowed pod is penalised, not cut).
+        if policy == Policy::AiLb && matches!(f, Fault::Errors50 | Fault::Sigstop) {
+            cut_watch = Some(crate::attempts::CutWatch::start(
+                urls.clone(),
+                pool.addrs()[0].to_string(),
+                started,
+                Duration::from_secs(10),
+            ));
+        }
     }
     let waited = wait_all(
         &mut children,
@@ -388,10 +398,17 @@ pub fn run_policy(
             None => {}
         }
     }
+    let cut_ms = cut_watch.map(crate::attempts::CutWatch::finish);
     let filter_counters = (policy == Policy::AiLb).then(|| filter_counters(&sidecars));
     drop(sidecars);
     waited?;
-    let records = read_records(&rec_paths)?;
+    // Per sidecar (each replays its own sub-trace), then merged in id order.
+    let per_sidecar = rec_paths
+        .iter()
+        .map(|p| read_records(std::slice::from_ref(p)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut records: Vec<Record> = per_sidecar.iter().flatten().cloned().collect();
+    records.sort_by_key(|r| r.id);
     pool.wait_idle(Duration::from_secs_f64(env.timeout_s + 30.0))?;
     let timeout_ms = env.timeout_s * 1000.0;
     let refs: Vec<&Record> = records.iter().collect();
@@ -416,6 +433,12 @@ pub fn run_policy(
             "share_2s_to_end": analysis::share_between(&refs, pod, t + 2000.0, f64::INFINITY),
             "share_per_250ms": series,
             "attempts": attempts,
+            "sidecar_cut_ms_after_fault": cut_ms.as_ref().map(|c| {
+                c.iter().map(|x| x.map(|x| x - t)).collect::<Vec<_>>()
+            }),
+            "after_own_cut": cut_ms
+                .as_ref()
+                .map(|c| analysis::after_cut(&per_sidecar, c, pod)),
         })
     });
     Ok((
@@ -671,6 +694,28 @@ pub fn table(load: &Load, results: &[PolicyResult], rate: f64, env: &Env, cmd: &
                     pct(Some(share)),
                     a["sidecar_picks_of_pod_after_own_open"].as_u64().unwrap_or(0),
                     a["sidecar_steered_after_own_open"].as_u64().unwrap_or(0),
+                ));
+            }
+            if let Some(cuts) = f["sidecar_cut_ms_after_fault"].as_array() {
+                let c = &f["after_own_cut"];
+                let times = |v: &Value| {
+                    v.as_array()
+                        .map(|v| {
+                            v.iter()
+                                .map(|x| x.as_f64().map_or("never".into(), |x| format!("{x:.0}")))
+                                .collect::<Vec<_>>()
+                                .join("/")
+                        })
+                        .unwrap_or_default()
+                };
+                t.push_str(&format!(
+                    "; each sidecar's status page first showed the pod cut {} ms after the fault ({} of {} sidecars); sent to the pod after the sender's own cut: {} requests, {} of them timed out (sent {} ms after the cut)",
+                    times(&Value::Array(cuts.clone())),
+                    c["sidecars_cut"].as_u64().unwrap_or(0),
+                    env.sidecars,
+                    c["sent_to_pod"].as_u64().unwrap_or(0),
+                    c["timeouts"].as_u64().unwrap_or(0),
+                    times(&c["sent_ms_after_cut"]),
                 ));
             }
         }

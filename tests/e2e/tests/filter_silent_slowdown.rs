@@ -109,6 +109,10 @@ fn a_pod_slowed_without_a_gpu_signal_loses_its_share_and_gets_it_back() {
         decision_stats(&envoy)
     );
     wait_stat(&envoy, "wasmcustom.ailb.slow_decode", |v| v >= 1);
+    eprintln!(
+        "slow_decode judgements while slowed: {}",
+        envoy.stat("wasmcustom.ailb.slow_decode").unwrap()
+    );
 
     pool.control(0, r#"{"slowdown":1}"#).unwrap();
     wait_scoreboard(&envoy, "the pod no longer slowDecode", 15, |sb| {
