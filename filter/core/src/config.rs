@@ -410,11 +410,12 @@ struct RawConfig {
     /// at least 10 % sooner: (its wait in service rounds × the mean output reservation + its
     /// own output) × the pod's inter-token latency (the mean over the agent's recent window,
     /// i.e. the histogram's sum over its count, else its median; smoothed; a reading older
-    /// than 5 s does not count). Otherwise, or where it would wait for KV cache or a request
-    /// just failed, it is compared like any request. In a pool that mixes GPU generations this
-    /// keeps the longest answers, which set the p99 of end-to-end latency, off the slower
-    /// GPUs, and off a pod that decodes much slower than it should even when it has free
-    /// seats. 0 turns it off.
+    /// than 5 s does not count). Where that cannot be told (it would wait for KV cache, or a
+    /// request just failed there), a pod judged slow (a GPU slowdown, or `slowItlRatio`) loses
+    /// to one that is not; otherwise it is compared like any request. In a pool that mixes
+    /// GPU generations this keeps the longest answers, which set the p99 of end-to-end
+    /// latency, off the slower GPUs, and off a pod that decodes much slower than it should
+    /// even when it has free seats. 0 turns it off.
     #[serde(default)]
     #[cfg_attr(
         feature = "schema",

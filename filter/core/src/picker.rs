@@ -536,6 +536,12 @@ impl PodRt {
         }
     }
 
+    /// Judged to run slow: its GPU reports a hardware slowdown, or it decodes
+    /// `cutoffs.slowItlRatio` times slower than its pool (its score carries the penalty).
+    fn slowed(&self) -> bool {
+        self.score.penalty < 1.0
+    }
+
     /// Its smoothed inter-token latency (ms) if a reading came in the last
     /// [`ITL_HOLD_MS`] (an idle pod reports none, and an old one says little about it now).
     fn decode_ms(&self, now_ms: u64) -> Option<f64> {
@@ -1356,17 +1362,27 @@ impl Router {
                 let d = r.decode_ms(now_ms)?;
                 Some((k.1 * round_tokens + size.output_tokens) * d)
             };
+            let slowed = |id: u32| p.pods.get(id as usize).is_some_and(PodRt::slowed);
             // Whether candidate `b` would serve the request better than `a`.
             let better = |b: u32, a: u32| {
                 let (kb, ka) = (key(b), key(a));
                 if long {
-                    if let (Some(fb), Some(fa)) = (finish_ms(b, kb), finish_ms(a, ka)) {
-                        if fb < fa * (1.0 - DECODE_SPEED_MARGIN) {
-                            return true;
+                    match (finish_ms(b, kb), finish_ms(a, ka)) {
+                        (Some(fb), Some(fa)) => {
+                            if fb < fa * (1.0 - DECODE_SPEED_MARGIN) {
+                                return true;
+                            }
+                            if fa < fb * (1.0 - DECODE_SPEED_MARGIN) {
+                                return false;
+                            }
                         }
-                        if fa < fb * (1.0 - DECODE_SPEED_MARGIN) {
-                            return false;
-                        }
+                        // One finish unknown (most often: it would wait for KV cache there):
+                        // a pod judged slow still loses. At a fifth of the speed a long
+                        // answer takes five times as long there, far longer than the wait
+                        // for running requests to free KV cache elsewhere, and past the
+                        // client's timeout for the longest answers.
+                        _ if slowed(a) != slowed(b) => return slowed(a),
+                        _ => {}
                     }
                 }
                 kb < ka

@@ -1025,6 +1025,53 @@ fn a_long_answer_goes_to_the_pod_that_decodes_faster() {
     assert!(f < 1.0 / 24.0 + 0.01, "{f}");
 }
 
+#[test]
+fn a_long_answer_avoids_a_slowed_pod_even_when_the_others_would_wait_for_kv_cache() {
+    // Pod 0 decodes 5x slower than the rest (judged slow) with its KV cache empty; pods 1-3
+    // decode at speed with 900 of 10 000 KV tokens free, so a 2 100-token request would wait
+    // there for running requests to end. Its finish there is unknown (how long that wait is
+    // is not estimated); at a fifth of the speed a long answer takes five times as long, past
+    // the client's timeout for the longest ones.
+    let pods = [pod(0.2); 4];
+    let mut ev = event(&pods, 1);
+    for (i, (ms, kv_use)) in [(25.0, 0.1), (5.0, 0.91), (5.0, 0.91), (5.0, 0.91)]
+        .into_iter()
+        .enumerate()
+    {
+        decoding(&mut ev, i, ms, 100);
+        let inf = inference(&mut ev, i);
+        inf.running = Some(2);
+        inf.queue_capacity = Some(8);
+        inf.kv_cache_usage = Some(kv_use);
+        inf.kv_capacity_tokens = Some(10_000);
+    }
+    let long = RequestSize {
+        weight: 1.0,
+        kv_tokens: 2_100.0,
+        output_tokens: 2_000.0,
+    };
+    let mut r = Router::new(config(""));
+    r.apply_pool_event(0, &ev, 1000);
+    assert!(r.pod_status(0, 1000)[0].slow_decode);
+    let c = counts_for(&mut r, 4, long, 4_000, 31);
+    // Only when every draw lands on it (the second candidate is drawn distinct, three
+    // tries): its weight is a fifth of the others'.
+    assert!(c[0] < 40, "{c:?}");
+    // A short answer is compared by its wait as before: the slowed pod, free, takes it
+    // whenever it is one of the two candidates.
+    let short = RequestSize {
+        output_tokens: 100.0,
+        ..long
+    };
+    let c = counts_for(&mut r, 4, short, 4_000, 32);
+    assert!(c[0] > 400, "{c:?}");
+    // Switched off (`longOutputTokens: 0`), a long answer is compared as any request is.
+    let mut off = Router::new(config(r#"{"longOutputTokens": 0}"#));
+    off.apply_pool_event(0, &ev, 1000);
+    let c = counts_for(&mut off, 4, long, 4_000, 33);
+    assert!(c[0] > 400, "{c:?}");
+}
+
 /// Like `counts`, for requests of `size` (not started).
 fn counts_for(r: &mut Router, n: usize, size: RequestSize, picks: usize, seed: u64) -> Vec<usize> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);

@@ -134,17 +134,20 @@ pub struct CutWatch {
     handle: JoinHandle<Vec<Option<f64>>>,
 }
 
-/// Whether the status page `body` shows the pod serving at `pod` cut.
+/// Whether the status page `body` shows the pod serving at `pod` cut for its health (stale,
+/// model server down, hardware fault, breaker), not for load (GPU hard limit, queue full: a
+/// loaded pod is cut and uncut all through a run).
 fn shows_cut(body: &str, pod: &str) -> bool {
     let Ok(v) = serde_json::from_str::<Value>(body) else {
         return false;
     };
     v["pools"].as_array().into_iter().flatten().any(|pool| {
-        pool["pods"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .any(|row| row["address"] == pod && !row["cut"].is_null())
+        pool["pods"].as_array().into_iter().flatten().any(|row| {
+            row["address"] == pod
+                && row["cut"]
+                    .as_str()
+                    .is_some_and(|c| c != "gpu_hard_limit" && c != "queue_full")
+        })
     })
 }
 
@@ -359,11 +362,15 @@ mod tests {
     }
 
     #[test]
-    fn a_pod_shows_cut_only_with_a_cut_reason_on_its_own_row() {
+    fn a_pod_shows_cut_only_for_its_health_on_its_own_row() {
         let page = r#"{"pools":[{"pods":[
             {"address":"127.0.0.1:1","cut":null},
-            {"address":"127.0.0.1:2","cut":"model_server_down"}]}]}"#;
+            {"address":"127.0.0.1:2","cut":"model_server_down"},
+            {"address":"127.0.0.1:4","cut":"gpu_hard_limit"},
+            {"address":"127.0.0.1:5","cut":"queue_full"}]}]}"#;
         assert!(shows_cut(page, "127.0.0.1:2"));
+        assert!(!shows_cut(page, "127.0.0.1:4"));
+        assert!(!shows_cut(page, "127.0.0.1:5"));
         assert!(!shows_cut(page, "127.0.0.1:1"));
         assert!(!shows_cut(page, "127.0.0.1:3"));
         assert!(!shows_cut("not json", "127.0.0.1:2"));
