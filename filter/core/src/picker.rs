@@ -117,10 +117,19 @@ const KV_EXTRA_DRAWS: usize = 4;
 const MIN_ITL_PODS: usize = 3;
 
 /// How long a pod's last inter-token reading counts without a new one (too few tokens in its
-/// window: an idle pod, or a slow pod running one request): a pod judged slow stays so, and
-/// long answers use its smoothed speed. Bounded, so a pod that no longer gets enough traffic
-/// to show its speed is not judged on an old reading for ever.
+/// window: an idle pod): long answers use its smoothed speed. Bounded, so a pod that no longer
+/// gets enough traffic to show its speed is not judged on an old reading for ever.
 const ITL_HOLD_MS: u64 = 5000;
+
+/// How long a pod judged slow stays so without a reading that says otherwise (none comes
+/// while it runs too few requests to fill its window with tokens, or while fewer than three
+/// pods report one). Longer than [`ITL_HOLD_MS`] because the evidence is lopsided: a pod that
+/// decodes at speed again shows it with a single request (at 5 ms a token, 30 tokens in the
+/// agent's 150 ms window), while a slowed one, drawn at a fifth of its weight, often runs
+/// just one and shows nothing. At 5 s the judgement lapsed every few seconds during a
+/// silent 5x slowdown (16 judgements over four sidecars in 30 s), each lapse gave the pod its
+/// full share back, and a 1 644-token answer sent in one timed out there.
+const SLOW_DECODE_HOLD_MS: u64 = 30_000;
 
 /// How much sooner (relative) a long-output request must finish on a candidate to prefer it
 /// over the usual comparison: readings cover ~150 ms of tokens, so small gaps are noise.
@@ -1001,7 +1010,7 @@ impl Router {
                     // judged slow, so nothing holds.
                     _ => {
                         pod.slow_decode
-                            && now_ms.saturating_sub(pod.slow_decode_seen_ms) <= ITL_HOLD_MS
+                            && now_ms.saturating_sub(pod.slow_decode_seen_ms) <= SLOW_DECODE_HOLD_MS
                     }
                 };
             if slow && !pod.slow_decode {

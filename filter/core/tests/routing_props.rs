@@ -1672,7 +1672,7 @@ fn a_pod_decoding_three_times_slower_than_the_pool_median_is_drawn_as_if_its_gpu
     decoding(&mut ev, 0, 100.0, 7);
     r.apply_pool_event(0, &ev, 1700);
     assert!((share0(&mut r, 10, 1700) - 0.25).abs() < 0.005);
-    // ... and for 5 s at most: a pod that no longer gets enough traffic to show its speed is
+    // ... and for 30 s at most: a pod that no longer gets enough traffic to show its speed is
     // not penalised for ever.
     r.apply_pool_event(0, &slowed(9, 100.0), 1800);
     let quiet = |seq: u64| {
@@ -1680,30 +1680,30 @@ fn a_pod_decoding_three_times_slower_than_the_pool_median_is_drawn_as_if_its_gpu
         decoding(&mut ev, 0, 22.0, 7);
         ev
     };
-    r.apply_pool_event(0, &quiet(10), 6800);
-    assert!(r.pod_status(0, 6800)[0].slow_decode);
-    r.apply_pool_event(0, &quiet(11), 6801);
-    assert!(!r.pod_status(0, 6801)[0].slow_decode);
-    assert!((share0(&mut r, 11, 6801) - 0.25).abs() < 0.005);
+    r.apply_pool_event(0, &quiet(10), 31_800);
+    assert!(r.pod_status(0, 31_800)[0].slow_decode);
+    r.apply_pool_event(0, &quiet(11), 31_801);
+    assert!(!r.pod_status(0, 31_801)[0].slow_decode);
+    assert!((share0(&mut r, 11, 31_801) - 0.25).abs() < 0.005);
 
     // A pool that drops below three pods reporting it (fast pods between requests, too few
     // tokens in their windows) cannot judge anyone: the flagged pod's judgement holds, as
-    // without a reading of its own, and for 5 s at most.
-    r.apply_pool_event(0, &slowed(12, 100.0), 6900);
-    assert!(r.pod_status(0, 6900)[0].slow_decode);
+    // without a reading of its own, and for 30 s at most.
+    r.apply_pool_event(0, &slowed(12, 100.0), 31_900);
+    assert!(r.pod_status(0, 31_900)[0].slow_decode);
     let short = |seq: u64| {
         let mut ev = slowed(seq, 100.0);
         decoding(&mut ev, 2, 24.0, 7);
         decoding(&mut ev, 3, 30.0, 7);
         ev
     };
-    r.apply_pool_event(0, &short(13), 7000);
-    assert!(r.pod_status(0, 7000)[0].slow_decode);
-    assert!((share0(&mut r, 14, 7000) - 0.25 / 3.25).abs() < 0.005);
-    r.apply_pool_event(0, &short(14), 11_900);
-    assert!(r.pod_status(0, 11_900)[0].slow_decode);
-    r.apply_pool_event(0, &short(15), 11_901);
-    assert!(!r.pod_status(0, 11_901)[0].slow_decode);
+    r.apply_pool_event(0, &short(13), 32_000);
+    assert!(r.pod_status(0, 32_000)[0].slow_decode);
+    assert!((share0(&mut r, 14, 32_000) - 0.25 / 3.25).abs() < 0.005);
+    r.apply_pool_event(0, &short(14), 61_900);
+    assert!(r.pod_status(0, 61_900)[0].slow_decode);
+    r.apply_pool_event(0, &short(15), 61_901);
+    assert!(!r.pod_status(0, 61_901)[0].slow_decode);
     assert_eq!(r.counters().slow_decode, 4);
 
     // Two pods reporting it are not enough to say which is the odd one.
@@ -1726,14 +1726,14 @@ fn a_pod_decoding_three_times_slower_than_the_pool_median_is_drawn_as_if_its_gpu
     let w = 27.0 / 140.0;
     assert!((share0(&mut five, 8, 1100) - w / (w + 3.0)).abs() < 0.005);
     // A pod 10x slower gets a tenth of its weight, whatever the ratio that flagged it.
-    r.apply_pool_event(0, &slowed(16, 270.0), 12_000);
-    assert!((share0(&mut r, 12, 12_000) - 0.1 / 3.1).abs() < 0.005);
+    r.apply_pool_event(0, &slowed(16, 270.0), 62_000);
+    assert!((share0(&mut r, 12, 62_000) - 0.1 / 3.1).abs() < 0.005);
     // The flagged pod itself dropping under 8 tokens takes the pool under three readings;
     // its judgement holds anyway (it is why the pool is short).
     let mut ev = slowed(17, 270.0);
     decoding(&mut ev, 0, 270.0, 7);
     decoding(&mut ev, 3, 30.0, 7);
-    r.apply_pool_event(0, &ev, 12_100);
-    assert!(r.pod_status(0, 12_100)[0].slow_decode);
-    assert!((share0(&mut r, 13, 12_100) - 0.1 / 3.1).abs() < 0.005);
+    r.apply_pool_event(0, &ev, 62_100);
+    assert!(r.pod_status(0, 62_100)[0].slow_decode);
+    assert!((share0(&mut r, 13, 62_100) - 0.1 / 3.1).abs() < 0.005);
 }
