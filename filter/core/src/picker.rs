@@ -1432,12 +1432,13 @@ impl Router {
             }
             // Overflow: the request would queue on the chosen pod, so one pod over the GPU
             // hard limit, drawn evenly, competes too (as queued, so it wins only with the
-            // shorter wait). The hard limit keeps load off a hot pod while others have room;
-            // once they queue too, cutting it only herds its share onto them.
+            // shorter wait; a long answer also by its finish, and a slowed pod loses it). The
+            // hard limit keeps load off a hot pod while others have room; once they queue
+            // too, cutting it only herds its share onto them.
             if key(chosen).0 > 0 && !view.hot.is_empty() {
                 let i = usize::try_from(rng.next_u64() % view.hot.len() as u64).unwrap_or(0);
                 if let Some(&h) = view.hot.get(i) {
-                    if key(h) < key(chosen) {
+                    if better(h, chosen) {
                         chosen = h;
                         self.counters.overflow_over_gpu_limit += 1;
                     }

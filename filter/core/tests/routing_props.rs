@@ -1070,6 +1070,18 @@ fn a_long_answer_avoids_a_slowed_pod_even_when_the_others_would_wait_for_kv_cach
     off.apply_pool_event(0, &ev, 1000);
     let c = counts_for(&mut off, 4, long, 4_000, 33);
     assert!(c[0] > 400, "{c:?}");
+
+    // The same pod also over the GPU hard limit: not drawn, but the overflow candidate when
+    // the drawn ones would queue, as they would here. A long answer still does not go there.
+    let mut hot = ev.clone();
+    hot.peers[0].snapshot.as_mut().unwrap().gpus[0].utilization = Some(0.97);
+    let mut r = Router::new(config(""));
+    r.apply_pool_event(0, &hot, 1000);
+    let c = counts_for(&mut r, 4, long, 4_000, 34);
+    assert_eq!(c[0], 0, "{c:?}");
+    // A short answer overflows onto it (it would start at once there).
+    let c = counts_for(&mut r, 4, short, 4_000, 35);
+    assert!(c[0] > 400, "{c:?}");
 }
 
 /// Like `counts`, for requests of `size` (not started).
