@@ -126,9 +126,7 @@ const ITL_HOLD_MS: u64 = 5000;
 /// pods report one). Longer than [`ITL_HOLD_MS`] because the evidence is lopsided: a pod that
 /// decodes at speed again shows it with a single request (at 5 ms a token, 30 tokens in the
 /// agent's 150 ms window), while a slowed one, drawn at a fifth of its weight, often runs
-/// just one and shows nothing. At 5 s the judgement lapsed every few seconds during a
-/// silent 5x slowdown (16 judgements over four sidecars in 30 s), each lapse gave the pod its
-/// full share back, and a 1 644-token answer sent in one timed out there.
+/// just one and shows nothing; each lapse of the judgement gives the pod its full share back.
 const SLOW_DECODE_HOLD_MS: u64 = 30_000;
 
 /// How much sooner (relative) a long-output request must finish on a candidate to prefer it

@@ -708,15 +708,20 @@ pub fn table(load: &Load, results: &[PolicyResult], rate: f64, env: &Env, cmd: &
                         })
                         .unwrap_or_default()
                 };
+                let sent = c["sent_to_pod"].as_u64().unwrap_or(0);
                 t.push_str(&format!(
-                    "; each sidecar's status page first showed the pod cut {} ms after the fault ({} of {} sidecars); sent to the pod after the sender's own cut: {} requests, {} of them timed out (sent {} ms after the cut)",
+                    "; each sidecar's status page first showed the pod cut {} ms after the fault ({} of {} sidecars); sent to the pod after the sender's own cut: {sent} requests",
                     times(&Value::Array(cuts.clone())),
                     c["sidecars_cut"].as_u64().unwrap_or(0),
                     env.sidecars,
-                    c["sent_to_pod"].as_u64().unwrap_or(0),
-                    c["timeouts"].as_u64().unwrap_or(0),
-                    times(&c["sent_ms_after_cut"]),
                 ));
+                if sent > 0 {
+                    t.push_str(&format!(
+                        ", {} of them timed out (sent {} ms after the cut)",
+                        c["timeouts"].as_u64().unwrap_or(0),
+                        times(&c["sent_ms_after_cut"]),
+                    ));
+                }
             }
         }
         if let Some(c) = &r.filter_counters {
