@@ -840,24 +840,10 @@ impl Router {
         applied.map(|()| events)
     }
 
-    /// Worker path: replaces the pool's state (decoded from shared data). Pods keep their
-    /// EMA, breakers, in-flight counts and picks by serving address.
-    pub fn set_pool_state(
-        &mut self,
-        pool_idx: usize,
-        state: PoolState,
-        now_ms: u64,
-    ) -> Vec<BreakerEvent> {
-        let Some(p) = self.pools.get_mut(pool_idx) else {
-            return Vec::new();
-        };
-        p.state = state;
-        self.relayout(pool_idx, now_ms)
-    }
-
     /// Worker path: installs shared bytes unless their version is the one already installed
     /// ([`PoolState::install`]: the old state goes before the new one is built, and bytes
-    /// that do not decode leave the pool empty). Counts decode errors.
+    /// that do not decode leave the pool empty). Counts decode errors. Pods keep their EMA,
+    /// breakers, in-flight counts and picks by serving address.
     pub fn set_pool_state_bytes(
         &mut self,
         pool_idx: usize,
