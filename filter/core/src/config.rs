@@ -713,7 +713,8 @@ struct RawWatch {
         schemars(extend("default" = 10_000, "minimum" = 1))
     )]
     reconnect_max_ms: Option<u64>,
-    /// How often (ms) worker VMs re-read the shared pool state.
+    /// How often (ms) worker VMs re-read the shared pool state (breakers changed by another
+    /// worker are read before each pick, whatever this says).
     #[serde(default)]
     #[cfg_attr(
         feature = "schema",

@@ -1783,6 +1783,14 @@ impl Router {
             .collect()
     }
 
+    /// Addresses of a pool's pods, in pod-table order (none for an unknown pool).
+    pub fn pod_addresses(&self, pool_idx: usize) -> impl Iterator<Item = &str> + '_ {
+        self.pools
+            .get(pool_idx)
+            .into_iter()
+            .flat_map(|p| p.pods.iter().map(|r| r.address.as_str()))
+    }
+
     /// Number of configured pools.
     pub fn pool_count(&self) -> usize {
         self.pools.len()

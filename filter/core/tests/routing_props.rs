@@ -226,6 +226,20 @@ fn cold_start_pod_gets_pool_mean() {
 }
 
 #[test]
+fn pod_addresses_list_the_status_rows_pods_in_order() {
+    let r = router(&[pod(0.1), pod(0.5), pod(0.9)], "");
+    let rows: Vec<String> = r
+        .pod_status(0, 1000)
+        .iter()
+        .map(|s| s.address.to_string())
+        .collect();
+    let addrs: Vec<&str> = r.pod_addresses(0).collect();
+    assert_eq!(addrs.len(), 3);
+    assert_eq!(addrs, rows);
+    assert_eq!(r.pod_addresses(7).count(), 0, "an unknown pool has no pods");
+}
+
+#[test]
 fn ema_smooths_successive_snapshots() {
     let mut r = Router::new(config(r#"{"emaAlpha":0.25}"#));
     r.apply_pool_event(0, &event(&[pod(0.0)], 1), 1000);

@@ -23,7 +23,7 @@ use ai_lb_filter_core::admission::priority::{self, PriorityDecision};
 use crate::admission::{self, AdmReq, Headers, HeldReq, Step};
 use crate::outcome::{self, Observed};
 use crate::root::{count_transitions, State};
-use crate::{body, host, shared};
+use crate::{body, host};
 
 /// Outcome of the class policy for one request.
 enum Gate {
@@ -305,17 +305,16 @@ impl Request {
         let State {
             router,
             metrics,
-            breaker_jitter,
+            breakers,
             ..
         } = &mut *guard;
-        let jitter = *breaker_jitter;
         let cfg = router.config().breaker;
         let Some(name) = router.config().pools.get(pool).map(|p| p.name.clone()) else {
             return;
         };
         let model = self.model.as_deref();
         // Whether the chosen pod's breaker had nothing to forget (Closed, no failure counted, as
-        // of this VM's last sync with the shared breaker, at most `watch.refreshMs` old): a
+        // of this VM's last sync with the shared breakers, at this VM's last pick or refresh): a
         // success then leaves the shared breaker as it is, so it is not read and rewritten.
         let clean_before = chosen.as_deref().is_some_and(|c| {
             router
@@ -344,7 +343,7 @@ impl Request {
                 continue;
             }
             let trip_rate = rate_tripped && chosen.as_deref() == Some(*pod);
-            if let Some((b, ts)) = shared::update_breaker(&name, pod, now, &cfg, jitter, |b| {
+            if let Some(ts) = breakers.update(router, pool, pod, now, |b| {
                 let t = b.record(failure, now, &cfg);
                 if t.is_none() && trip_rate && b.state() == BreakerState::Closed {
                     b.trip(TripReason::FailureRate, now, &cfg)
@@ -352,7 +351,6 @@ impl Request {
                     t
                 }
             }) {
-                router.set_breaker(pool, pod, None, b);
                 count_transitions(metrics, &ts);
                 for t in &ts {
                     if t.to == BreakerState::Open {
@@ -385,9 +383,11 @@ pub fn steer(
         metrics,
         rng,
         scratch,
-        breaker_jitter,
+        breakers,
         ..
     } = state;
+    // Another worker may have just opened a breaker: see it before picking.
+    breakers.sync(router, pool, now);
     let mut chosen_score = 0.0;
     let ranked = match router.decide_for(pool, model, size, now, rng) {
         Decision::Steer {
@@ -420,17 +420,11 @@ pub fn steer(
         .breaker(pool, chosen, None)
         .is_some_and(|b| b.state() == BreakerState::HalfOpen)
     {
-        let cfg = router.config().breaker;
-        if let Some(name) = router.config().pools.get(pool).map(|p| p.name.clone()) {
-            if let Some((b, ts)) =
-                shared::update_breaker(&name, chosen, now, &cfg, *breaker_jitter, |b| {
-                    b.on_request(now);
-                    None
-                })
-            {
-                router.set_breaker(pool, chosen, None, b);
-                count_transitions(metrics, &ts);
-            }
+        if let Some(ts) = breakers.update(router, pool, chosen, now, |b| {
+            b.on_request(now);
+            None
+        }) {
+            count_transitions(metrics, &ts);
         }
     }
     Some((written, chosen_score))

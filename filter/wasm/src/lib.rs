@@ -5,6 +5,7 @@
 
 pub mod admission;
 pub mod body;
+pub mod breakers;
 pub mod grpc_service;
 pub mod guard;
 pub mod host;

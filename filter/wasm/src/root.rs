@@ -24,6 +24,7 @@ use ai_lb_filter_core::picker::Router;
 use ai_lb_proto::WatchPoolRequest;
 
 use crate::admission::{AdmissionRt, AdmissionSection};
+use crate::breakers::Breakers;
 use crate::guard::{self, Guard};
 use crate::http::{PassThrough, Request};
 use crate::metrics::Metrics;
@@ -49,10 +50,8 @@ pub struct State {
     pub scratch: String,
     /// Admission control, when the plugin config has an enabled `admission` section.
     pub admission: Option<AdmissionRt>,
-    /// Cooldown jitter of the shared breakers this VM creates (see `Breaker::with_jitter`):
-    /// random per VM, so sidecars that open a pod's breaker on the same agent snapshot probe
-    /// it at different moments.
-    pub breaker_jitter: u8,
+    /// This VM's view of the shared breakers (synced before each pick and on ticks).
+    pub breakers: Breakers,
 }
 
 /// Per-pool bookkeeping of the root context.
@@ -64,7 +63,6 @@ struct PoolRt {
     sub: Subscription,
     holder: bool,
     seen_version: u64,
-    breakers_seen: HashMap<String, Vec<u8>>,
 }
 
 pub struct Root {
@@ -151,7 +149,6 @@ impl Root {
                 sub: Subscription::new(backoff),
                 holder: false,
                 seen_version: 0,
-                breakers_seen: HashMap::new(),
             });
         }
         self.watch_request = WatchPoolRequest {
@@ -165,14 +162,14 @@ impl Root {
         let seed = self.vm ^ host::now_ms();
         self.pools = pools;
         let mut rng = SmallRng::seed_from_u64(seed);
-        let breaker_jitter = rng.random::<u8>();
+        let breakers = Breakers::new(cfg.pools.iter().map(|p| p.name.as_str()), rng.random());
         self.state = Some(Rc::new(RefCell::new(State {
             router: Router::new(cfg),
             metrics: Metrics::default(),
             rng,
             scratch: String::with_capacity(256),
             admission: admission.map(AdmissionRt::new),
-            breaker_jitter,
+            breakers,
         })));
         if hostcalls::set_tick_period(Duration::from_millis(tick_ms)).is_err() {
             return Err("ai-lb: the host refused the tick period".to_string());
@@ -272,29 +269,13 @@ impl Root {
         let Some(state) = self.state.clone() else {
             return;
         };
-        let Some(p) = self.pools.get_mut(i) else {
-            return;
-        };
         let Ok(mut s) = state.try_borrow_mut() else {
             return;
         };
-        let pods: Vec<String> = s
-            .router
-            .pod_status(i, now)
-            .iter()
-            .map(|r| r.address.to_string())
-            .collect();
-        for pod in pods {
-            let (bytes, _) = host::shared_get(&shared::breaker_key(&p.name, &pod));
-            let Some(bytes) = bytes else { continue };
-            if p.breakers_seen.get(&pod) == Some(&bytes) {
-                continue;
-            }
-            if let Some(b) = ai_lb_filter_core::breaker::Breaker::decode(&bytes) {
-                s.router.set_breaker(i, &pod, None, b);
-            }
-            p.breakers_seen.insert(pod, bytes);
-        }
+        let State {
+            router, breakers, ..
+        } = &mut *s;
+        breakers.sync(router, i, now);
     }
 
     fn export(&mut self, now: u64) {
@@ -663,7 +644,7 @@ fn carry_signal_trips(pools: &[PoolRt], s: &mut State, now: u64) {
     let State {
         router,
         metrics,
-        breaker_jitter,
+        breakers,
         ..
     } = s;
     let cfg = router.config().breaker;
@@ -671,12 +652,9 @@ fn carry_signal_trips(pools: &[PoolRt], s: &mut State, now: u64) {
         let Some(name) = pools.get(t.pool_idx).map(|p| p.name.as_str()) else {
             continue;
         };
-        if let Some((b, ts)) =
-            shared::update_breaker(name, &t.pod, now, &cfg, *breaker_jitter, |b| {
-                b.trip(t.reason, now, &cfg)
-            })
-        {
-            router.set_breaker(t.pool_idx, &t.pod, None, b);
+        if let Some(ts) = breakers.update(router, t.pool_idx, &t.pod, now, |b| {
+            b.trip(t.reason, now, &cfg)
+        }) {
             count_transitions(metrics, &ts);
             for tr in ts.iter().filter(|tr| tr.to == BreakerState::Open) {
                 host::log(

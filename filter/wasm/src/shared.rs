@@ -3,7 +3,8 @@
 //!
 //! Keys: `ai_lb.<pool>.lease` (who subscribes), `ai_lb.<pool>.state` (the encoded pool state)
 //! and `ai_lb.<pool>.version` (bumped after every publish, so workers only copy the state when
-//! it changed), `ai_lb.<pool>.breaker.<pod>` (the pod's circuit breaker, 32 bytes).
+//! it changed), `ai_lb.<pool>.breaker.<pod>` (the pod's circuit breaker, 32 bytes) and
+//! `ai_lb.<pool>.breakers` (bumped after every breaker write, see [`crate::breakers`]).
 
 use std::hash::{BuildHasher, Hasher};
 
@@ -31,6 +32,10 @@ pub fn version_key(pool: &str) -> String {
 
 pub fn breaker_key(pool: &str, pod: &str) -> String {
     format!("ai_lb.{pool}.breaker.{pod}")
+}
+
+pub fn breakers_epoch_key(pool: &str) -> String {
+    format!("ai_lb.{pool}.breakers")
 }
 
 /// A VM id that is unique with overwhelming probability: std's random hash keys (WASI
@@ -65,15 +70,20 @@ pub fn read_u64(key: &str) -> u64 {
 /// Publishes a pool state: the state first, then a bumped version.
 pub fn publish_state(pool: &str, state: &[u8]) -> Result<u64, Status> {
     host::shared_set(&state_key(pool), state, None)?;
-    let vkey = version_key(pool);
+    bump_u64(&version_key(pool))
+}
+
+/// Adds one to the u64 at `key` (absent or malformed counts as 0) with CAS retries; returns
+/// the new value.
+fn bump_u64(key: &str) -> Result<u64, Status> {
     for _ in 0..CAS_RETRIES {
-        let (bytes, cas) = host::shared_get(&vkey);
+        let (bytes, cas) = host::shared_get(key);
         let v = bytes
             .and_then(|b| b.get(..8).and_then(|s| <[u8; 8]>::try_from(s).ok()))
             .map(u64::from_le_bytes)
             .unwrap_or(0)
             .wrapping_add(1);
-        match host::shared_set(&vkey, &v.to_le_bytes(), cas) {
+        match host::shared_set(key, &v.to_le_bytes(), cas) {
             Ok(()) => return Ok(v),
             Err(Status::CasMismatch) => continue,
             Err(e) => return Err(e),
@@ -82,9 +92,19 @@ pub fn publish_state(pool: &str, state: &[u8]) -> Result<u64, Status> {
     Err(Status::CasMismatch)
 }
 
-/// Applies `update` to the pod's shared breaker with CAS retries; returns the new breaker and
-/// the transitions `update` caused (on the shared state, so each is counted once per process).
-/// A breaker created here gets `jitter` (see `Breaker::with_jitter`).
+/// What [`update_breaker`] left in shared data.
+pub struct BreakerWrite {
+    pub breaker: Breaker,
+    /// Transitions `update` caused (on the shared state, so each is counted once per process).
+    pub transitions: Vec<Transition>,
+    /// The pool's breaker epoch after this write bumped it; None when nothing was written
+    /// (unchanged) or the bump failed.
+    pub epoch: Option<u64>,
+}
+
+/// Applies `update` to the pod's shared breaker with CAS retries, then bumps the pool's breaker
+/// epoch when it wrote. A breaker created here gets `jitter` (see `Breaker::with_jitter`).
+/// None when the breaker could not be written.
 pub fn update_breaker(
     pool: &str,
     pod: &str,
@@ -92,7 +112,7 @@ pub fn update_breaker(
     cfg: &BreakerConfig,
     jitter: u8,
     mut update: impl FnMut(&mut Breaker) -> Option<Transition>,
-) -> Option<(Breaker, Vec<Transition>)> {
+) -> Option<BreakerWrite> {
     let key = breaker_key(pool, pod);
     for _ in 0..CAS_RETRIES {
         let (bytes, cas) = host::shared_get(&key);
@@ -111,10 +131,20 @@ pub fn update_breaker(
         // Unchanged (the common case: a success on a closed breaker): skip the write, which
         // would take the shared-data lock and copy for nothing.
         if bytes.as_deref() == Some(encoded.as_slice()) {
-            return Some((b, transitions));
+            return Some(BreakerWrite {
+                breaker: b,
+                transitions,
+                epoch: None,
+            });
         }
         match host::shared_set(&key, &encoded, cas) {
-            Ok(()) => return Some((b, transitions)),
+            Ok(()) => {
+                return Some(BreakerWrite {
+                    breaker: b,
+                    transitions,
+                    epoch: bump_u64(&breakers_epoch_key(pool)).ok(),
+                })
+            }
             Err(Status::CasMismatch) => continue,
             Err(_) => return None,
         }

@@ -161,6 +161,9 @@ fn a_sidecar_cuts_a_pod_on_its_agents_error_rate_without_sending_it_anything() {
     // mesh's other sidecars). A alone would not do: once pod0 fails, A picks it about once in
     // 2 s, the agent's window is 2 s, and a window with no failure left in it lets B's
     // breaker half-open after its 1 s cooldown, so a slow run saw B's probe here.
+    // B runs two workers and the breaker opened in one of them; B's
+    // first request below may land on the other, which must see the breaker at once (it
+    // used to learn of it only at its next refresh tick, and CI caught a pick in between).
     let mut client_b = HttpClient::new(b.listener);
     let mut direct = HttpClient::new(pool.pod_addrs[0]);
     let before = picks(&b);
