@@ -5,9 +5,11 @@
 //! awareness both kinds would follow seats alone and go mostly to pod 0.
 //!
 //! Setup (real time, time scale 1): pod 0 has a 10 000-token KV cache and runs one direct
-//! request with a 5 000-token prompt (KV use 0.5 → 0.7 while it decodes, one seat of 8);
-//! pod 1 has a 20 000-token cache and runs six direct short-prompt requests (six seats of 8,
-//! KV use under 0.45). GPU forced equal, so the scores are equal.
+//! request with a 5 000-token prompt (KV use 0.5 → 0.8 while it decodes, one seat of 8);
+//! pod 1 has a 40 000-token cache and runs six direct short-prompt requests (six seats of 8,
+//! KV use under 0.45). GPU forced equal, so the scores are equal. The direct requests decode
+//! 3 000 tokens, long enough to outlast the checks on a loaded machine (at 2 000 / 1 500 a
+//! full test run once saw them end first).
 
 mod filter_common;
 
@@ -36,7 +38,7 @@ fn direct(addr: std::net::SocketAddr, body: String) -> JoinHandle<u16> {
 #[test]
 fn a_long_prompt_goes_where_it_fits_the_kv_cache_short_ones_where_seats_are_free() {
     let pool = ai_lb_e2e::envoy::PodPool::start_with(2, 1.0, |i| {
-        let kv = if i == 0 { "10000" } else { "20000" };
+        let kv = if i == 0 { "10000" } else { "40000" };
         ["--kv-cache-tokens", kv, "--max-num-seqs", "8"]
             .iter()
             .map(|s| s.to_string())
@@ -59,9 +61,9 @@ fn a_long_prompt_goes_where_it_fits_the_kv_cache_short_ones_where_seats_are_free
                 .all(|a| row(sb, a).is_some_and(|r| r["kv"].is_number()))
     });
 
-    let mut background = vec![direct(pool.pod_addrs[0], body(5000, 2000))];
+    let mut background = vec![direct(pool.pod_addrs[0], body(5000, 3000))];
     for _ in 0..6 {
-        background.push(direct(pool.pod_addrs[1], body(1, 1500)));
+        background.push(direct(pool.pod_addrs[1], body(1, 3000)));
     }
     wait_scoreboard(
         &envoy,
@@ -80,7 +82,7 @@ fn a_long_prompt_goes_where_it_fits_the_kv_cache_short_ones_where_seats_are_free
         assert_eq!(r.status, 200, "{}", r.text());
         r.header("x-fake-pod").unwrap_or("none").to_string()
     };
-    // 6 000 prompt tokens: pod 0 has at most 5 000 free, pod 1 at least 11 000. One that lands
+    // 6 000 prompt tokens: pod 0 has at most 5 000 free, pod 1 at least 21 000. One that lands
     // on pod 0 anyway (all eight candidate draws there: 1/256) would wait there until the
     // background request ends and so end the run: give up on it after 3 s (one on pod 1
     // takes ~0.2 s) and count it as stuck.
