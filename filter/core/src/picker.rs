@@ -526,9 +526,11 @@ impl PodRt {
     /// estimated wait in service rounds ([`PodRt::drain`]), then the load: a queue behind a
     /// head that waits for KV cache is not always worse than a queue for seats (a pod that
     /// runs two requests and has three waiting turns over slower than one that runs eight
-    /// with four waiting, but faster than one that runs eight with thirty waiting).
+    /// with four waiting, but faster than one that runs eight with thirty waiting). A pod judged
+    /// slow has its load and wait scaled by [`PodRt::slowness`].
     fn pick_key(&self, kv_tokens: f64, now_ms: u64) -> (u8, f64, f64) {
-        let load = self.load_with(kv_tokens);
+        let slow = self.slowness();
+        let load = self.load_with(kv_tokens) * slow;
         if !self.fits(kv_tokens) {
             (2, 0.0, load)
         } else if self.head_blocked
@@ -537,10 +539,23 @@ impl PodRt {
             || self.waiting_now() > 0
             || self.failed_recently(now_ms)
         {
-            (1, self.drain(), load)
+            (1, self.drain() * slow, load)
         } else {
             (0, 0.0, load)
         }
+    }
+
+    /// How many times slower than its pool the pod turns its work over: 1 unless judged slow
+    /// ([`PodRt::slowed`]), then 1 / its score penalty (4 for a GPU slowdown at the default
+    /// `cutoffs.slowdownFactor`, about 5 for a pod decoding 5x slower than its pool). Its
+    /// load and wait in [`PodRt::pick_key`] weigh that much more: a pod at a fifth of the
+    /// speed with one request in flight is about as far from serving the next one as a pod at
+    /// full speed with five. Without this, a slowed pod drawn against a busier one won on
+    /// its lower load, and kept taking new requests in the first second after it slowed.
+    /// (A penalty of 0, `cutoffs.slowdownFactor` 0, counts as 1000: finite, so an idle pod's
+    /// zero load stays 0, not NaN.)
+    fn slowness(&self) -> f64 {
+        1.0 / self.score.penalty.clamp(MIN_PENALTY, 1.0)
     }
 
     /// Judged to run slow: its GPU reports a hardware slowdown, or it decodes
@@ -572,6 +587,9 @@ impl PodRt {
             .map(|(_, b)| b)
     }
 }
+
+/// The smallest score penalty [`PodRt::slowness`] divides by.
+const MIN_PENALTY: f64 = 1e-3;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Verdict {

@@ -1763,3 +1763,43 @@ fn a_pod_decoding_three_times_slower_than_the_pool_median_is_drawn_as_if_its_gpu
     assert!(r.pod_status(0, 62_100)[0].slow_decode);
     assert!((share0(&mut r, 13, 62_100) - 0.1 / 3.1).abs() < 0.005);
 }
+
+#[test]
+fn a_slowed_pod_loses_to_a_busier_pod_unless_it_is_that_many_times_less_busy() {
+    // Four equal pods, capacity 16. Pod 0 is slowed, once by its GPU (weight 0.25, so 4x) and
+    // once by decoding 5x slower than the pool (0.2, 5x); it runs 2 requests, the others 4.
+    // Per request in flight it is 4-5x as busy: it loses every comparison, and is picked only
+    // when no other pod is drawn at all (first draw and three redraws, p0^4).
+    let slow = |what: &str, mut ev: PoolEvent| {
+        if what == "gpu" {
+            return throttled(ev, 0, 0x8);
+        }
+        for (i, ms) in [100.0, 20.0, 20.0, 20.0].into_iter().enumerate() {
+            decoding(&mut ev, i, ms, 100);
+        }
+        ev
+    };
+    for (what, w) in [("gpu", 0.25_f64), ("decode", 0.2)] {
+        let mut r = Router::new(config(r#"{"cutoffs":{"maxQueue":16}}"#));
+        let mut ev = slow(what, event(&[pod(0.2); 4], 1));
+        set_queues(&mut ev, &[(0, 2, 0), (1, 4, 0), (2, 4, 0), (3, 4, 0)]);
+        r.apply_pool_event(0, &ev, 1000);
+        assert!(r.pod_status(0, 1000)[0].score < r.pod_status(0, 1000)[1].score * 0.3);
+        let c = counts(&mut r, 4, 40_000, 21, 1000);
+        let p0 = w / (w + 3.0);
+        let share = c[0] as f64 / 40_000.0;
+        assert!(
+            share < p0.powi(4) + 0.002,
+            "{what}: slowed pod's share {share}"
+        );
+
+        // Idle, it is the one that can start a request soonest, slowed or not: it wins when
+        // drawn (about twice its weight's share), so a slowed pod still serves.
+        let mut ev = slow(what, event(&[pod(0.2); 4], 2));
+        set_queues(&mut ev, &[(0, 0, 0), (1, 4, 0), (2, 4, 0), (3, 4, 0)]);
+        r.apply_pool_event(0, &ev, 1100);
+        let c = counts(&mut r, 4, 40_000, 22, 1100);
+        let share = c[0] as f64 / 40_000.0;
+        assert!(share > 1.5 * p0, "{what}: idle slowed pod's share {share}");
+    }
+}
