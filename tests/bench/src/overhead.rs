@@ -8,6 +8,10 @@
 //! alternating rounds (the order flips every round), so slow drift of a shared machine hits
 //! both alike; every figure is the median over rounds:
 //! - maximum throughput: a closed loop of `workers` keep-alive clients for `secs` against each;
+//!   also the Envoy process's CPU time (user + system, `/proc/<pid>/stat`) per answered
+//!   request over that loop. On a shared 2-core machine a closed loop's maximum depends on
+//!   how much CPU the load generator and the other processes leave Envoy; CPU per request
+//!   does not, so it is the steadier measure of what the filter costs;
 //! - added latency: an open loop at half of plain Envoy's measured maximum, `secs` each, with
 //!   the same trace; also straight to the sink, for the floor of the loop itself.
 
@@ -17,9 +21,24 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::analysis::{self, Summary};
+use ai_lb_loadgen::stats::Outcome;
+
 use crate::calibrate::{fixed_trace, ok_rps, replay};
 use crate::scenario::Env;
 use crate::topology::{self, Error, PodShape, Policy, Pool};
+
+/// CPU seconds (user + system) process `pid` has used so far, from `/proc/<pid>/stat`
+/// (fields 14 and 15, in clock ticks of 1/100 s: Linux's USER_HZ). None off Linux or when
+/// the process is gone.
+fn cpu_secs(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces: count after it.
+    let rest = stat.get(stat.rfind(')')? + 1..)?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok());
+    // `rest` starts at field 3 (state): utime is field 14, stime field 15.
+    Some((ticks(11)? + ticks(12)?) as f64 / 100.0)
+}
 
 /// Median of `v` (None when empty).
 fn median(mut v: Vec<f64>) -> Option<f64> {
@@ -86,9 +105,15 @@ pub fn overhead(env: &Env, secs: f64, rounds: usize, workers: usize) -> Result<V
     let closed_args = ["--closed-loop", workers_arg.as_str(), "--threads", "2"];
     let mut max_rounds: Vec<Value> = Vec::new();
     let (mut plain_rps, mut ailb_rps, mut rps_ratios) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut plain_cpu, mut ailb_cpu, mut cpu_ratios) = (Vec::new(), Vec::new(), Vec::new());
+    let pid = |p: Policy| match p {
+        Policy::AiLb => ailb.pid(),
+        _ => plain.pid(),
+    };
     for round in 0..rounds {
         let mut row = serde_json::Map::new();
         for p in order(round) {
+            let cpu_before = cpu_secs(pid(p));
             let (s, rs) = replay(
                 env,
                 &url(p),
@@ -96,18 +121,32 @@ pub fn overhead(env: &Env, secs: f64, rounds: usize, workers: usize) -> Result<V
                 &dir.join(format!("{}.closed.{round}.jsonl", p.name())),
                 &closed_args,
             )?;
+            let cpu = cpu_secs(pid(p)).zip(cpu_before).map(|(a, b)| a - b);
             let rps = ok_rps(&rs);
+            let ok = rs.iter().filter(|r| r.outcome == Outcome::Ok).count();
+            // Microseconds of Envoy CPU per answered request.
+            let cpu_us = cpu.filter(|_| ok > 0).map(|c| c * 1e6 / ok as f64);
             row.insert(
                 p.name().into(),
-                json!({"ok_rps": rps, "errors": s.errors, "timeouts": s.timeouts, "e2e_ms": s.e2e_ms}),
+                json!({"ok_rps": rps, "errors": s.errors, "timeouts": s.timeouts, "e2e_ms": s.e2e_ms,
+                       "envoy_cpu_s": cpu, "envoy_cpu_us_per_request": cpu_us}),
             );
             match p {
-                Policy::AiLb => ailb_rps.push(rps),
-                _ => plain_rps.push(rps),
+                Policy::AiLb => {
+                    ailb_rps.push(rps);
+                    ailb_cpu.push(cpu_us.unwrap_or(f64::NAN));
+                }
+                _ => {
+                    plain_rps.push(rps);
+                    plain_cpu.push(cpu_us.unwrap_or(f64::NAN));
+                }
             }
         }
         if let (Some(a), Some(b)) = (ailb_rps.last(), plain_rps.last()) {
             rps_ratios.push(a / b);
+        }
+        if let (Some(a), Some(b)) = (ailb_cpu.last(), plain_cpu.last()) {
+            cpu_ratios.push(b / a);
         }
         max_rounds.push(Value::Object(row));
     }
@@ -173,6 +212,13 @@ pub fn overhead(env: &Env, secs: f64, rounds: usize, workers: usize) -> Result<V
             "ratio_per_round": rps_ratios,
             "rounds": max_rounds,
         },
+        "cpu_per_request": {
+            "what": "Envoy process CPU (user + system) per answered request over each closed loop, microseconds; ratio = plain / ai_lb, the req/s each would reach on a core of its own",
+            "least_request_us_median": median(plain_cpu.clone()),
+            "ai_lb_us_median": median(ailb_cpu.clone()),
+            "ratio_of_medians": analysis::ratio(median(plain_cpu), median(ailb_cpu)),
+            "ratio_per_round": cpu_ratios,
+        },
         "half_load": {
             "rate_rps": half,
             "p99_ms_median": {"least_request": median(p99_plain.clone()), "ai_lb": median(p99_ailb.clone()), "direct_to_sink": median(p99_direct)},
@@ -197,6 +243,7 @@ pub fn write(out: &Path, v: &Value) -> Result<(), Error> {
         "### overhead (1 Envoy worker, fast upstream, {} rounds of {} s, medians)\n\n`{}`\n\n\
          | measure | least_request | ai_lb | ratio / difference |\n|---|---|---|---|\n\
          | max req/s (closed loop, {} clients) | {} | {} | {} |\n\
+         | Envoy CPU per request over that loop, µs | {} | {} | {} (req/s per CPU; per round: {}) |\n\
          | e2e p50 at {} req/s, ms | {} | {} | {} µs |\n\
          | e2e p99 at {} req/s, ms | {} | {} | {} µs (per round: {}) |\n\n\
          Straight to the sink (no Envoy), p99: {} ms.\n",
@@ -207,6 +254,10 @@ pub fn write(out: &Path, v: &Value) -> Result<(), Error> {
         f(&v["max_rps"]["least_request_median"]),
         f(&v["max_rps"]["ai_lb_median"]),
         f(&v["max_rps"]["ratio_of_medians"]),
+        f(&v["cpu_per_request"]["least_request_us_median"]),
+        f(&v["cpu_per_request"]["ai_lb_us_median"]),
+        f(&v["cpu_per_request"]["ratio_of_medians"]),
+        v["cpu_per_request"]["ratio_per_round"],
         f(&h["rate_rps"]),
         f(&h["p50_ms_median"]["least_request"]),
         f(&h["p50_ms_median"]["ai_lb"]),
@@ -223,7 +274,31 @@ pub fn write(out: &Path, v: &Value) -> Result<(), Error> {
 
 #[cfg(test)]
 mod tests {
-    use super::median;
+    use super::{cpu_secs, median};
+
+    #[test]
+    fn cpu_secs_reads_this_process_and_grows_with_work() {
+        let pid = std::process::id();
+        let start = cpu_secs(pid).expect("/proc/<pid>/stat of this process");
+        // Spin until the kernel has charged 50 ms more (a tick is 10 ms); a parse of the wrong
+        // fields would stay put or be None and time out here.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        let mut x = 0u64;
+        loop {
+            for i in 0..1_000_000u64 {
+                x = x.wrapping_mul(31).wrapping_add(i);
+            }
+            let now = cpu_secs(pid).expect("still readable");
+            if now - start >= 0.05 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "CPU time never grew ({x})"
+            );
+        }
+        assert_eq!(cpu_secs(u32::MAX), None, "no such process");
+    }
 
     #[test]
     fn median_of_odd_even_and_empty() {

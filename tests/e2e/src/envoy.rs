@@ -340,6 +340,11 @@ impl std::fmt::Debug for Envoy {
 }
 
 impl Envoy {
+    /// The Envoy process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Starts Envoy and waits until `/ready` answers 200 and the listener is bound.
     pub fn start(opts: &EnvoyOptions) -> Result<Envoy, Error> {
         let dir = scratch_dir("envoy")?;
