@@ -11,7 +11,8 @@
 //!   also the Envoy process's CPU time (user + system, `/proc/<pid>/stat`) per answered
 //!   request over that loop. On a shared 2-core machine a closed loop's maximum depends on
 //!   how much CPU the load generator and the other processes leave Envoy; CPU per request
-//!   does not, so it is the steadier measure of what the filter costs;
+//!   does not so much; and the same at a fixed rate both keep up with (a quarter of plain's
+//!   maximum), the steadiest measure of what the filter costs per request;
 //! - added latency: an open loop at half of plain Envoy's measured maximum, `secs` each, with
 //!   the same trace; also straight to the sink, for the floor of the loop itself.
 
@@ -151,6 +152,42 @@ pub fn overhead(env: &Env, secs: f64, rounds: usize, workers: usize) -> Result<V
         max_rounds.push(Value::Object(row));
     }
     let plain_max = median(plain_rps.clone()).ok_or("no throughput measured")?;
+    // CPU per request at a rate both Envoys keep up with (a quarter of plain's maximum): a
+    // closed loop's CPU per request falls as throughput rises (more requests per wake-up), so
+    // at saturation it also depends on how much CPU the machine leaves each Envoy.
+    let quarter = (plain_max / 4.0).max(1.0);
+    let quarter_trace = dir.join("quarter.jsonl");
+    fixed_trace(env, quarter, secs, &quarter_trace)?;
+    let (mut q_plain, mut q_ailb, mut q_ratios) = (Vec::new(), Vec::new(), Vec::new());
+    let mut quarter_rounds: Vec<Value> = Vec::new();
+    for round in 0..rounds {
+        let mut row = serde_json::Map::new();
+        for p in order(round) {
+            let cpu_before = cpu_secs(pid(p));
+            let (s, rs) = replay(
+                env,
+                &url(p),
+                &quarter_trace,
+                &dir.join(format!("{}.quarter.{round}.jsonl", p.name())),
+                &[],
+            )?;
+            let cpu = cpu_secs(pid(p)).zip(cpu_before).map(|(a, b)| a - b);
+            let ok = rs.iter().filter(|r| r.outcome == Outcome::Ok).count();
+            let cpu_us = cpu.filter(|_| ok > 0).map(|c| c * 1e6 / ok as f64);
+            let mut v = lat(&s);
+            v["envoy_cpu_s"] = json!(cpu);
+            v["envoy_cpu_us_per_request"] = json!(cpu_us);
+            row.insert(p.name().into(), v);
+            match p {
+                Policy::AiLb => q_ailb.push(cpu_us.unwrap_or(f64::NAN)),
+                _ => q_plain.push(cpu_us.unwrap_or(f64::NAN)),
+            }
+        }
+        if let (Some(a), Some(b)) = (q_ailb.last(), q_plain.last()) {
+            q_ratios.push(b / a);
+        }
+        quarter_rounds.push(Value::Object(row));
+    }
     let half = (plain_max / 2.0).max(1.0);
     let half_trace = dir.join("half.jsonl");
     fixed_trace(env, half, secs, &half_trace)?;
@@ -219,6 +256,16 @@ pub fn overhead(env: &Env, secs: f64, rounds: usize, workers: usize) -> Result<V
             "ratio_of_medians": analysis::ratio(median(plain_cpu), median(ailb_cpu)),
             "ratio_per_round": cpu_ratios,
         },
+        "quarter_load_cpu": {
+            "what": "Envoy process CPU per answered request with an open loop at a quarter of plain's maximum, microseconds; ratio = plain / ai_lb",
+            "rate_rps": quarter,
+            "least_request_us_median": median(q_plain.clone()),
+            "ai_lb_us_median": median(q_ailb.clone()),
+            "added_us_median": median(q_ailb.clone()).zip(median(q_plain.clone())).map(|(a, b)| a - b),
+            "ratio_of_medians": analysis::ratio(median(q_plain), median(q_ailb)),
+            "ratio_per_round": q_ratios,
+            "rounds": quarter_rounds,
+        },
         "half_load": {
             "rate_rps": half,
             "p99_ms_median": {"least_request": median(p99_plain.clone()), "ai_lb": median(p99_ailb.clone()), "direct_to_sink": median(p99_direct)},
@@ -244,6 +291,7 @@ pub fn write(out: &Path, v: &Value) -> Result<(), Error> {
          | measure | least_request | ai_lb | ratio / difference |\n|---|---|---|---|\n\
          | max req/s (closed loop, {} clients) | {} | {} | {} |\n\
          | Envoy CPU per request over that loop, µs | {} | {} | {} (req/s per CPU; per round: {}) |\n\
+         | Envoy CPU per request at {} req/s (a quarter of plain's max), µs | {} | {} | {} (+{} µs; per round: {}) |\n\
          | e2e p50 at {} req/s, ms | {} | {} | {} µs |\n\
          | e2e p99 at {} req/s, ms | {} | {} | {} µs (per round: {}) |\n\n\
          Straight to the sink (no Envoy), p99: {} ms.\n",
@@ -258,6 +306,12 @@ pub fn write(out: &Path, v: &Value) -> Result<(), Error> {
         f(&v["cpu_per_request"]["ai_lb_us_median"]),
         f(&v["cpu_per_request"]["ratio_of_medians"]),
         v["cpu_per_request"]["ratio_per_round"],
+        f(&v["quarter_load_cpu"]["rate_rps"]),
+        f(&v["quarter_load_cpu"]["least_request_us_median"]),
+        f(&v["quarter_load_cpu"]["ai_lb_us_median"]),
+        f(&v["quarter_load_cpu"]["ratio_of_medians"]),
+        f(&v["quarter_load_cpu"]["added_us_median"]),
+        v["quarter_load_cpu"]["ratio_per_round"],
         f(&h["rate_rps"]),
         f(&h["p50_ms_median"]["least_request"]),
         f(&h["p50_ms_median"]["ai_lb"]),
