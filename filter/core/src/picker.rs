@@ -496,7 +496,12 @@ impl PodRt {
     /// waits for KV cache, every one waiting) plus itself, over how many run at once. So a
     /// long queue on a pod running eight requests can be the shorter wait, and a short queue
     /// behind two requests that hold the KV cache the longer.
-    fn drain(&self) -> f64 {
+    ///
+    /// A pod judged slow ([`PodRt::slowness`] `s` > 1) turns over `s` times slower: it counts
+    /// as a pod with `1/s` of its seats, turning over `1/s` of its running requests per round
+    /// (at least one), so the wait is in full-speed rounds and a free seat on it is no free
+    /// seat once its requests would fill its seats at its speed.
+    fn drain(&self, slow: f64) -> f64 {
         let occ = self.occupancy();
         let running = match self.snap_occ {
             Some(o) => o - f64::from(self.snap_waiting),
@@ -508,6 +513,7 @@ impl PodRt {
         } else {
             self.capacity
         };
+        let (slots, running) = (slots / slow, (running / slow).max(1.0));
         if occ < slots {
             return 0.0;
         }
@@ -527,7 +533,9 @@ impl PodRt {
     /// head that waits for KV cache is not always worse than a queue for seats (a pod that
     /// runs two requests and has three waiting turns over slower than one that runs eight
     /// with four waiting, but faster than one that runs eight with thirty waiting). A pod judged
-    /// slow has its load and wait scaled by [`PodRt::slowness`].
+    /// slow counts its load [`PodRt::slowness`] times, and its seats and turnover at that
+    /// fraction ([`PodRt::drain`]): with three requests on eight seats at a quarter of the
+    /// speed it is full, and loses to a full-speed pod with a short queue.
     fn pick_key(&self, kv_tokens: f64, now_ms: u64) -> (u8, f64, f64) {
         let slow = self.slowness();
         let load = self.load_with(kv_tokens) * slow;
@@ -535,11 +543,11 @@ impl PodRt {
             (2, 0.0, load)
         } else if self.head_blocked
             || self.hot
-            || self.seat_load() >= 1.0
+            || self.seat_load() * slow >= 1.0
             || self.waiting_now() > 0
             || self.failed_recently(now_ms)
         {
-            (1, self.drain() * slow, load)
+            (1, self.drain(slow), load)
         } else {
             (0, 0.0, load)
         }
@@ -551,7 +559,8 @@ impl PodRt {
     /// load and wait in [`PodRt::pick_key`] weigh that much more: a pod at a fifth of the
     /// speed with one request in flight is about as far from serving the next one as a pod at
     /// full speed with five. Without this, a slowed pod drawn against a busier one won on
-    /// its lower load, and kept taking new requests in the first second after it slowed.
+    /// its lower load, or on a free seat against a pod with a short queue, and kept taking
+    /// new requests in the first second after it slowed.
     /// (A penalty of 0, `cutoffs.slowdownFactor` 0, counts as 1000: finite, so an idle pod's
     /// zero load stays 0, not NaN.)
     fn slowness(&self) -> f64 {

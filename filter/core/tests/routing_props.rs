@@ -1803,3 +1803,32 @@ fn a_slowed_pod_loses_to_a_busier_pod_unless_it_is_that_many_times_less_busy() {
         assert!(share > 1.5 * p0, "{what}: idle slowed pod's share {share}");
     }
 }
+
+#[test]
+fn a_slowed_pods_free_seat_counts_at_its_speed() {
+    // Eight seats. Pod 0's GPU is slowed (a quarter of the speed) and runs 3: at its speed its
+    // seats hold 2, so it is full, and waits 2 full-speed rounds ((3 - 2 + 1) / max(3/4, 1)).
+    // Pods 1-3 run 8 with 1 waiting: queued, a quarter of a round ((9 - 8 + 1) / 8). Pod 0
+    // loses every comparison (before, its free seat won each one it was drawn into, about
+    // 14 % of the picks).
+    let share0 = |waiting: u32, seed: u64| {
+        let mut r = Router::new(config(r#"{"cutoffs":{"maxQueue":8}}"#));
+        let mut ev = throttled(event(&[pod(0.2); 4], 1), 0, 0x8);
+        set_queues(
+            &mut ev,
+            &[(0, 3, 0), (1, 8, waiting), (2, 8, waiting), (3, 8, waiting)],
+        );
+        r.apply_pool_event(0, &ev, 1000);
+        counts(&mut r, 4, 40_000, seed, 1000)[0] as f64 / 40_000.0
+    };
+    let p0: f64 = 0.25 / 3.25;
+    let share = share0(1, 31);
+    assert!(share < p0.powi(4) + 0.002, "slowed pod's share {share}");
+    // Behind deep queues (24 waiting: 3.1 rounds) its 2 rounds are the shorter wait: it wins
+    // when drawn, so a slowed pod still takes load off a saturated pool.
+    let share = share0(24, 32);
+    assert!(
+        share > 1.5 * p0,
+        "slowed pod's share behind deep queues {share}"
+    );
+}
