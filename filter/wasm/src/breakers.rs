@@ -71,13 +71,17 @@ impl Breakers {
         // sync copies again.
         p.epoch_seen = epoch;
         p.next_full_ms = now.saturating_add(FULL_SYNC_MS);
-        let pods: Vec<String> = router.pod_addresses(pool).map(str::to_string).collect();
-        for pod in pods {
-            let (bytes, _) = crate::host::shared_get(&shared::breaker_key(&p.name, &pod));
+        // Only the pods whose shared breaker differs from the copy here are collected (most
+        // often one), then installed.
+        let mut changed = Vec::new();
+        for pod in router.pod_addresses(pool) {
+            let (bytes, _) = crate::host::shared_get(&shared::breaker_key(&p.name, pod));
             let Some(bytes) = bytes else { continue };
-            if p.seen.get(&pod) == Some(&bytes) {
-                continue;
+            if p.seen.get(pod) != Some(&bytes) {
+                changed.push((pod.to_string(), bytes));
             }
+        }
+        for (pod, bytes) in changed {
             if let Some(b) = Breaker::decode(&bytes) {
                 router.set_breaker(pool, &pod, None, b);
             }

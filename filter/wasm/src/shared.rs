@@ -60,7 +60,10 @@ pub fn hold_lease(key: &str, me: u64, now_ms: u64, ttl_ms: u64) -> bool {
 
 /// A u64 stored little-endian (0 when absent or malformed).
 pub fn read_u64(key: &str) -> u64 {
-    let (bytes, _) = host::shared_get(key);
+    decode_u64(host::shared_get(key).0)
+}
+
+fn decode_u64(bytes: Option<Vec<u8>>) -> u64 {
     bytes
         .and_then(|b| b.get(..8).and_then(|s| <[u8; 8]>::try_from(s).ok()))
         .map(u64::from_le_bytes)
@@ -78,11 +81,7 @@ pub fn publish_state(pool: &str, state: &[u8]) -> Result<u64, Status> {
 fn bump_u64(key: &str) -> Result<u64, Status> {
     for _ in 0..CAS_RETRIES {
         let (bytes, cas) = host::shared_get(key);
-        let v = bytes
-            .and_then(|b| b.get(..8).and_then(|s| <[u8; 8]>::try_from(s).ok()))
-            .map(u64::from_le_bytes)
-            .unwrap_or(0)
-            .wrapping_add(1);
+        let v = decode_u64(bytes).wrapping_add(1);
         match host::shared_set(key, &v.to_le_bytes(), cas) {
             Ok(()) => return Ok(v),
             Err(Status::CasMismatch) => continue,
