@@ -22,7 +22,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::analysis::{self, Summary};
-use ai_lb_loadgen::stats::Outcome;
+use ai_lb_loadgen::stats::{Outcome, Record};
 
 use crate::calibrate::{fixed_trace, ok_rps, replay};
 use crate::scenario::Env;
@@ -39,6 +39,38 @@ fn cpu_secs(pid: u32) -> Option<f64> {
     let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok());
     // `rest` starts at field 3 (state): utime is field 14, stime field 15.
     Some((ticks(11)? + ticks(12)?) as f64 / 100.0)
+}
+
+/// One measured replay: the loadgen's summary and records, the Envoy process's CPU seconds over
+/// it, and its CPU microseconds per answered request.
+struct Measured {
+    summary: Summary,
+    records: Vec<Record>,
+    cpu_s: Option<f64>,
+    cpu_us_per_ok: Option<f64>,
+}
+
+/// Replays `trace` against `url` (args passed to the loadgen), reading Envoy `pid`'s CPU time
+/// before and after.
+fn measured_replay(
+    env: &Env,
+    url: &str,
+    trace: &Path,
+    out: &Path,
+    args: &[&str],
+    pid: u32,
+) -> Result<Measured, Error> {
+    let before = cpu_secs(pid);
+    let (summary, records) = replay(env, url, trace, &out.to_path_buf(), args)?;
+    let cpu_s = cpu_secs(pid).zip(before).map(|(a, b)| a - b);
+    let ok = records.iter().filter(|r| r.outcome == Outcome::Ok).count();
+    let cpu_us_per_ok = cpu_s.filter(|_| ok > 0).map(|c| c * 1e6 / ok as f64);
+    Ok(Measured {
+        summary,
+        records,
+        cpu_s,
+        cpu_us_per_ok,
+    })
 }
 
 /// Median of `v` (None when empty).
@@ -114,23 +146,20 @@ pub fn overhead(env: &Env, secs: f64, rounds: usize, workers: usize) -> Result<V
     for round in 0..rounds {
         let mut row = serde_json::Map::new();
         for p in order(round) {
-            let cpu_before = cpu_secs(pid(p));
-            let (s, rs) = replay(
+            let m = measured_replay(
                 env,
                 &url(p),
                 &closed_trace,
                 &dir.join(format!("{}.closed.{round}.jsonl", p.name())),
                 &closed_args,
+                pid(p),
             )?;
-            let cpu = cpu_secs(pid(p)).zip(cpu_before).map(|(a, b)| a - b);
-            let rps = ok_rps(&rs);
-            let ok = rs.iter().filter(|r| r.outcome == Outcome::Ok).count();
-            // Microseconds of Envoy CPU per answered request.
-            let cpu_us = cpu.filter(|_| ok > 0).map(|c| c * 1e6 / ok as f64);
+            let (s, cpu_us) = (&m.summary, m.cpu_us_per_ok);
+            let rps = ok_rps(&m.records);
             row.insert(
                 p.name().into(),
                 json!({"ok_rps": rps, "errors": s.errors, "timeouts": s.timeouts, "e2e_ms": s.e2e_ms,
-                       "envoy_cpu_s": cpu, "envoy_cpu_us_per_request": cpu_us}),
+                       "envoy_cpu_s": m.cpu_s, "envoy_cpu_us_per_request": cpu_us}),
             );
             match p {
                 Policy::AiLb => {
@@ -163,19 +192,17 @@ pub fn overhead(env: &Env, secs: f64, rounds: usize, workers: usize) -> Result<V
     for round in 0..rounds {
         let mut row = serde_json::Map::new();
         for p in order(round) {
-            let cpu_before = cpu_secs(pid(p));
-            let (s, rs) = replay(
+            let m = measured_replay(
                 env,
                 &url(p),
                 &quarter_trace,
                 &dir.join(format!("{}.quarter.{round}.jsonl", p.name())),
                 &[],
+                pid(p),
             )?;
-            let cpu = cpu_secs(pid(p)).zip(cpu_before).map(|(a, b)| a - b);
-            let ok = rs.iter().filter(|r| r.outcome == Outcome::Ok).count();
-            let cpu_us = cpu.filter(|_| ok > 0).map(|c| c * 1e6 / ok as f64);
-            let mut v = lat(&s);
-            v["envoy_cpu_s"] = json!(cpu);
+            let cpu_us = m.cpu_us_per_ok;
+            let mut v = lat(&m.summary);
+            v["envoy_cpu_s"] = json!(m.cpu_s);
             v["envoy_cpu_us_per_request"] = json!(cpu_us);
             row.insert(p.name().into(), v);
             match p {
