@@ -386,12 +386,15 @@ struct RawConfig {
     floor_weight: Option<f64>,
     /// How a pod is chosen among those not cut: `twoChoices` (two draws in proportion to
     /// score; a pod with a free seat beats one where the request would queue, which beats one
-    /// whose estimated free KV cache the prompt does not fit; queued pods are compared by the
-    /// service rounds the request would wait (the requests ahead of it plus itself, over those
-    /// running; while the queue's head waits for KV, every waiting request is ahead); then
-    /// the lower load wins, the fuller of seats (the snapshot's running + waiting moved by this sidecar's own starts
-    /// and ends since) and KV cache (the snapshot's KV use plus this sidecar's prompts and
-    /// `max_tokens` since; pods whose agent reports KV capacity); a prompt that fits neither
+    /// whose estimated free KV cache the prompt does not fit, or whose queue's head waits for
+    /// KV cache when the prompt and `max_tokens` are four times the mean request's or more;
+    /// queued pods are compared by the service rounds the request would wait (the requests
+    /// ahead of it plus itself, over those running; while the queue's head waits for KV,
+    /// every waiting request is ahead); then the lower load wins, the fuller of seats (the
+    /// snapshot's running + waiting moved by this sidecar's own starts since the model server
+    /// was read for it and ends since it arrived) and KV cache (the snapshot's KV use plus
+    /// this sidecar's prompts and `max_tokens` since that reading; pods whose agent reports
+    /// KV capacity); a prompt that fits neither
     /// candidate draws up to four more; a pod over the GPU hard limit takes overflow once the
     /// drawn pods would queue; idle pods tie and the first draw wins, so an idle pool gets
     /// score-proportional shares) or `proportional` (one draw in proportion to score, divided

@@ -17,10 +17,10 @@
 //!    - `Decision::Steer { ranked, .. }` / `Decision::FailOpen { ranked }`:
 //!      [`picker::Router::write_ranked`] into a reused `String`, set `routingHeader` to it, and
 //!      call [`picker::Router::on_request_start`] with the first address
-//!      ([`picker::Router::address`]) and that size.
+//!      ([`picker::Router::address`]), that size and the time.
 //!    - `Decision::Fallback(reason)`: set nothing; Envoy's fallback policy balances.
 //! 5. At stream end, for every request started in step 4, however it ended:
-//!    [`picker::Router::on_request_end`] with the same size; then [`picker::Router::on_outcome`] with an
+//!    [`picker::Router::on_request_end`] with the same size and start time; then [`picker::Router::on_outcome`] with an
 //!    [`breaker::Outcome`]; count the returned [`breaker::BreakerEvent`]s. Time-driven
 //!    transitions: [`picker::Router::tick`] or [`picker::Router::take_breaker_events`].
 //!    Breakers can be shared between VMs with [`breaker::Breaker::encode`]/`decode` and

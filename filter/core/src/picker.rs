@@ -42,13 +42,23 @@
 //!     capacity). KV is judged only for pods that report their KV-cache capacity in tokens
 //!     and its use.
 //!   - Estimated occupancy = the latest snapshot's running + waiting, plus this VM's requests
-//!     started since that snapshot, minus those that ended since (never below 0), over the
+//!     started since the model server was read for it (the snapshot's arrival less that
+//!     reading's age: requests sent in between are not in its figures), minus those that
+//!     ended since the snapshot (never below 0), over the
 //!     pod's `queue_capacity` (else `cutoffs.maxQueue`). A request counts one seat on pods
 //!     that report their KV cache; on others it counts by its body size against the running
 //!     mean ([`Router::request_size`]: a long prompt counts for more). Without running/waiting
 //!     in the snapshot: this VM's in-flight count (what least_request sees).
 //!   - Estimated KV use = the snapshot's use × capacity, plus the KV tokens (prompt estimate
-//!     plus `max_tokens`) of this VM's requests started since, minus those ended since.
+//!     plus `max_tokens`) of this VM's requests started since its reading, plus the
+//!     `max_tokens` of those started before it and still in flight (the reading shows what
+//!     they hold so far; they grow into their answer and hold it until they end), minus the
+//!     KV tokens of those ended since.
+//!   - A big request (at least four times the mean request's KV tokens) counts as not
+//!     fitting a pod whose queue's head waits for KV cache: the head takes what frees first.
+//!     Between two pods where it would start at once it keeps the earlier draw (drawn by
+//!     score) instead of the less loaded: sidecars rank pods on the same snapshot, and the
+//!     least loaded of several draws is the same pod for all of them (herding).
 //!   - Overflow: when the request would queue on the chosen pod, one pod cut by the GPU hard
 //!     limit alone (score 0, breakers closed), drawn evenly, competes too, counted as queued:
 //!     it wins only with the shorter wait (counted as `overflow_over_gpu_limit`). So a hot pod
@@ -138,6 +148,72 @@ const DECODE_SPEED_ALPHA: f64 = 0.3;
 
 /// More candidates a long-output request draws (`longOutputTokens`), after the first two.
 const LONG_OUTPUT_EXTRA_DRAWS: usize = 2;
+
+/// This VM's latest starts remembered per pod ([`RecentStarts`]): enough for the starts of
+/// one engine reading's age (about 100-200 ms) at the rates one sidecar sends to one pod.
+const RECENT_STARTS: usize = 8;
+
+/// A request holding at least this many times the mean request's KV tokens is "big": it
+/// counts as waiting for KV cache on a pod whose queue's head already waits for it (see
+/// [`PodRt::pick_key`]), and among pods where it would start at once it keeps the earlier
+/// draw instead of the less loaded (see [`Router::decide_for`]).
+const BIG_KV_FACTOR: f64 = 4.0;
+
+/// This VM's latest request starts to one pod (send time, size), newest overwriting oldest, so
+/// a snapshot re-bases the in-flight estimates at the time the model server was read, not at
+/// the time the snapshot arrived: requests sent in between (the reading's age, up to the
+/// agent's sample interval and more) are not in its figures and stay counted on top of them.
+/// Without it each snapshot erased them until the next one, and a sidecar sent a second long
+/// prompt to the pod it had just filled (seen in hol-poisson-80: three sidecars each put two
+/// 4 000-token prompts on one pod within 60-215 ms, the third waited 4-9 s for KV cache and
+/// held up every short request behind it).
+#[derive(Debug, Clone, Copy, Default)]
+struct RecentStarts {
+    /// (sent at ms, weight, KV tokens, output tokens); an entry with weight 0 is empty.
+    entries: [(u64, f32, f32, f32); RECENT_STARTS],
+    next: u8,
+}
+
+impl RecentStarts {
+    fn push(&mut self, at_ms: u64, size: &RequestSize) {
+        let i = usize::from(self.next) % RECENT_STARTS;
+        if let Some(e) = self.entries.get_mut(i) {
+            *e = (
+                at_ms,
+                size.weight.max(f64::MIN_POSITIVE) as f32,
+                size.kv_tokens as f32,
+                size.output_tokens as f32,
+            );
+        }
+        self.next = ((i + 1) % RECENT_STARTS) as u8;
+    }
+
+    /// Forgets the start at `at_ms` of a request of `size` that ended (if still remembered).
+    fn remove(&mut self, at_ms: u64, size: &RequestSize) {
+        let (w, kv) = (
+            size.weight.max(f64::MIN_POSITIVE) as f32,
+            size.kv_tokens as f32,
+        );
+        if let Some(e) = self
+            .entries
+            .iter_mut()
+            .find(|e| e.1 > 0.0 && e.0 == at_ms && e.1 == w && e.2 == kv)
+        {
+            *e = (0, 0.0, 0.0, 0.0);
+        }
+    }
+
+    /// Count, KV tokens and output tokens of the remembered starts after `t_ms` (still in
+    /// flight).
+    fn after(&self, t_ms: u64) -> (u32, f64, f64) {
+        self.entries
+            .iter()
+            .filter(|e| e.1 > 0.0 && e.0 > t_ms)
+            .fold((0, 0.0, 0.0), |(n, kv, out), e| {
+                (n + 1, kv + f64::from(e.2), out + f64::from(e.3))
+            })
+    }
+}
 
 /// How much one request counts in a VM's in-flight estimates ([`Router::request_size`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -333,10 +409,15 @@ struct PodRt {
     snap_kv: f64,
     /// KV tokens of this VM's requests in flight ([`RequestSize::kv_tokens`], never reset).
     inflight_kv: f64,
-    /// `inflight_kv` when the latest KV reading arrived.
+    /// Output tokens reserved (`max_tokens`) by this VM's requests in flight (never reset).
+    inflight_out: f64,
+    /// What `inflight_kv` held when the latest KV reading arrived, less what stays counted on
+    /// top of that reading (see [`PodRt::kv_used`]).
     inflight_kv_base: f64,
     /// Sequence of the snapshot the KV reading came from.
     kv_seq: Option<u64>,
+    /// This VM's latest starts, to re-base at the reading's time.
+    recent: RecentStarts,
     picks: u64,
     breaker: Breaker,
     /// This VM's recent outcomes of the pod, for the failure-rate trip.
@@ -390,8 +471,10 @@ impl PodRt {
             kv_cap: None,
             snap_kv: 0.0,
             inflight_kv: 0.0,
+            inflight_out: 0.0,
             inflight_kv_base: 0.0,
             kv_seq: None,
+            recent: RecentStarts::default(),
             picks: 0,
             breaker: Breaker::default(),
             window: FailureWindow::default(),
@@ -441,7 +524,10 @@ impl PodRt {
     }
 
     /// Estimated KV tokens in use now: the snapshot's, plus the KV tokens of this VM's requests
-    /// started since, minus those that ended since (never below 0). None when unknown.
+    /// sent after its model-server reading, plus the output reservation of those sent before
+    /// and still in flight (the reading shows what they hold so far, not the answer they grow
+    /// into), minus the KV tokens of those that ended since (never below 0). None when
+    /// unknown.
     fn kv_used(&self) -> Option<f64> {
         self.kv_cap?;
         Some((self.snap_kv + self.inflight_kv - self.inflight_kv_base).max(0.0))
@@ -536,10 +622,16 @@ impl PodRt {
     /// slow counts its load [`PodRt::slowness`] times, and its seats and turnover at that
     /// fraction ([`PodRt::drain`]): with three requests on eight seats at a quarter of the
     /// speed it is full, and loses to a full-speed pod with a short queue.
-    fn pick_key(&self, kv_tokens: f64, now_ms: u64) -> (u8, f64, f64) {
+    ///
+    /// `big`: the request holds [`BIG_KV_FACTOR`] times the mean request's KV tokens or
+    /// more. Behind a head that waits for KV cache it waits for KV cache itself (tier 2): the
+    /// head takes what frees first, and so many tokens more free only when several requests
+    /// end, or a long one (seconds). Counted as a queue for seats, a long prompt went to the
+    /// pod already blocked by another, the one with the fewest running.
+    fn pick_key(&self, kv_tokens: f64, big: bool, now_ms: u64) -> (u8, f64, f64) {
         let slow = self.slowness();
         let load = self.load_with(kv_tokens) * slow;
-        if !self.fits(kv_tokens) {
+        if !self.fits(kv_tokens) || (big && self.head_blocked) {
             (2, 0.0, load)
         } else if self.head_blocked
             || self.hot
@@ -1058,11 +1150,14 @@ impl Router {
                         None => s.raw,
                     });
                 }
+                // This VM's requests sent after the model server was read are not in the
+                // reading: they stay counted on top of it.
+                let (n_after, kv_after, out_after) = pod.recent.after(sig.engine_sampled_at_ms);
                 if (sig.running.is_some() || sig.waiting.is_some())
                     && pod.occ_seq != Some(sig.sequence)
                 {
                     pod.occ_seq = Some(sig.sequence);
-                    pod.inflight_base = f64::from(pod.inflight);
+                    pod.inflight_base = f64::from(pod.inflight.saturating_sub(n_after));
                     pod.snap_waiting = sig.waiting.unwrap_or(0);
                     pod.ended_since_snap = 0;
                     pod.head_blocked = pod.snap_waiting > 0
@@ -1080,7 +1175,13 @@ impl Router {
                             pod.kv_seq = Some(sig.sequence);
                             pod.kv_cap = Some(cap);
                             pod.snap_kv = used * cap;
-                            pod.inflight_kv_base = pod.inflight_kv;
+                            // Requests sent before the reading: it shows what they hold
+                            // now (their prompt once prefilled, the tokens generated so
+                            // far), not the output they will grow into and hold until they
+                            // end. That reservation stays counted on top.
+                            let out_before = (pod.inflight_out - out_after).max(0.0);
+                            pod.inflight_kv_base =
+                                (pod.inflight_kv - kv_after - out_before).max(0.0);
                         }
                     }
                     _ => {
@@ -1247,6 +1348,7 @@ impl Router {
         if needs_refresh {
             self.refresh(pool_idx, now_ms);
         }
+        let big = self.kv_is_big(size.kv_tokens);
         let cfg = &self.cfg;
         let Some(p) = self.pools.get_mut(pool_idx) else {
             return Decision::Fallback(FallbackReason::NoAgentData);
@@ -1319,7 +1421,7 @@ impl Router {
                         .get(slot)
                         .and_then(|id| p.pods.get(*id as usize))
                         .map_or((u8::MAX, f64::INFINITY, f64::INFINITY), |r| {
-                            r.pick_key(size.kv_tokens, now_ms)
+                            r.pick_key(size.kv_tokens, big, now_ms)
                         })
                 };
                 if key(other) < key(start) {
@@ -1362,7 +1464,7 @@ impl Router {
                 p.pods
                     .get(id as usize)
                     .map_or((u8::MAX, f64::INFINITY, f64::INFINITY), |r| {
-                        r.pick_key(need, now_ms)
+                        r.pick_key(need, big, now_ms)
                     })
             };
             // A long answer spends its time decoding: it goes where it would finish first,
@@ -1404,6 +1506,15 @@ impl Router {
                         _ if slowed(a) != slowed(b) => return slowed(a),
                         _ => {}
                     }
+                }
+                // A big request that would start at once on both keeps the earlier draw (drawn
+                // by score): every sidecar ranks pods on the same snapshot, so taking the less
+                // loaded of its six draws sent every sidecar's long prompt of a burst to the
+                // same emptiest pod within one snapshot's age (four 4 000-token prompts from
+                // four sidecars within 71 ms in hol-poisson-80; the third and fourth waited
+                // 8 s for KV cache). Its KV cache is what it needs, and it fits both.
+                if big && kb.0 == 0 && ka.0 == 0 {
+                    return false;
                 }
                 kb < ka
             };
@@ -1504,6 +1615,20 @@ impl Router {
         }
     }
 
+    /// Whether a request holding `kv_tokens` is [`BIG_KV_FACTOR`] times the mean
+    /// request's KV tokens (mean prompt estimate plus mean output reservation) or more; false
+    /// before any sized request was seen.
+    fn kv_is_big(&self, kv_tokens: f64) -> bool {
+        let Some(out) = self.mean_output_tokens else {
+            return false;
+        };
+        let prompt = self
+            .mean_body_bytes
+            .map_or(0.0, |b| b / PROMPT_BYTES_PER_TOKEN);
+        let mean = prompt + out;
+        mean > 0.0 && kv_tokens >= BIG_KV_FACTOR * mean
+    }
+
     /// How much one request counts in this VM's in-flight estimate, from its body size (None:
     /// not known; the glue passes `content-length` when it did not read the body) and its
     /// output reservation (`max_tokens`, None when the request sets none):
@@ -1549,27 +1674,35 @@ impl Router {
 
     /// Records that a request of `size` ([`Router::request_size`]) was sent to `pod` (serving
     /// address): it counts as in flight until [`Router::on_request_end`] with the same size.
-    pub fn on_request_start(&mut self, pool_idx: usize, pod: &str, size: RequestSize) {
+    /// `now_ms` is when it was sent: a snapshot whose model-server reading is older still
+    /// counts it on top ([`RecentStarts`]).
+    pub fn on_request_start(&mut self, pool_idx: usize, pod: &str, size: RequestSize, now_ms: u64) {
         self.with_pod(pool_idx, pod, |rt| {
             rt.inflight = rt.inflight.saturating_add(1);
             rt.inflight_w += size.weight;
             rt.inflight_kv += size.kv_tokens;
+            rt.inflight_out += size.output_tokens;
+            rt.recent.push(now_ms, &size);
         });
     }
 
-    /// Records that a request counted by [`Router::on_request_start`] ended, however it ended
-    /// (answered, failed, cancelled): call it exactly once per start.
-    pub fn on_request_end(&mut self, pool_idx: usize, pod: &str, size: RequestSize) {
+    /// Records that a request counted by [`Router::on_request_start`] (at `sent_ms`) ended,
+    /// however it ended (answered, failed, cancelled): call it exactly once per start, with
+    /// the same size and time.
+    pub fn on_request_end(&mut self, pool_idx: usize, pod: &str, size: RequestSize, sent_ms: u64) {
         self.with_pod(pool_idx, pod, |rt| {
+            rt.recent.remove(sent_ms, &size);
             rt.inflight = rt.inflight.saturating_sub(1);
             rt.ended_since_snap = rt.ended_since_snap.saturating_add(1);
             if rt.inflight == 0 {
                 // Nothing left in flight: drop rounding residue.
                 rt.inflight_w = 0.0;
                 rt.inflight_kv = 0.0;
+                rt.inflight_out = 0.0;
             } else {
                 rt.inflight_w -= size.weight;
                 rt.inflight_kv -= size.kv_tokens;
+                rt.inflight_out -= size.output_tokens;
             }
         });
     }
@@ -1797,7 +1930,7 @@ impl Router {
                     picks: r.picks,
                     inflight: r.inflight,
                     load: r.load(),
-                    queued: r.pick_key(0.0, now_ms).0 > 0,
+                    queued: r.pick_key(0.0, false, now_ms).0 > 0,
                     kv: r.kv_used().zip(r.kv_cap).map(|(u, c)| u / c),
                     error_rate: sig.and_then(|s| s.error_rate),
                     window_requests: sig.and_then(|s| s.window_requests),

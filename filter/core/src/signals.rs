@@ -113,6 +113,11 @@ pub struct PodSignals {
     /// Age of the metrics at `confirmed_at_ms` (the snapshot's `age_ms` at send time; 0 after a
     /// confirmation). Age at `now` = this + (now − confirmed_at), no clock comparison.
     pub age_at_confirm_ms: u64,
+    /// When (monotonic host ms) the model server's reading in this snapshot (running, waiting,
+    /// KV cache) was taken: the receive time less that source's age at send time (the
+    /// snapshot's own age when the agent does not report the source). Requests this VM sent
+    /// after it are not in those figures.
+    pub engine_sampled_at_ms: u64,
 }
 
 impl PodSignals {
@@ -275,6 +280,16 @@ impl PodSignals {
                 && s.last_success_age_ms.is_some()
         });
 
+        // The model server is read less often than the GPU: its figures can be older than the
+        // snapshot (whose age is that of its newest reading).
+        let engine_age_ms = snap
+            .sources
+            .iter()
+            .find(|s| s.name == MODEL_SERVER_SOURCE)
+            .and_then(|s| s.last_success_age_ms)
+            .unwrap_or(snap.age_ms)
+            .max(snap.age_ms);
+
         let signals = PodSignals {
             address: address.to_string(),
             pod_name: identity.map(|i| i.pod_name.clone()).unwrap_or_default(),
@@ -302,6 +317,7 @@ impl PodSignals {
             peer_stale: false,
             confirmed_at_ms: received_at_ms,
             age_at_confirm_ms: snap.age_ms,
+            engine_sampled_at_ms: received_at_ms.saturating_sub(engine_age_ms),
         };
         (Some(signals), issues)
     }

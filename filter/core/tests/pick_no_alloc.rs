@@ -115,8 +115,8 @@ fn a_pick_with_its_start_and_end_allocates_nothing() {
             // The glue passes the chosen pod's address (written into the routing header).
             let a = &addrs[k % addrs.len()];
             let _ = ranked.first();
-            r.on_request_start(0, a, size);
-            r.on_request_end(0, a, size);
+            r.on_request_start(0, a, size, 1000);
+            r.on_request_end(0, a, size, 1000);
         }
     }
     let after = ALLOCS.load(Ordering::Relaxed);

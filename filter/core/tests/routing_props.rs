@@ -686,7 +686,7 @@ fn inflight_since_snapshot_lowers_share_until_next_snapshot() {
         r#"{"cutoffs":{"maxQueue":4},"pickStrategy":"proportional"}"#,
     );
     for _ in 0..4 {
-        r.on_request_start(0, &addr(0), RequestSize::UNIT);
+        r.on_request_start(0, &addr(0), RequestSize::UNIT, 1000);
     }
     // Pod 0 weight halves: 1/(1+4/4).
     let c = counts(&mut r, 2, 30_000, 8, 1000);
@@ -704,7 +704,7 @@ fn start_many(r: &mut Router, n: usize, picks: usize, seed: u64, now: u64) -> Ve
     for _ in 0..picks {
         let d = r.decide(0, None, now, &mut rng);
         let a = chosen(r, &d).unwrap();
-        r.on_request_start(0, &a, RequestSize::UNIT);
+        r.on_request_start(0, &a, RequestSize::UNIT, now);
         c[(0..n).position(|i| addr(i) == a).unwrap()] += 1;
     }
     c
@@ -783,7 +783,7 @@ fn two_choices_rebases_on_each_snapshot_so_lost_ends_do_not_accumulate() {
     let mut r = router(&[pod(0.2); 4], "");
     // 30 requests to pod 0 whose ends this sidecar never saw (e.g. a VM that missed them).
     for _ in 0..30 {
-        r.on_request_start(0, &addr(0), RequestSize::UNIT);
+        r.on_request_start(0, &addr(0), RequestSize::UNIT, 1000);
     }
     assert_eq!(start_many(&mut r, 4, 30, 1, 1000)[0], 0);
     // The next snapshot says pod 0 is idle again: it counts as idle, the 30 are forgotten.
@@ -792,7 +792,7 @@ fn two_choices_rebases_on_each_snapshot_so_lost_ends_do_not_accumulate() {
     assert!(c[0] > 8_000, "{c:?}");
     // Ends after a snapshot move the estimate down (never below zero).
     for _ in 0..10 {
-        r.on_request_end(0, &addr(1), RequestSize::UNIT);
+        r.on_request_end(0, &addr(1), RequestSize::UNIT, 1000);
     }
     let c = counts(&mut r, 4, 40_000, 3, 1100);
     assert!(c.iter().all(|n| *n > 8_000), "{c:?}");
@@ -802,8 +802,8 @@ fn two_choices_rebases_on_each_snapshot_so_lost_ends_do_not_accumulate() {
 fn two_choices_never_picks_a_cut_pod_even_when_it_is_idle() {
     let mut r = router(&[pod(0.2), pod(0.97), pod(0.3)], "");
     for _ in 0..50 {
-        r.on_request_start(0, &addr(0), RequestSize::UNIT);
-        r.on_request_start(0, &addr(2), RequestSize::UNIT);
+        r.on_request_start(0, &addr(0), RequestSize::UNIT, 1000);
+        r.on_request_start(0, &addr(2), RequestSize::UNIT, 1000);
     }
     let c = counts(&mut r, 3, 20_000, 4, 1000);
     assert_eq!(c[1], 0, "{c:?}");
@@ -830,13 +830,13 @@ fn waiting_this_sidecar_saw_drain_no_longer_counts() {
     // request then ended. Pod 0 (2 of 8 seats by the snapshot, 1 now) must win over pod 1 (6
     // running) again without waiting for the next snapshot; before the end it loses.
     let mut r = Router::new(config(r#"{"cutoffs":{"maxQueue":8}}"#));
-    r.on_request_start(0, &addr(0), RequestSize::UNIT);
+    r.on_request_start(0, &addr(0), RequestSize::UNIT, 1000);
     let mut ev = event(&[pod(0.2), pod(0.2)], 1);
     set_queues(&mut ev, &[(0, 1, 1), (1, 6, 0)]);
     r.apply_pool_event(0, &ev, 1000);
     let before = counts(&mut r, 2, 20_000, 13, 1000);
     assert!(before[1] as f64 / 20_000.0 > 0.9, "{before:?}");
-    r.on_request_end(0, &addr(0), RequestSize::UNIT);
+    r.on_request_end(0, &addr(0), RequestSize::UNIT, 1000);
     let after = counts(&mut r, 2, 20_000, 13, 1000);
     // Pod 1 now wins only when pod 0 is never drawn.
     assert!(after[0] as f64 / 20_000.0 > 0.9, "{after:?}");
@@ -862,11 +862,11 @@ fn request_weight_follows_body_size_against_the_running_mean() {
     // A heavy request spreads the next ones: after one weight-16 start on pod 0, the next
     // 12 equal starts from this sidecar avoid it.
     let mut r = router(&[pod(0.2); 4], r#"{"cutoffs":{"maxQueue":8}}"#);
-    r.on_request_start(0, &addr(0), weighted(16.0));
+    r.on_request_start(0, &addr(0), weighted(16.0), 1000);
     let c = start_many(&mut r, 4, 12, 3, 1000);
     assert_eq!(c[0], 0, "{c:?}");
     // Its end takes the same weight back out.
-    r.on_request_end(0, &addr(0), weighted(16.0));
+    r.on_request_end(0, &addr(0), weighted(16.0), 1000);
     let c = counts(&mut r, 4, 40_000, 4, 1000);
     assert!(c[0] > 10_000, "{c:?}");
 }
@@ -895,7 +895,7 @@ fn a_long_prompt_keeps_its_weight_across_snapshots() {
     let mut rng = ChaCha8Rng::seed_from_u64(21);
     let d = r.decide(0, None, 1000, &mut rng);
     let long = chosen(&r, &d).unwrap();
-    r.on_request_start(0, &long, weighted(w));
+    r.on_request_start(0, &long, weighted(w), 1000);
     let mut ev = busy(2);
     let i = (0..8).position(|i| addr(i) == long).unwrap();
     // The snapshot now shows the long request: 7 running there.
@@ -1162,8 +1162,8 @@ fn kv_estimate_counts_this_sidecars_requests_until_a_snapshot_shows_them() {
     // 0 (say its only candidate earlier). A third no longer fits pod 0: it goes to pod 1.
     let mut r = Router::new(config(""));
     r.apply_pool_event(0, &kv_event(&[0.0, 0.0], 12_500, 1), 1000);
-    r.on_request_start(0, &addr(0), kv(5000.0));
-    r.on_request_start(0, &addr(0), kv(5000.0));
+    r.on_request_start(0, &addr(0), kv(5000.0), 1000);
+    r.on_request_start(0, &addr(0), kv(5000.0), 1000);
     // Pod 0 only when every one of the 8 draws lands on it (0.5^8 = 0.4 %).
     let c = counts_for(&mut r, 2, kv(5000.0), 2_000, 41);
     assert!(c[0] <= 20, "{c:?}");
@@ -1174,18 +1174,155 @@ fn kv_estimate_counts_this_sidecars_requests_until_a_snapshot_shows_them() {
     assert!(c[0] <= 20, "{c:?}");
     // A started request counts one seat on a pod that reports its KV cache, whatever its
     // body weight (its size is in the KV estimate instead): 4 running + 1 of 8 seats.
-    r.on_request_start(0, &addr(1), weighted(16.0));
+    r.on_request_start(0, &addr(1), weighted(16.0), 1000);
     let st = r.pod_status(0, 1100);
     assert!((st[1].load - 5.0 / 8.0).abs() < 1e-9, "{}", st[1].load);
     assert!((st[0].kv.unwrap() - 0.64).abs() < 1e-9);
     // Both end and a snapshot shows pod 0 empty again: it fits.
-    r.on_request_end(0, &addr(0), kv(5000.0));
-    r.on_request_end(0, &addr(0), kv(5000.0));
+    r.on_request_end(0, &addr(0), kv(5000.0), 1000);
+    r.on_request_end(0, &addr(0), kv(5000.0), 1000);
     r.apply_pool_event(0, &kv_event(&[0.0, 0.3], 12_500, 3), 1200);
     let c = counts_for(&mut r, 2, kv(5000.0), 2_000, 43);
     assert!(c[0] > 1_000, "{c:?}");
     let v = ai_lb_filter_core::status::scoreboard(&r, 1200);
     assert_eq!(v["pools"][0]["pods"][0]["kv"], 0.0);
+}
+
+#[test]
+fn requests_sent_after_the_engine_reading_stay_counted_when_its_snapshot_arrives() {
+    // Two empty pods of 12 500 KV tokens. This sidecar sends two 5 000-token prompts to pod 0
+    // at t = 1050 and 1060. At 1100 a snapshot arrives whose model-server reading was taken at
+    // 1020, before either: it still shows pod 0 empty. Re-based at its arrival, the estimate
+    // forgot both and a third long prompt went to pod 0 half the time; re-based at the
+    // reading's time, both stay counted and the third goes to pod 1.
+    for via_source in [false, true] {
+        let mut r = Router::new(config(""));
+        r.apply_pool_event(0, &kv_event(&[0.0, 0.0], 12_500, 1), 1000);
+        r.on_request_start(0, &addr(0), kv(5000.0), 1050);
+        r.on_request_start(0, &addr(0), kv(5000.0), 1060);
+        let mut ev = kv_event(&[0.0, 0.0], 12_500, 2);
+        for i in 0..2 {
+            if via_source {
+                // The GPU was read 10 ms before sending, the model server 80 ms before.
+                let snap = ev.peers[i].snapshot.as_mut().unwrap();
+                snap.age_ms = 10;
+                model_server(&mut ev, i, false, true);
+                ev.peers[i].snapshot.as_mut().unwrap().sources[1].last_success_age_ms = Some(80);
+            } else {
+                ev.peers[i].snapshot.as_mut().unwrap().age_ms = 80;
+            }
+        }
+        r.apply_pool_event(0, &ev, 1100);
+        let st = r.pod_status(0, 1100);
+        assert!((st[0].kv.unwrap() - 0.8).abs() < 1e-9, "{:?}", st[0].kv);
+        // The fuller resource: KV (10 000 of 12 500) over seats (4 running + the 2, of 8).
+        assert!((st[0].load - 0.8).abs() < 1e-9, "{}", st[0].load);
+        let c = counts_for(&mut r, 2, kv(5000.0), 2_000, 44);
+        assert!(c[0] <= 20, "{via_source}: {c:?}");
+        // One ends: it leaves the estimate (7 500 of KV left counted), the other stays.
+        r.on_request_end(0, &addr(0), kv(5000.0), 1050);
+        let st = r.pod_status(0, 1100);
+        assert!((st[0].kv.unwrap() - 0.4).abs() < 1e-9, "{:?}", st[0].kv);
+        // A snapshot whose reading (taken at 1150) shows the one left: nothing on top now.
+        let mut ev = kv_event(&[0.32, 0.0], 12_500, 3);
+        set_queues(&mut ev, &[(0, 5, 0), (1, 4, 0)]);
+        ev.peers[0].snapshot.as_mut().unwrap().age_ms = 50;
+        r.apply_pool_event(0, &ev, 1200);
+        let st = r.pod_status(0, 1200);
+        assert!((st[0].kv.unwrap() - 0.32).abs() < 1e-9, "{:?}", st[0].kv);
+        assert!((st[0].load - 5.0 / 8.0).abs() < 1e-9, "{}", st[0].load);
+    }
+}
+
+#[test]
+fn an_answer_this_sidecar_started_counts_at_its_reservation_until_it_ends() {
+    // This sidecar sent a 4 000-token prompt with max_tokens 1 000 to pod 0. The next reading
+    // shows it prefilled (4 000 tokens held): the 1 000 it will grow into stay counted on top,
+    // so a second such request (5 000) no longer fits pod 0's 12 500 (4 000 + 1 000 + 5 000
+    // + the reading's other 3 000), as the model server's own admission would find.
+    let long = RequestSize {
+        weight: 1.0,
+        kv_tokens: 5_000.0,
+        output_tokens: 1_000.0,
+    };
+    let mut r = Router::new(config(""));
+    r.apply_pool_event(0, &kv_event(&[0.0, 0.0], 12_500, 1), 1000);
+    r.on_request_start(0, &addr(0), long, 1000);
+    r.apply_pool_event(0, &kv_event(&[0.56, 0.0], 12_500, 2), 1100);
+    let st = r.pod_status(0, 1100);
+    assert!((st[0].kv.unwrap() - 0.64).abs() < 1e-9, "{:?}", st[0].kv);
+    let c = counts_for(&mut r, 2, long, 2_000, 45);
+    assert!(c[0] <= 20, "{c:?}");
+    // It ends: its whole size leaves the estimate, what the reading showed it holding and
+    // the reservation on top; the other 3 000 remain.
+    r.on_request_end(0, &addr(0), long, 1000);
+    let st = r.pod_status(0, 1100);
+    assert!((st[0].kv.unwrap() - 0.24).abs() < 1e-9, "{:?}", st[0].kv);
+}
+
+#[test]
+fn a_long_prompt_does_not_queue_behind_a_head_that_waits_for_kv() {
+    // Pod 0 runs 5 of 8 seats and 1 waits: its head waits for KV cache (say a long prompt),
+    // though 6 000 of 12 500 tokens are free by the reading. Pod 1 runs all 8 seats with 3
+    // waiting, KV cache 30 % used. A short request waits fewer service rounds on pod 0 (2 /
+    // 5 against 4 / 8) and takes it; a 5 000-token prompt fits pod 0's free KV by the reading
+    // but the head takes what frees first: it would wait for KV cache itself, and goes to
+    // pod 1. (Counted as a queue for seats it went to pod 0, the fewest running.)
+    let mut r = Router::new(config(""));
+    for _ in 0..200 {
+        // The sidecar's traffic: ~1 100-byte bodies, 200 output tokens (mean KV ~475).
+        r.request_size(Some(1_100), Some(200));
+    }
+    let long = r.request_size(Some(16_000), Some(1_000));
+    assert!(long.kv_tokens >= 5_000.0);
+    let mut ev = kv_event(&[0.52, 0.3], 12_500, 1);
+    set_queues(&mut ev, &[(0, 5, 1), (1, 8, 3)]);
+    r.apply_pool_event(0, &ev, 1000);
+    let short = RequestSize {
+        weight: 1.0,
+        kv_tokens: 475.0,
+        output_tokens: 200.0,
+    };
+    let c = counts_for(&mut r, 2, short, 20_000, 65);
+    assert!((c[1] as f64 / 20_000.0) < 0.1, "short: {c:?}");
+    let c = counts_for(&mut r, 2, long, 20_000, 66);
+    assert!((c[0] as f64 / 20_000.0) < 0.01, "long: {c:?}");
+}
+
+#[test]
+fn a_big_request_spreads_over_the_pods_it_fits_instead_of_herding_onto_the_emptiest() {
+    // Four pods with free seats and KV cache 0-30 % used: a 5 000-token prompt fits all four.
+    // Every sidecar sees the same snapshot; taking the less loaded of its draws (two, four
+    // for a long answer) sent each sidecar's long prompt to pod 0. A big request keeps its
+    // first draw when it would start at once on both, so pod 0 gets about its score share.
+    let uses = [0.0, 0.1, 0.2, 0.3];
+    let mut r = Router::new(config(""));
+    for _ in 0..200 {
+        r.request_size(Some(1_100), Some(200));
+    }
+    // One request running on each: the KV cache is the fuller resource, so the load differs.
+    let mut ev = kv_event(&uses, 12_500, 1);
+    set_queues(&mut ev, &[(0, 1, 0), (1, 1, 0), (2, 1, 0), (3, 1, 0)]);
+    r.apply_pool_event(0, &ev, 1000);
+    let total: f64 = uses.iter().map(|u| kv_pod_score(*u)).sum();
+    let p0 = kv_pod_score(0.0) / total;
+    for output in [100.0, 1_000.0] {
+        let size = RequestSize {
+            weight: 1.0,
+            kv_tokens: 5_000.0,
+            output_tokens: output,
+        };
+        let c = counts_for(&mut r, 4, size, 20_000, 67);
+        let share = c[0] as f64 / 20_000.0;
+        assert!(
+            (share - p0).abs() < 0.02,
+            "output {output}: {share} want {p0} {c:?}"
+        );
+    }
+    // A request of ordinary size still takes the less loaded of its two draws.
+    let c = counts_for(&mut r, 4, kv(475.0), 20_000, 68);
+    let share = c[0] as f64 / 20_000.0;
+    assert!(share > p0 + 0.1, "{share} vs {p0} {c:?}");
 }
 
 #[test]
@@ -1397,9 +1534,9 @@ fn pods_keep_their_readings_and_counts_when_peers_leave_or_move() {
     ev.peers.insert(0, connecting);
     let mut r = Router::new(config(""));
     r.apply_pool_event(0, &ev, 1000);
-    r.on_request_start(0, &addr(0), RequestSize::UNIT);
+    r.on_request_start(0, &addr(0), RequestSize::UNIT, 1000);
     for _ in 0..3 {
-        r.on_request_start(0, &addr(1), RequestSize::UNIT);
+        r.on_request_start(0, &addr(1), RequestSize::UNIT, 1000);
     }
     // (address, in flight, raw score x 1000), by address.
     let seen = |r: &Router, now| {

@@ -56,6 +56,8 @@ pub struct Request {
     /// Admission waits for the buffered body to cost it.
     adm_body: bool,
     started_ms: u64,
+    /// When the router counted it in flight (see [`Steered::sent_ms`]).
+    sent_ms: u64,
     ttft_ms: Option<u64>,
     attempts: Option<u32>,
     /// Body size: the buffered body's, else `content-length` (for the request's size).
@@ -81,12 +83,20 @@ impl Request {
             adm: None,
             adm_body: false,
             started_ms: 0,
+            sent_ms: 0,
             ttft_ms: None,
             attempts: None,
             body_bytes: None,
             max_output_tokens: None,
             size: RequestSize::UNIT,
         }
+    }
+
+    /// Keeps what [`steer`] wrote for this request.
+    fn took(&mut self, st: Steered) {
+        self.ranked = st.ranked;
+        self.chosen_score = st.score;
+        self.sent_ms = st.sent_ms;
     }
 
     fn chosen(&self) -> Option<&str> {
@@ -99,11 +109,10 @@ impl Request {
         let Ok(mut guard) = self.state.try_borrow_mut() else {
             return;
         };
-        if let Some((ranked, score)) =
-            steer(&mut guard, pool, self.model.as_deref(), now, self.size)
-        {
-            self.ranked = ranked;
-            self.chosen_score = score;
+        let steered = steer(&mut guard, pool, self.model.as_deref(), now, self.size);
+        drop(guard);
+        if let Some(st) = steered {
+            self.took(st);
         }
     }
 
@@ -198,18 +207,20 @@ impl Request {
         let Some(rt) = s.admission.as_mut() else {
             return;
         };
-        if let Some((ranked, score)) = rt.resumed.remove(&self.id) {
-            self.ranked = ranked;
-            self.chosen_score = score;
-        }
-        if rt.expired.remove(&self.id) {
-            if let Some(a) = self.adm.as_mut() {
-                a.refund_all = true;
-            }
-        }
+        let resumed = rt.resumed.remove(&self.id);
+        let expired = rt.expired.remove(&self.id);
         // A client that left while held.
         if rt.held.remove(self.id) {
             rt.held_reqs.remove(&self.id);
+        }
+        drop(s);
+        if let Some(st) = resumed {
+            self.took(st);
+        }
+        if expired {
+            if let Some(a) = self.adm.as_mut() {
+                a.refund_all = true;
+            }
         }
     }
 
@@ -326,7 +337,7 @@ impl Request {
         // cancelled request teaches the breaker nothing.
         let mut rate_tripped = false;
         if let Some(c) = chosen.as_deref() {
-            router.on_request_end(pool, c, self.size);
+            router.on_request_end(pool, c, self.size, self.sent_ms);
             if let Some((_, o)) = pairs.iter().find(|(p, _)| *p == c) {
                 // This VM's failure-rate window can open the pod's breaker; the shared breaker
                 // below is authoritative, so the trip is carried there.
@@ -368,16 +379,26 @@ impl Request {
     }
 }
 
+/// What [`steer`] wrote for one request.
+#[derive(Debug)]
+pub struct Steered {
+    /// The ranked list written (chosen pod first).
+    pub ranked: String,
+    /// The chosen pod's score.
+    pub score: f64,
+    /// When it was counted in flight (passed back to `on_request_end`).
+    pub sent_ms: u64,
+}
+
 /// Asks the router for `pool` (and `model`), writes the routing header of the request whose
-/// context is current, and counts the pick. Returns the ranked list written and the chosen
-/// pod's score; None when nothing was steered.
+/// context is current, and counts the pick. None when nothing was steered.
 pub fn steer(
     state: &mut State,
     pool: usize,
     model: Option<&str>,
     now: u64,
     size: RequestSize,
-) -> Option<(String, f64)> {
+) -> Option<Steered> {
     let State {
         router,
         metrics,
@@ -413,7 +434,7 @@ pub fn steer(
     }
     let written = scratch.clone();
     let chosen = written.split(',').next()?;
-    router.on_request_start(pool, chosen, size);
+    router.on_request_start(pool, chosen, size, now);
     metrics.pick(chosen);
     // A half-open pod's probe budget is shared by every VM.
     if router
@@ -427,7 +448,11 @@ pub fn steer(
             count_transitions(metrics, &ts);
         }
     }
-    Some((written, chosen_score))
+    Some(Steered {
+        ranked: written,
+        score: chosen_score,
+        sent_ms: now,
+    })
 }
 
 impl Context for Request {}

@@ -11,10 +11,13 @@
 //!   also the Envoy process's CPU time (user + system, `/proc/<pid>/stat`) per answered
 //!   request over that loop. On a shared 2-core machine a closed loop's maximum depends on
 //!   how much CPU the load generator and the other processes leave Envoy; CPU per request
-//!   does not so much; and the same at a fixed rate both keep up with (a quarter of plain's
-//!   maximum), the steadiest measure of what the filter costs per request;
-//! - added latency: an open loop at half of plain Envoy's measured maximum, `secs` each, with
-//!   the same trace; also straight to the sink, for the floor of the loop itself.
+//!   does not so much;
+//! - at 50 % load: an open loop at half of the filter's own measured maximum (the lower of the
+//!   two), `secs` each, the same trace for both, and straight to the sink for the floor of
+//!   the loop itself: CPU per request (the steadiest measure of what the filter costs per
+//!   request) and the latency the filter adds at a load its Envoy keeps up with;
+//! - the same latencies at half of plain Envoy's maximum, where the filter's Envoy is near
+//!   its own maximum when the filter halves it (kept for comparison with earlier reports).
 
 use std::path::Path;
 use std::time::Duration;
@@ -181,22 +184,37 @@ pub fn overhead(env: &Env, secs: f64, rounds: usize, workers: usize) -> Result<V
         max_rounds.push(Value::Object(row));
     }
     let plain_max = median(plain_rps.clone()).ok_or("no throughput measured")?;
-    // CPU per request at a rate both Envoys keep up with (a quarter of plain's maximum): a
-    // closed loop's CPU per request falls as throughput rises (more requests per wake-up), so
-    // at saturation it also depends on how much CPU the machine leaves each Envoy.
-    let quarter = (plain_max / 4.0).max(1.0);
-    let quarter_trace = dir.join("quarter.jsonl");
-    fixed_trace(env, quarter, secs, &quarter_trace)?;
-    let (mut q_plain, mut q_ailb, mut q_ratios) = (Vec::new(), Vec::new(), Vec::new());
-    let mut quarter_rounds: Vec<Value> = Vec::new();
+    let ailb_max = median(ailb_rps.clone()).unwrap_or(plain_max);
+    // CPU per request and latency at a rate both Envoys keep up with (half of the filter's
+    // own maximum, so the filter's Envoy runs at 50 % load): a closed loop's CPU per request
+    // falls as throughput rises (more requests per wake-up), so at saturation it also
+    // depends on how much CPU the machine leaves each Envoy; and at half of plain Envoy's
+    // maximum the filter's Envoy is near its own, where it queues.
+    let fh_rate = (ailb_max.min(plain_max) / 2.0).max(1.0);
+    let fh_trace = dir.join("filter-half.jsonl");
+    fixed_trace(env, fh_rate, secs, &fh_trace)?;
+    let (mut fh_plain, mut fh_ailb, mut fh_ratios) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut fh_p99_plain, mut fh_p99_ailb, mut fh_p99_direct, mut fh_added) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut fh_p50_plain, mut fh_p50_ailb) = (Vec::new(), Vec::new());
+    let mut fh_rounds: Vec<Value> = Vec::new();
     for round in 0..rounds {
         let mut row = serde_json::Map::new();
+        let (direct, _) = replay(
+            env,
+            &format!("http://{sink}"),
+            &fh_trace,
+            &dir.join(format!("direct.filter-half.{round}.jsonl")),
+            &[],
+        )?;
+        fh_p99_direct.push(direct.e2e_ms.p99.unwrap_or(f64::NAN));
+        row.insert("direct_to_sink".into(), lat(&direct));
         for p in order(round) {
             let m = measured_replay(
                 env,
                 &url(p),
-                &quarter_trace,
-                &dir.join(format!("{}.quarter.{round}.jsonl", p.name())),
+                &fh_trace,
+                &dir.join(format!("{}.filter-half.{round}.jsonl", p.name())),
                 &[],
                 pid(p),
             )?;
@@ -205,16 +223,32 @@ pub fn overhead(env: &Env, secs: f64, rounds: usize, workers: usize) -> Result<V
             v["envoy_cpu_s"] = json!(m.cpu_s);
             v["envoy_cpu_us_per_request"] = json!(cpu_us);
             row.insert(p.name().into(), v);
+            let (p50, p99) = (
+                m.summary.e2e_ms.p50.unwrap_or(f64::NAN),
+                m.summary.e2e_ms.p99.unwrap_or(f64::NAN),
+            );
             match p {
-                Policy::AiLb => q_ailb.push(cpu_us.unwrap_or(f64::NAN)),
-                _ => q_plain.push(cpu_us.unwrap_or(f64::NAN)),
+                Policy::AiLb => {
+                    fh_ailb.push(cpu_us.unwrap_or(f64::NAN));
+                    fh_p99_ailb.push(p99);
+                    fh_p50_ailb.push(p50);
+                }
+                _ => {
+                    fh_plain.push(cpu_us.unwrap_or(f64::NAN));
+                    fh_p99_plain.push(p99);
+                    fh_p50_plain.push(p50);
+                }
             }
         }
-        if let (Some(a), Some(b)) = (q_ailb.last(), q_plain.last()) {
-            q_ratios.push(b / a);
+        if let (Some(a), Some(b)) = (fh_ailb.last(), fh_plain.last()) {
+            fh_ratios.push(b / a);
         }
-        quarter_rounds.push(Value::Object(row));
+        if let (Some(a), Some(b)) = (fh_p99_ailb.last(), fh_p99_plain.last()) {
+            fh_added.push(a - b);
+        }
+        fh_rounds.push(Value::Object(row));
     }
+    let us = |v: Option<f64>| v.map(|ms| (ms * 1000.0).round());
     let half = (plain_max / 2.0).max(1.0);
     let half_trace = dir.join("half.jsonl");
     fixed_trace(env, half, secs, &half_trace)?;
@@ -262,7 +296,6 @@ pub fn overhead(env: &Env, secs: f64, rounds: usize, workers: usize) -> Result<V
         }
         half_rounds.push(Value::Object(row));
     }
-    let us = |v: Option<f64>| v.map(|ms| (ms * 1000.0).round());
     Ok(json!({
         "upstream": "loadgen example sink answering 2 tokens at once (SSE); 16-token prompts; one Envoy, 1 worker, per configuration; ai-lb with envoy-config/filter-config.json and an agent announcing the sink (metrics from an idle fake pod)",
         "ailb_ready": ready,
@@ -283,15 +316,20 @@ pub fn overhead(env: &Env, secs: f64, rounds: usize, workers: usize) -> Result<V
             "ratio_of_medians": analysis::ratio(median(plain_cpu), median(ailb_cpu)),
             "ratio_per_round": cpu_ratios,
         },
-        "quarter_load_cpu": {
-            "what": "Envoy process CPU per answered request with an open loop at a quarter of plain's maximum, microseconds; ratio = plain / ai_lb",
-            "rate_rps": quarter,
-            "least_request_us_median": median(q_plain.clone()),
-            "ai_lb_us_median": median(q_ailb.clone()),
-            "added_us_median": median(q_ailb.clone()).zip(median(q_plain.clone())).map(|(a, b)| a - b),
-            "ratio_of_medians": analysis::ratio(median(q_plain), median(q_ailb)),
-            "ratio_per_round": q_ratios,
-            "rounds": quarter_rounds,
+        "filter_half_load": {
+            "what": "open loop at half of the filter's (or plain's, if lower) maximum: Envoy process CPU per answered request, microseconds (ratio = plain / ai_lb), and e2e latency",
+            "rate_rps": fh_rate,
+            "p99_ms_median": {"least_request": median(fh_p99_plain.clone()), "ai_lb": median(fh_p99_ailb.clone()), "direct_to_sink": median(fh_p99_direct)},
+            "p50_ms_median": {"least_request": median(fh_p50_plain.clone()), "ai_lb": median(fh_p50_ailb.clone())},
+            "added_p99_us_median_of_rounds": us(median(fh_added.clone())),
+            "added_p99_us_per_round": fh_added.iter().map(|d| us(Some(*d))).collect::<Vec<_>>(),
+            "added_p50_us": us(median(fh_p50_ailb).zip(median(fh_p50_plain)).map(|(a, b)| a - b)),
+            "least_request_us_median": median(fh_plain.clone()),
+            "ai_lb_us_median": median(fh_ailb.clone()),
+            "added_us_median": median(fh_ailb.clone()).zip(median(fh_plain.clone())).map(|(a, b)| a - b),
+            "ratio_of_medians": analysis::ratio(median(fh_plain), median(fh_ailb)),
+            "ratio_per_round": fh_ratios,
+            "rounds": fh_rounds,
         },
         "half_load": {
             "rate_rps": half,
@@ -313,15 +351,18 @@ pub fn write(out: &Path, v: &Value) -> Result<(), Error> {
     std::fs::write(dir.join("summary.json"), text).map_err(|e| e.to_string())?;
     let f = |x: &Value| x.as_f64().map_or("–".to_string(), |v| format!("{v:.2}"));
     let h = &v["half_load"];
+    let fh = &v["filter_half_load"];
     let table = format!(
         "### overhead (1 Envoy worker, fast upstream, {} rounds of {} s, medians)\n\n`{}`\n\n\
          | measure | least_request | ai_lb | ratio / difference |\n|---|---|---|---|\n\
          | max req/s (closed loop, {} clients) | {} | {} | {} |\n\
          | Envoy CPU per request over that loop, µs | {} | {} | {} (req/s per CPU; per round: {}) |\n\
-         | Envoy CPU per request at {} req/s (a quarter of plain's max), µs | {} | {} | {} (+{} µs; per round: {}) |\n\
-         | e2e p50 at {} req/s, ms | {} | {} | {} µs |\n\
-         | e2e p99 at {} req/s, ms | {} | {} | {} µs (per round: {}) |\n\n\
-         Straight to the sink (no Envoy), p99: {} ms.\n",
+         | Envoy CPU per request at {} req/s (half of the filter's max), µs | {} | {} | {} (+{} µs; per round: {}) |\n\
+         | e2e p50 at that rate, ms | {} | {} | {} µs |\n\
+         | e2e p99 at that rate, ms | {} | {} | {} µs (per round: {}) |\n\
+         | e2e p50 at {} req/s (half of plain's max), ms | {} | {} | {} µs |\n\
+         | e2e p99 at that rate, ms | {} | {} | {} µs (per round: {}) |\n\n\
+         Straight to the sink (no Envoy), p99: {} ms at half of the filter's max, {} ms at half of plain's.\n",
         v["rounds"],
         v["secs_per_measurement"],
         v["command"].as_str().unwrap_or(""),
@@ -333,21 +374,28 @@ pub fn write(out: &Path, v: &Value) -> Result<(), Error> {
         f(&v["cpu_per_request"]["ai_lb_us_median"]),
         f(&v["cpu_per_request"]["ratio_of_medians"]),
         v["cpu_per_request"]["ratio_per_round"],
-        f(&v["quarter_load_cpu"]["rate_rps"]),
-        f(&v["quarter_load_cpu"]["least_request_us_median"]),
-        f(&v["quarter_load_cpu"]["ai_lb_us_median"]),
-        f(&v["quarter_load_cpu"]["ratio_of_medians"]),
-        f(&v["quarter_load_cpu"]["added_us_median"]),
-        v["quarter_load_cpu"]["ratio_per_round"],
+        f(&fh["rate_rps"]),
+        f(&fh["least_request_us_median"]),
+        f(&fh["ai_lb_us_median"]),
+        f(&fh["ratio_of_medians"]),
+        f(&fh["added_us_median"]),
+        fh["ratio_per_round"],
+        f(&fh["p50_ms_median"]["least_request"]),
+        f(&fh["p50_ms_median"]["ai_lb"]),
+        fh["added_p50_us"],
+        f(&fh["p99_ms_median"]["least_request"]),
+        f(&fh["p99_ms_median"]["ai_lb"]),
+        fh["added_p99_us_median_of_rounds"],
+        fh["added_p99_us_per_round"],
         f(&h["rate_rps"]),
         f(&h["p50_ms_median"]["least_request"]),
         f(&h["p50_ms_median"]["ai_lb"]),
         h["added_p50_us"],
-        f(&h["rate_rps"]),
         f(&h["p99_ms_median"]["least_request"]),
         f(&h["p99_ms_median"]["ai_lb"]),
         h["added_p99_us_median_of_rounds"],
         h["added_p99_us_per_round"],
+        f(&fh["p99_ms_median"]["direct_to_sink"]),
         f(&h["p99_ms_median"]["direct_to_sink"]),
     );
     std::fs::write(dir.join("table.md"), table).map_err(|e| e.to_string())
