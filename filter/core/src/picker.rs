@@ -52,8 +52,9 @@
 //!   - Estimated KV use = the snapshot's use × capacity, plus the KV tokens (prompt estimate
 //!     plus `max_tokens`) of this VM's requests started since its reading, plus the
 //!     `max_tokens` of those started before it and still in flight (the reading shows what
-//!     they hold so far; they grow into their answer and hold it until they end), minus the
-//!     KV tokens of those ended since.
+//!     they hold so far; they grow into their answer and hold it until they end). One that
+//!     ends takes out only what it added; what the reading shows it holding stays until the
+//!     next reading.
 //!   - A big request (at least four times the mean request's KV tokens) counts as not
 //!     fitting a pod whose queue's head waits for KV cache: the head takes what frees first.
 //!     Between two pods where it would start at once it keeps the earlier draw (drawn by
@@ -407,13 +408,14 @@ struct PodRt {
     kv_cap: Option<f64>,
     /// KV tokens in use per that snapshot (use × capacity).
     snap_kv: f64,
-    /// KV tokens of this VM's requests in flight ([`RequestSize::kv_tokens`], never reset).
-    inflight_kv: f64,
     /// Output tokens reserved (`max_tokens`) by this VM's requests in flight (never reset).
     inflight_out: f64,
-    /// What `inflight_kv` held when the latest KV reading arrived, less what stays counted on
-    /// top of that reading (see [`PodRt::kv_used`]).
-    inflight_kv_base: f64,
+    /// KV tokens this VM counts on top of the latest reading (see [`PodRt::kv_used`]).
+    kv_on_top: f64,
+    /// When the model server was read for that reading (see
+    /// [`crate::PodSignals::engine_sampled_at_ms`]), and when this VM took it in.
+    kv_sampled_at_ms: u64,
+    kv_taken_at_ms: u64,
     /// Sequence of the snapshot the KV reading came from.
     kv_seq: Option<u64>,
     /// This VM's latest starts, to re-base at the reading's time.
@@ -470,9 +472,10 @@ impl PodRt {
             occ_seq: None,
             kv_cap: None,
             snap_kv: 0.0,
-            inflight_kv: 0.0,
             inflight_out: 0.0,
-            inflight_kv_base: 0.0,
+            kv_on_top: 0.0,
+            kv_sampled_at_ms: 0,
+            kv_taken_at_ms: 0,
             kv_seq: None,
             recent: RecentStarts::default(),
             picks: 0,
@@ -523,14 +526,30 @@ impl PodRt {
         occ.max(0.0)
     }
 
-    /// Estimated KV tokens in use now: the snapshot's, plus the KV tokens of this VM's requests
-    /// sent after its model-server reading, plus the output reservation of those sent before
-    /// and still in flight (the reading shows what they hold so far, not the answer they grow
-    /// into), minus the KV tokens of those that ended since (never below 0). None when
-    /// unknown.
+    /// Estimated KV tokens in use now: the snapshot's, plus, for this VM's requests in flight,
+    /// the KV tokens of those sent after its model-server reading and the output reservation
+    /// of those sent before (the reading shows what they hold so far, not the answer they
+    /// grow into). None when unknown.
+    ///
+    /// A request that ends takes out only what it added on top: what the reading shows it
+    /// holding stays until the next reading (at most one sample interval: the estimate errs
+    /// full). Taking out its whole size made a request the reading never showed (it was still
+    /// waiting for KV cache, holding none) leave the pod looking that much emptier than its
+    /// reading until the next one, and the next long prompt went to the same full pod.
     fn kv_used(&self) -> Option<f64> {
         self.kv_cap?;
-        Some((self.snap_kv + self.inflight_kv - self.inflight_kv_base).max(0.0))
+        Some(self.snap_kv + self.kv_on_top.max(0.0))
+    }
+
+    /// What a request of `size` sent at `sent_ms`, still in flight, counts on top of the
+    /// latest KV reading: all of it when sent after the model server was read for it (or
+    /// after this VM took the reading in), else its output reservation.
+    fn kv_added(&self, size: &RequestSize, sent_ms: u64) -> f64 {
+        if sent_ms > self.kv_sampled_at_ms || sent_ms >= self.kv_taken_at_ms {
+            size.kv_tokens
+        } else {
+            size.output_tokens
+        }
     }
 
     /// Whether a request holding `kv_tokens` would fit the KV cache now (true when unknown).
@@ -1180,8 +1199,9 @@ impl Router {
                             // far), not the output they will grow into and hold until they
                             // end. That reservation stays counted on top.
                             let out_before = (pod.inflight_out - out_after).max(0.0);
-                            pod.inflight_kv_base =
-                                (pod.inflight_kv - kv_after - out_before).max(0.0);
+                            pod.kv_on_top = kv_after + out_before;
+                            pod.kv_sampled_at_ms = sig.engine_sampled_at_ms;
+                            pod.kv_taken_at_ms = now_ms;
                         }
                     }
                     _ => {
@@ -1680,8 +1700,9 @@ impl Router {
         self.with_pod(pool_idx, pod, |rt| {
             rt.inflight = rt.inflight.saturating_add(1);
             rt.inflight_w += size.weight;
-            rt.inflight_kv += size.kv_tokens;
             rt.inflight_out += size.output_tokens;
+            // Not in any reading this VM has taken in yet.
+            rt.kv_on_top += size.kv_tokens;
             rt.recent.push(now_ms, &size);
         });
     }
@@ -1692,16 +1713,16 @@ impl Router {
     pub fn on_request_end(&mut self, pool_idx: usize, pod: &str, size: RequestSize, sent_ms: u64) {
         self.with_pod(pool_idx, pod, |rt| {
             rt.recent.remove(sent_ms, &size);
+            rt.kv_on_top = (rt.kv_on_top - rt.kv_added(&size, sent_ms)).max(0.0);
             rt.inflight = rt.inflight.saturating_sub(1);
             rt.ended_since_snap = rt.ended_since_snap.saturating_add(1);
             if rt.inflight == 0 {
                 // Nothing left in flight: drop rounding residue.
                 rt.inflight_w = 0.0;
-                rt.inflight_kv = 0.0;
                 rt.inflight_out = 0.0;
+                rt.kv_on_top = 0.0;
             } else {
                 rt.inflight_w -= size.weight;
-                rt.inflight_kv -= size.kv_tokens;
                 rt.inflight_out -= size.output_tokens;
             }
         });

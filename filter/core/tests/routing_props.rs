@@ -1253,11 +1253,43 @@ fn an_answer_this_sidecar_started_counts_at_its_reservation_until_it_ends() {
     assert!((st[0].kv.unwrap() - 0.64).abs() < 1e-9, "{:?}", st[0].kv);
     let c = counts_for(&mut r, 2, long, 2_000, 45);
     assert!(c[0] <= 20, "{c:?}");
-    // It ends: its whole size leaves the estimate, what the reading showed it holding and
-    // the reservation on top; the other 3 000 remain.
+    // It ends: the reservation it added on top leaves the estimate; what the reading showed
+    // it holding stays until the next reading (it may not have held it: a request still
+    // waiting for KV cache holds none).
     r.on_request_end(0, &addr(0), long, 1000);
     let st = r.pod_status(0, 1100);
+    assert!((st[0].kv.unwrap() - 0.56).abs() < 1e-9, "{:?}", st[0].kv);
+    r.apply_pool_event(0, &kv_event(&[0.24, 0.0], 12_500, 3), 1200);
+    let st = r.pod_status(0, 1200);
     assert!((st[0].kv.unwrap() - 0.24).abs() < 1e-9, "{:?}", st[0].kv);
+}
+
+#[test]
+fn a_request_that_ends_without_the_reading_showing_it_does_not_empty_the_pod() {
+    // This sidecar sent a 6 000-token prompt to pod 0 (10 000 tokens, 5 000 held by another
+    // client's request): it does not fit and waits there, holding no KV cache, and the next
+    // reading (taken after it was sent) shows the pod as before. The client gives up and the
+    // request ends. The pod must still look as full as its reading says: taking the whole
+    // request out of the estimate left it looking 6 000 tokens emptier, and the next long
+    // prompt went to the same pod (seen in the e2e test filter_kv_fit, two in a row stuck).
+    let long = RequestSize {
+        weight: 1.0,
+        kv_tokens: 6_000.0,
+        output_tokens: 10.0,
+    };
+    let mut r = Router::new(config(""));
+    let mut ev = kv_event(&[0.5, 0.2], 10_000, 1);
+    inference(&mut ev, 1).kv_capacity_tokens = Some(40_000);
+    r.apply_pool_event(0, &ev, 1000);
+    r.on_request_start(0, &addr(0), long, 1000);
+    let mut ev = kv_event(&[0.5, 0.2], 10_000, 2);
+    inference(&mut ev, 1).kv_capacity_tokens = Some(40_000);
+    r.apply_pool_event(0, &ev, 1100);
+    r.on_request_end(0, &addr(0), long, 1000);
+    let st = r.pod_status(0, 1100);
+    assert!((st[0].kv.unwrap() - 0.5).abs() < 1e-9, "{:?}", st[0].kv);
+    let c = counts_for(&mut r, 2, long, 2_000, 46);
+    assert!(c[0] <= 20, "{c:?}");
 }
 
 #[test]
