@@ -16,7 +16,7 @@
 //!   two), `secs` each, the same trace for both, and straight to the sink for the floor of
 //!   the loop itself: CPU per request (the steadiest measure of what the filter costs per
 //!   request) and the latency the filter adds at a load its Envoy keeps up with;
-//! - the same latencies at half of plain Envoy's maximum, where the filter's Envoy is near
+//! - the same at half of plain Envoy's maximum, where the filter's Envoy is near
 //!   its own maximum when the filter halves it (kept for comparison with earlier reports).
 
 use std::path::Path;
@@ -90,6 +90,91 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
 
 fn lat(s: &Summary) -> Value {
     json!({"e2e_ms": s.e2e_ms, "ttft_ms": s.ttft_ms, "ok": s.ok, "errors": s.errors, "timeouts": s.timeouts})
+}
+
+/// What every open-loop phase of [`overhead`] shares.
+struct Ctx<'a> {
+    env: &'a Env,
+    dir: &'a Path,
+    secs: f64,
+    rounds: usize,
+    sink: std::net::SocketAddr,
+    url: &'a dyn Fn(Policy) -> String,
+    pid: &'a dyn Fn(Policy) -> u32,
+    order: &'a dyn Fn(usize) -> [Policy; 2],
+}
+
+/// One open loop at `rate` for `secs`, `rounds` times: the trace straight to the sink (the
+/// loop's own floor), then each Envoy (order flipped each round), with its CPU per answered
+/// request and e2e latency. Medians over rounds; "added" = ai_lb − plain within a round.
+fn open_loop_phase(c: &Ctx, name: &str, rate: f64) -> Result<Value, Error> {
+    let trace = c.dir.join(format!("{name}.jsonl"));
+    fixed_trace(c.env, rate, c.secs, &trace)?;
+    let (mut cpu_plain, mut cpu_ailb, mut cpu_ratios) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut p99_plain, mut p99_ailb, mut p99_direct, mut added) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut p50_plain, mut p50_ailb) = (Vec::new(), Vec::new());
+    let mut rounds: Vec<Value> = Vec::new();
+    for round in 0..c.rounds {
+        let mut row = serde_json::Map::new();
+        let (direct, _) = replay(
+            c.env,
+            &format!("http://{}", c.sink),
+            &trace,
+            &c.dir.join(format!("direct.{name}.{round}.jsonl")),
+            &[],
+        )?;
+        p99_direct.push(direct.e2e_ms.p99.unwrap_or(f64::NAN));
+        row.insert("direct_to_sink".into(), lat(&direct));
+        for p in (c.order)(round) {
+            let m = measured_replay(
+                c.env,
+                &(c.url)(p),
+                &trace,
+                &c.dir.join(format!("{}.{name}.{round}.jsonl", p.name())),
+                &[],
+                (c.pid)(p),
+            )?;
+            let cpu_us = m.cpu_us_per_ok.unwrap_or(f64::NAN);
+            let (p50, p99) = (
+                m.summary.e2e_ms.p50.unwrap_or(f64::NAN),
+                m.summary.e2e_ms.p99.unwrap_or(f64::NAN),
+            );
+            let mut v = lat(&m.summary);
+            v["envoy_cpu_s"] = json!(m.cpu_s);
+            v["envoy_cpu_us_per_request"] = json!(m.cpu_us_per_ok);
+            row.insert(p.name().into(), v);
+            let (cpu, p50s, p99s) = match p {
+                Policy::AiLb => (&mut cpu_ailb, &mut p50_ailb, &mut p99_ailb),
+                _ => (&mut cpu_plain, &mut p50_plain, &mut p99_plain),
+            };
+            cpu.push(cpu_us);
+            p50s.push(p50);
+            p99s.push(p99);
+        }
+        if let (Some(a), Some(b)) = (cpu_ailb.last(), cpu_plain.last()) {
+            cpu_ratios.push(b / a);
+        }
+        if let (Some(a), Some(b)) = (p99_ailb.last(), p99_plain.last()) {
+            added.push(a - b);
+        }
+        rounds.push(Value::Object(row));
+    }
+    let us = |v: Option<f64>| v.map(|ms| (ms * 1000.0).round());
+    Ok(json!({
+        "rate_rps": rate,
+        "p99_ms_median": {"least_request": median(p99_plain.clone()), "ai_lb": median(p99_ailb.clone()), "direct_to_sink": median(p99_direct)},
+        "p50_ms_median": {"least_request": median(p50_plain.clone()), "ai_lb": median(p50_ailb.clone())},
+        "added_p99_us_median_of_rounds": us(median(added.clone())),
+        "added_p99_us_per_round": added.iter().map(|d| us(Some(*d))).collect::<Vec<_>>(),
+        "added_p50_us": us(median(p50_ailb).zip(median(p50_plain)).map(|(a, b)| a - b)),
+        "least_request_us_median": median(cpu_plain.clone()),
+        "ai_lb_us_median": median(cpu_ailb.clone()),
+        "added_us_median": median(cpu_ailb.clone()).zip(median(cpu_plain.clone())).map(|(a, b)| a - b),
+        "ratio_of_medians": analysis::ratio(median(cpu_plain), median(cpu_ailb)),
+        "ratio_per_round": cpu_ratios,
+        "rounds": rounds,
+    }))
 }
 
 /// Runs the overhead scenario; returns its summary (written by the caller).
@@ -191,111 +276,19 @@ pub fn overhead(env: &Env, secs: f64, rounds: usize, workers: usize) -> Result<V
     // depends on how much CPU the machine leaves each Envoy; and at half of plain Envoy's
     // maximum the filter's Envoy is near its own, where it queues.
     let fh_rate = (ailb_max.min(plain_max) / 2.0).max(1.0);
-    let fh_trace = dir.join("filter-half.jsonl");
-    fixed_trace(env, fh_rate, secs, &fh_trace)?;
-    let (mut fh_plain, mut fh_ailb, mut fh_ratios) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut fh_p99_plain, mut fh_p99_ailb, mut fh_p99_direct, mut fh_added) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let (mut fh_p50_plain, mut fh_p50_ailb) = (Vec::new(), Vec::new());
-    let mut fh_rounds: Vec<Value> = Vec::new();
-    for round in 0..rounds {
-        let mut row = serde_json::Map::new();
-        let (direct, _) = replay(
-            env,
-            &format!("http://{sink}"),
-            &fh_trace,
-            &dir.join(format!("direct.filter-half.{round}.jsonl")),
-            &[],
-        )?;
-        fh_p99_direct.push(direct.e2e_ms.p99.unwrap_or(f64::NAN));
-        row.insert("direct_to_sink".into(), lat(&direct));
-        for p in order(round) {
-            let m = measured_replay(
-                env,
-                &url(p),
-                &fh_trace,
-                &dir.join(format!("{}.filter-half.{round}.jsonl", p.name())),
-                &[],
-                pid(p),
-            )?;
-            let cpu_us = m.cpu_us_per_ok;
-            let mut v = lat(&m.summary);
-            v["envoy_cpu_s"] = json!(m.cpu_s);
-            v["envoy_cpu_us_per_request"] = json!(cpu_us);
-            row.insert(p.name().into(), v);
-            let (p50, p99) = (
-                m.summary.e2e_ms.p50.unwrap_or(f64::NAN),
-                m.summary.e2e_ms.p99.unwrap_or(f64::NAN),
-            );
-            match p {
-                Policy::AiLb => {
-                    fh_ailb.push(cpu_us.unwrap_or(f64::NAN));
-                    fh_p99_ailb.push(p99);
-                    fh_p50_ailb.push(p50);
-                }
-                _ => {
-                    fh_plain.push(cpu_us.unwrap_or(f64::NAN));
-                    fh_p99_plain.push(p99);
-                    fh_p50_plain.push(p50);
-                }
-            }
-        }
-        if let (Some(a), Some(b)) = (fh_ailb.last(), fh_plain.last()) {
-            fh_ratios.push(b / a);
-        }
-        if let (Some(a), Some(b)) = (fh_p99_ailb.last(), fh_p99_plain.last()) {
-            fh_added.push(a - b);
-        }
-        fh_rounds.push(Value::Object(row));
-    }
-    let us = |v: Option<f64>| v.map(|ms| (ms * 1000.0).round());
-    let half = (plain_max / 2.0).max(1.0);
-    let half_trace = dir.join("half.jsonl");
-    fixed_trace(env, half, secs, &half_trace)?;
-    let mut half_rounds: Vec<Value> = Vec::new();
-    let (mut p99_plain, mut p99_ailb, mut p99_direct, mut added) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let (mut p50_plain, mut p50_ailb) = (Vec::new(), Vec::new());
-    for round in 0..rounds {
-        let mut row = serde_json::Map::new();
-        let (direct, _) = replay(
-            env,
-            &format!("http://{sink}"),
-            &half_trace,
-            &dir.join(format!("direct.half.{round}.jsonl")),
-            &[],
-        )?;
-        p99_direct.push(direct.e2e_ms.p99.unwrap_or(f64::NAN));
-        row.insert("direct_to_sink".into(), lat(&direct));
-        for p in order(round) {
-            let (s, _) = replay(
-                env,
-                &url(p),
-                &half_trace,
-                &dir.join(format!("{}.half.{round}.jsonl", p.name())),
-                &[],
-            )?;
-            let (p50, p99) = (
-                s.e2e_ms.p50.unwrap_or(f64::NAN),
-                s.e2e_ms.p99.unwrap_or(f64::NAN),
-            );
-            match p {
-                Policy::AiLb => {
-                    p99_ailb.push(p99);
-                    p50_ailb.push(p50);
-                }
-                _ => {
-                    p99_plain.push(p99);
-                    p50_plain.push(p50);
-                }
-            }
-            row.insert(p.name().into(), lat(&s));
-        }
-        if let (Some(a), Some(b)) = (p99_ailb.last(), p99_plain.last()) {
-            added.push(a - b);
-        }
-        half_rounds.push(Value::Object(row));
-    }
+    let ctx = Ctx {
+        env,
+        dir: &dir,
+        secs,
+        rounds,
+        sink,
+        url: &url,
+        pid: &pid,
+        order: &order,
+    };
+    let mut filter_half = open_loop_phase(&ctx, "filter-half", fh_rate)?;
+    filter_half["what"] = json!("open loop at half of the filter's (or plain's, if lower) maximum: Envoy process CPU per answered request, microseconds (ratio = plain / ai_lb), and e2e latency");
+    let half = open_loop_phase(&ctx, "half", (plain_max / 2.0).max(1.0))?;
     Ok(json!({
         "upstream": "loadgen example sink answering 2 tokens at once (SSE); 16-token prompts; one Envoy, 1 worker, per configuration; ai-lb with envoy-config/filter-config.json and an agent announcing the sink (metrics from an idle fake pod)",
         "ailb_ready": ready,
@@ -316,30 +309,8 @@ pub fn overhead(env: &Env, secs: f64, rounds: usize, workers: usize) -> Result<V
             "ratio_of_medians": analysis::ratio(median(plain_cpu), median(ailb_cpu)),
             "ratio_per_round": cpu_ratios,
         },
-        "filter_half_load": {
-            "what": "open loop at half of the filter's (or plain's, if lower) maximum: Envoy process CPU per answered request, microseconds (ratio = plain / ai_lb), and e2e latency",
-            "rate_rps": fh_rate,
-            "p99_ms_median": {"least_request": median(fh_p99_plain.clone()), "ai_lb": median(fh_p99_ailb.clone()), "direct_to_sink": median(fh_p99_direct)},
-            "p50_ms_median": {"least_request": median(fh_p50_plain.clone()), "ai_lb": median(fh_p50_ailb.clone())},
-            "added_p99_us_median_of_rounds": us(median(fh_added.clone())),
-            "added_p99_us_per_round": fh_added.iter().map(|d| us(Some(*d))).collect::<Vec<_>>(),
-            "added_p50_us": us(median(fh_p50_ailb).zip(median(fh_p50_plain)).map(|(a, b)| a - b)),
-            "least_request_us_median": median(fh_plain.clone()),
-            "ai_lb_us_median": median(fh_ailb.clone()),
-            "added_us_median": median(fh_ailb.clone()).zip(median(fh_plain.clone())).map(|(a, b)| a - b),
-            "ratio_of_medians": analysis::ratio(median(fh_plain), median(fh_ailb)),
-            "ratio_per_round": fh_ratios,
-            "rounds": fh_rounds,
-        },
-        "half_load": {
-            "rate_rps": half,
-            "p99_ms_median": {"least_request": median(p99_plain.clone()), "ai_lb": median(p99_ailb.clone()), "direct_to_sink": median(p99_direct)},
-            "p50_ms_median": {"least_request": median(p50_plain.clone()), "ai_lb": median(p50_ailb.clone())},
-            "added_p99_us_median_of_rounds": us(median(added.clone())),
-            "added_p99_us_per_round": added.iter().map(|d| us(Some(*d))).collect::<Vec<_>>(),
-            "added_p50_us": us(median(p50_ailb).zip(median(p50_plain)).map(|(a, b)| a - b)),
-            "rounds": half_rounds,
-        },
+        "filter_half_load": filter_half,
+        "half_load": half,
     }))
 }
 
