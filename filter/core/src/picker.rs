@@ -170,37 +170,29 @@ const BIG_KV_FACTOR: f64 = 4.0;
 /// held up every short request behind it).
 #[derive(Debug, Clone, Copy, Default)]
 struct RecentStarts {
-    /// (sent at ms, weight, KV tokens, output tokens); an entry with weight 0 is empty.
-    entries: [(u64, f32, f32, f32); RECENT_STARTS],
+    /// (sent at ms, KV tokens, output tokens) of each remembered start still in flight.
+    entries: [Option<(u64, f32, f32)>; RECENT_STARTS],
     next: u8,
 }
 
 impl RecentStarts {
+    fn entry(at_ms: u64, size: &RequestSize) -> (u64, f32, f32) {
+        (at_ms, size.kv_tokens as f32, size.output_tokens as f32)
+    }
+
     fn push(&mut self, at_ms: u64, size: &RequestSize) {
         let i = usize::from(self.next) % RECENT_STARTS;
         if let Some(e) = self.entries.get_mut(i) {
-            *e = (
-                at_ms,
-                size.weight.max(f64::MIN_POSITIVE) as f32,
-                size.kv_tokens as f32,
-                size.output_tokens as f32,
-            );
+            *e = Some(Self::entry(at_ms, size));
         }
         self.next = ((i + 1) % RECENT_STARTS) as u8;
     }
 
     /// Forgets the start at `at_ms` of a request of `size` that ended (if still remembered).
     fn remove(&mut self, at_ms: u64, size: &RequestSize) {
-        let (w, kv) = (
-            size.weight.max(f64::MIN_POSITIVE) as f32,
-            size.kv_tokens as f32,
-        );
-        if let Some(e) = self
-            .entries
-            .iter_mut()
-            .find(|e| e.1 > 0.0 && e.0 == at_ms && e.1 == w && e.2 == kv)
-        {
-            *e = (0, 0.0, 0.0, 0.0);
+        let ended = Self::entry(at_ms, size);
+        if let Some(e) = self.entries.iter_mut().find(|e| **e == Some(ended)) {
+            *e = None;
         }
     }
 
@@ -209,9 +201,10 @@ impl RecentStarts {
     fn after(&self, t_ms: u64) -> (u32, f64, f64) {
         self.entries
             .iter()
-            .filter(|e| e.1 > 0.0 && e.0 > t_ms)
+            .flatten()
+            .filter(|e| e.0 > t_ms)
             .fold((0, 0.0, 0.0), |(n, kv, out), e| {
-                (n + 1, kv + f64::from(e.2), out + f64::from(e.3))
+                (n + 1, kv + f64::from(e.1), out + f64::from(e.2))
             })
     }
 }

@@ -939,11 +939,7 @@ fn a_long_answer_goes_to_the_pod_that_decodes_faster() {
         }
         ev
     };
-    let long = RequestSize {
-        weight: 1.0,
-        kv_tokens: 2_100.0,
-        output_tokens: 2_000.0,
-    };
+    let long = sized(2_100.0, 2_000.0);
     let short = RequestSize {
         output_tokens: 100.0,
         ..long
@@ -1059,11 +1055,7 @@ fn a_long_answer_avoids_a_slowed_pod_even_when_the_others_would_wait_for_kv_cach
         inf.kv_cache_usage = Some(kv_use);
         inf.kv_capacity_tokens = Some(10_000);
     }
-    let long = RequestSize {
-        weight: 1.0,
-        kv_tokens: 2_100.0,
-        output_tokens: 2_000.0,
-    };
+    let long = sized(2_100.0, 2_000.0);
     let mut r = Router::new(config(""));
     r.apply_pool_event(0, &ev, 1000);
     assert!(r.pod_status(0, 1000)[0].slow_decode);
@@ -1116,10 +1108,15 @@ fn kv_pod_score(u: f64) -> f64 {
 }
 
 fn kv(tokens: f64) -> RequestSize {
+    sized(tokens, 0.0)
+}
+
+/// A request of one seat holding `kv_tokens` (prompt + `output_tokens` reserved).
+fn sized(kv_tokens: f64, output_tokens: f64) -> RequestSize {
     RequestSize {
         weight: 1.0,
-        kv_tokens: tokens,
-        output_tokens: 0.0,
+        kv_tokens,
+        output_tokens,
     }
 }
 
@@ -1240,11 +1237,7 @@ fn an_answer_this_sidecar_started_counts_at_its_reservation_until_it_ends() {
     // shows it prefilled (4 000 tokens held): the 1 000 it will grow into stay counted on top,
     // so a second such request (5 000) no longer fits pod 0's 12 500 (4 000 + 1 000 + 5 000
     // + the reading's other 3 000), as the model server's own admission would find.
-    let long = RequestSize {
-        weight: 1.0,
-        kv_tokens: 5_000.0,
-        output_tokens: 1_000.0,
-    };
+    let long = sized(5_000.0, 1_000.0);
     let mut r = Router::new(config(""));
     r.apply_pool_event(0, &kv_event(&[0.0, 0.0], 12_500, 1), 1000);
     r.on_request_start(0, &addr(0), long, 1000);
@@ -1272,11 +1265,7 @@ fn a_request_that_ends_without_the_reading_showing_it_does_not_empty_the_pod() {
     // request ends. The pod must still look as full as its reading says: taking the whole
     // request out of the estimate left it looking 6 000 tokens emptier, and the next long
     // prompt went to the same pod (seen in the e2e test filter_kv_fit, two in a row stuck).
-    let long = RequestSize {
-        weight: 1.0,
-        kv_tokens: 6_000.0,
-        output_tokens: 10.0,
-    };
+    let long = sized(6_000.0, 10.0);
     let mut r = Router::new(config(""));
     let mut ev = kv_event(&[0.5, 0.2], 10_000, 1);
     inference(&mut ev, 1).kv_capacity_tokens = Some(40_000);
@@ -1310,11 +1299,7 @@ fn a_long_prompt_does_not_queue_behind_a_head_that_waits_for_kv() {
     let mut ev = kv_event(&[0.52, 0.3], 12_500, 1);
     set_queues(&mut ev, &[(0, 5, 1), (1, 8, 3)]);
     r.apply_pool_event(0, &ev, 1000);
-    let short = RequestSize {
-        weight: 1.0,
-        kv_tokens: 475.0,
-        output_tokens: 200.0,
-    };
+    let short = sized(475.0, 200.0);
     let c = counts_for(&mut r, 2, short, 20_000, 65);
     assert!((c[1] as f64 / 20_000.0) < 0.1, "short: {c:?}");
     let c = counts_for(&mut r, 2, long, 20_000, 66);
@@ -1339,11 +1324,7 @@ fn a_big_request_spreads_over_the_pods_it_fits_instead_of_herding_onto_the_empti
     let total: f64 = uses.iter().map(|u| kv_pod_score(*u)).sum();
     let p0 = kv_pod_score(0.0) / total;
     for output in [100.0, 1_000.0] {
-        let size = RequestSize {
-            weight: 1.0,
-            kv_tokens: 5_000.0,
-            output_tokens: output,
-        };
+        let size = sized(5_000.0, output);
         let c = counts_for(&mut r, 4, size, 20_000, 67);
         let share = c[0] as f64 / 20_000.0;
         assert!(

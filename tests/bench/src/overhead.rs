@@ -323,16 +323,27 @@ pub fn write(out: &Path, v: &Value) -> Result<(), Error> {
     let f = |x: &Value| x.as_f64().map_or("–".to_string(), |v| format!("{v:.2}"));
     let h = &v["half_load"];
     let fh = &v["filter_half_load"];
+    // The e2e p50 and p99 rows of one open-loop phase ([`open_loop_phase`]).
+    let latency = |ph: &Value, rate: &str| {
+        format!(
+            "| e2e p50 at {rate}, ms | {} | {} | {} µs |\n\
+             | e2e p99 at that rate, ms | {} | {} | {} µs (per round: {}) |\n",
+            f(&ph["p50_ms_median"]["least_request"]),
+            f(&ph["p50_ms_median"]["ai_lb"]),
+            ph["added_p50_us"],
+            f(&ph["p99_ms_median"]["least_request"]),
+            f(&ph["p99_ms_median"]["ai_lb"]),
+            ph["added_p99_us_median_of_rounds"],
+            ph["added_p99_us_per_round"],
+        )
+    };
     let table = format!(
         "### overhead (1 Envoy worker, fast upstream, {} rounds of {} s, medians)\n\n`{}`\n\n\
          | measure | least_request | ai_lb | ratio / difference |\n|---|---|---|---|\n\
          | max req/s (closed loop, {} clients) | {} | {} | {} |\n\
          | Envoy CPU per request over that loop, µs | {} | {} | {} (req/s per CPU; per round: {}) |\n\
          | Envoy CPU per request at {} req/s (half of the filter's max), µs | {} | {} | {} (+{} µs; per round: {}) |\n\
-         | e2e p50 at that rate, ms | {} | {} | {} µs |\n\
-         | e2e p99 at that rate, ms | {} | {} | {} µs (per round: {}) |\n\
-         | e2e p50 at {} req/s (half of plain's max), ms | {} | {} | {} µs |\n\
-         | e2e p99 at that rate, ms | {} | {} | {} µs (per round: {}) |\n\n\
+         {}{}\n\
          Straight to the sink (no Envoy), p99: {} ms at half of the filter's max, {} ms at half of plain's.\n",
         v["rounds"],
         v["secs_per_measurement"],
@@ -351,21 +362,8 @@ pub fn write(out: &Path, v: &Value) -> Result<(), Error> {
         f(&fh["ratio_of_medians"]),
         f(&fh["added_us_median"]),
         fh["ratio_per_round"],
-        f(&fh["p50_ms_median"]["least_request"]),
-        f(&fh["p50_ms_median"]["ai_lb"]),
-        fh["added_p50_us"],
-        f(&fh["p99_ms_median"]["least_request"]),
-        f(&fh["p99_ms_median"]["ai_lb"]),
-        fh["added_p99_us_median_of_rounds"],
-        fh["added_p99_us_per_round"],
-        f(&h["rate_rps"]),
-        f(&h["p50_ms_median"]["least_request"]),
-        f(&h["p50_ms_median"]["ai_lb"]),
-        h["added_p50_us"],
-        f(&h["p99_ms_median"]["least_request"]),
-        f(&h["p99_ms_median"]["ai_lb"]),
-        h["added_p99_us_median_of_rounds"],
-        h["added_p99_us_per_round"],
+        latency(fh, "that rate"),
+        latency(h, &format!("{} req/s (half of plain's max)", f(&h["rate_rps"]))),
         f(&fh["p99_ms_median"]["direct_to_sink"]),
         f(&h["p99_ms_median"]["direct_to_sink"]),
     );
