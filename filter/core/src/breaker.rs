@@ -233,8 +233,11 @@ pub struct Breaker {
     probes_issued: u32,
     probe_successes: u32,
     last_probe_ms: u64,
-    /// Lengthens every cooldown by `jitter / 1024` (0 to 25 %), so sidecars that opened on the
-    /// same snapshot do not all probe at the same moment. Kept for the breaker's life.
+    /// Lengthens every cooldown by `jitter / 256` (0 to 99.6 %), so sidecars that opened on the
+    /// same snapshot do not all probe at the same moment: the first probe's failure, once its
+    /// agent reports it, keeps the others open. A spread of a quarter of the cooldown (5 s:
+    /// ~1.2 s for all sidecars) was too narrow for that, as the fault-errors bench showed (all
+    /// four sidecars probed within 1.1 s). Kept for the breaker's life.
     jitter: u8,
 }
 
@@ -255,7 +258,7 @@ impl Default for Breaker {
 }
 
 impl Breaker {
-    /// A closed breaker whose cooldowns are lengthened by `jitter / 1024`: give each sidecar
+    /// A closed breaker whose cooldowns are lengthened by `jitter / 256`: give each sidecar
     /// (Envoy process) its own random value.
     pub fn with_jitter(jitter: u8) -> Breaker {
         Breaker {
@@ -267,7 +270,7 @@ impl Breaker {
     /// This breaker's cooldown for its `opens`-th open in a row, jitter included.
     fn jittered_cooldown_ms(&self, opens: u32, cfg: &BreakerConfig) -> u64 {
         let cd = Self::cooldown_ms(opens, cfg);
-        cd.saturating_add(cd.saturating_mul(u64::from(self.jitter)) / 1024)
+        cd.saturating_add(cd.saturating_mul(u64::from(self.jitter)) / 256)
     }
 
     pub fn state(&self) -> BreakerState {
@@ -780,28 +783,30 @@ mod tests {
         let c = cfg(); // base 1000, cap 3000
         let mut b = Breaker::with_jitter(255);
         b.trip(TripReason::ServerErrors, 0, &c);
-        assert_eq!(b.open_until_ms(), 1249, "1000 + 1000 * 255 / 1024");
+        assert_eq!(b.open_until_ms(), 1996, "1000 + 1000 * 255 / 256");
         // Kept open by a signal: the restarted cooldown is jittered too.
         b.trip(TripReason::AgentErrorRate, 500, &c);
-        assert_eq!(b.open_until_ms(), 1749);
-        b.poll(1749, &c);
-        b.on_request(1749);
-        fail(&mut b, 1800);
-        assert_eq!(b.open_until_ms(), 1800 + 2000 + 498);
+        assert_eq!(b.open_until_ms(), 2496);
+        b.poll(2496, &c);
+        b.on_request(2496);
+        fail(&mut b, 2500);
+        assert_eq!(b.open_until_ms(), 2500 + 2000 + 1992);
         // Through the shared encoding and a close.
         let mut d = Breaker::decode(&b.encode()).unwrap();
         assert_eq!(d, b);
-        d.poll(5000, &c);
-        d.on_request(5000);
-        d.on_request(5000);
-        d.record(None, 5001, &c);
-        d.record(None, 5002, &c);
+        d.poll(6491, &c);
+        assert_eq!(d.state(), BreakerState::Open, "not before its jittered cooldown");
+        d.poll(6492, &c);
+        d.on_request(6492);
+        d.on_request(6492);
+        d.record(None, 6493, &c);
+        d.record(None, 6494, &c);
         assert_eq!(d.state(), BreakerState::Closed);
-        d.trip(TripReason::ServerErrors, 6000, &c);
+        d.trip(TripReason::ServerErrors, 7000, &c);
         assert_eq!(
             d.open_until_ms(),
-            6000 + 3000 + 747,
-            "third open in a row, capped, +24.9 %"
+            7000 + 3000 + 2988,
+            "third open in a row, capped, +99.6 %"
         );
     }
 }
