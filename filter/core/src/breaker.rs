@@ -795,7 +795,11 @@ mod tests {
         let mut d = Breaker::decode(&b.encode()).unwrap();
         assert_eq!(d, b);
         d.poll(6491, &c);
-        assert_eq!(d.state(), BreakerState::Open, "not before its jittered cooldown");
+        assert_eq!(
+            d.state(),
+            BreakerState::Open,
+            "not before its jittered cooldown"
+        );
         d.poll(6492, &c);
         d.on_request(6492);
         d.on_request(6492);

@@ -118,7 +118,7 @@ pub struct BreakerConfig {
     /// Consecutive passive failures that open the breaker.
     pub consecutive_failures: u32,
     /// First cooldown; doubles on every re-open until the breaker has stayed closed for
-    /// `max_cooldown_ms`.
+    /// `max_cooldown_ms`. Lengthened per sidecar by 0-100 % (see `Breaker::with_jitter`).
     pub base_cooldown_ms: u64,
     /// Cap of the doubling cooldown (≥ base).
     pub max_cooldown_ms: u64,
@@ -609,7 +609,9 @@ struct RawBreaker {
     )]
     consecutive_failures: Option<u64>,
     /// First cooldown (ms); doubles on every re-open until the breaker has stayed closed for
-    /// `maxCooldownMs`.
+    /// `maxCooldownMs`. Each sidecar lengthens every cooldown (this one and the doubled ones,
+    /// cap included) by its own random 0-100 %, so sidecars probe a failing pod one after
+    /// another rather than all at once.
     #[serde(default)]
     #[cfg_attr(
         feature = "schema",
