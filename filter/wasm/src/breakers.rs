@@ -9,7 +9,7 @@
 //! per tick. A full copy still runs every [`FULL_SYNC_MS`], in case an epoch bump was lost to
 //! CAS contention.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use ai_lb_filter_core::breaker::{Breaker, Transition};
 use ai_lb_filter_core::picker::Router;
@@ -74,7 +74,9 @@ impl Breakers {
         // Only the pods whose shared breaker differs from the copy here are collected (most
         // often one), then installed.
         let mut changed = Vec::new();
+        let mut pods = 0usize;
         for pod in router.pod_addresses(pool) {
+            pods += 1;
             let (bytes, _) = crate::host::shared_get(&shared::breaker_key(&p.name, pod));
             let Some(bytes) = bytes else { continue };
             if p.seen.get(pod) != Some(&bytes) {
@@ -86,6 +88,11 @@ impl Breakers {
                 router.set_breaker(pool, &pod, None, b);
             }
             p.seen.insert(pod, bytes);
+        }
+        // Holding more copies than the pool has pods: some are of pods that left. Keeps the
+        // map no larger than the pool (after each sync) without a set per sync.
+        if p.seen.len() > pods {
+            forget_gone(&mut p.seen, router.pod_addresses(pool));
         }
     }
 
@@ -111,5 +118,33 @@ impl Breakers {
         p.seen.insert(pod.to_string(), w.breaker.encode().to_vec());
         router.set_breaker(pool, pod, None, w.breaker);
         Some(w.transitions)
+    }
+}
+
+/// Forgets the copies of pods that are no longer in the pool: in a pool whose pods come and go
+/// (rollouts, autoscaling) the map would otherwise grow for the VM's life.
+fn forget_gone<'a>(seen: &mut HashMap<String, Vec<u8>>, live: impl Iterator<Item = &'a str>) {
+    let live: HashSet<&str> = live.collect();
+    seen.retain(|pod, _| live.contains(pod.as_str()));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copies_of_pods_that_left_the_pool_are_forgotten() {
+        let mut seen: HashMap<String, Vec<u8>> =
+            ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
+                .into_iter()
+                .map(|p| (p.to_string(), vec![1]))
+                .collect();
+        forget_gone(
+            &mut seen,
+            ["10.0.0.3:8000", "10.0.0.1:8000", "10.0.0.9:8000"].into_iter(),
+        );
+        let mut left: Vec<&str> = seen.keys().map(String::as_str).collect();
+        left.sort_unstable();
+        assert_eq!(left, ["10.0.0.1:8000", "10.0.0.3:8000"]);
     }
 }
