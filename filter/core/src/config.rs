@@ -184,6 +184,30 @@ impl Default for WatchConfig {
     }
 }
 
+/// Holding big requests in the sidecar (`bigRequestHold`): a request holding at least four
+/// times the mean request's KV-cache tokens waits in the sidecar while no pod of its pool
+/// would start it at once with `kvHeadroom` of its KV cache to spare (see
+/// [`crate::picker::Router::should_hold`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BigRequestHold {
+    /// Share of a pod's KV cache a big request must leave free, in [0, 1).
+    pub kv_headroom: f64,
+    /// Longest wait in the sidecar (ms, > 0); then it is routed as if the hold were off.
+    pub max_hold_ms: u64,
+    /// Most requests held per worker (≥ 1); one more is routed at once.
+    pub max_held: usize,
+}
+
+impl Default for BigRequestHold {
+    fn default() -> Self {
+        Self {
+            kv_headroom: 0.2,
+            max_hold_ms: 10_000,
+            max_held: 256,
+        }
+    }
+}
+
 /// One pool of pods (one Envoy cluster) this filter steers.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PoolConfig {
@@ -239,6 +263,8 @@ pub struct FilterConfig {
     /// Path answered locally with the scoreboard JSON.
     pub status_path: Option<String>,
     pub watch: WatchConfig,
+    /// Holding big requests in the sidecar while no pod has room for them (None = off).
+    pub big_request_hold: Option<BigRequestHold>,
     /// Admission control, validated by [`AdmissionConfig::from_value`] (error paths start with
     /// `admission.`). None (absent or null in the JSON) = admission off.
     pub admission: Option<AdmissionConfig>,
@@ -459,6 +485,20 @@ struct RawConfig {
     #[serde(default)]
     #[cfg_attr(feature = "schema", schemars(extend("default" = {})))]
     watch: RawWatch,
+    /// Big requests (prompt and `max_tokens` four times the mean request's KV-cache tokens or
+    /// more, as this Envoy worker has seen them) wait in the sidecar while no pod of the pool
+    /// would start them at once (a free seat, nothing waiting, not over the GPU hard limit,
+    /// and room in its estimated free KV cache with `kvHeadroom` to spare), instead of
+    /// taking the seats and KV cache the short requests behind them need, or waiting at the
+    /// head of a pod's queue, where every request behind them waits too (head-of-line
+    /// blocking). Judged only when every pod not cut reports its KV cache and the pool is
+    /// steered (never in fallback). Released on the filter's tick (every `watch.refreshMs`,
+    /// 10..100 ms) as soon as a pod would start one, oldest first, and routed to such a pod;
+    /// after `maxHoldMs` routed as if the hold were off. Absent or null: off; `{}`: on with
+    /// every default.
+    #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(extend("default" = null)))]
+    big_request_hold: Option<RawBigRequestHold>,
     /// Admission control (token buckets per tenant, priority classes, inbound guard). Absent
     /// or null: admission off; `{}`: on with every default.
     #[serde(default)]
@@ -677,6 +717,41 @@ struct RawBreaker {
         schemars(extend("default" = 0.25, "minimum" = 0, "maximum" = 1))
     )]
     agent_error_rate: Option<f64>,
+}
+
+/// `bigRequestHold`.
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[cfg_attr(
+    feature = "schema",
+    derive(schemars::JsonSchema),
+    schemars(rename = "BigRequestHold")
+)]
+struct RawBigRequestHold {
+    /// Share of a pod's KV cache a big request must leave free to start there; the rest is
+    /// kept for the short requests that keep arriving. A big request larger than the pod's
+    /// cache less this share needs only to fit. 0: held only while it fits no pod at all.
+    #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 0.2, "minimum" = 0, "exclusiveMaximum" = 1))
+    )]
+    kv_headroom: Option<f64>,
+    /// Longest wait in the sidecar, ms; after it the request is routed as if the hold were
+    /// off (never refused). Keep it well under the clients' timeout.
+    #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 10_000, "minimum" = 1, "maximum" = 600_000))
+    )]
+    max_hold_ms: Option<u64>,
+    /// Most requests held at once per Envoy worker; one more is routed at once.
+    #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 256, "minimum" = 1, "maximum" = 100_000))
+    )]
+    max_held: Option<u64>,
 }
 
 /// The pool subscription (`WatchPool` stream to the agents).
@@ -1180,6 +1255,47 @@ impl TryFrom<RawConfig> for FilterConfig {
             refresh_ms: positive_ms("watch.refreshMs", raw.watch.refresh_ms, d.refresh_ms)?,
         };
 
+        let big_request_hold = match &raw.big_request_hold {
+            None => None,
+            Some(h) => {
+                let d = BigRequestHold::default();
+                let kv_headroom = match h.kv_headroom {
+                    None => d.kv_headroom,
+                    Some(x) if x.is_finite() && (0.0..1.0).contains(&x) => x,
+                    Some(x) => {
+                        return Err(ConfigError::new(
+                            "bigRequestHold.kvHeadroom",
+                            x,
+                            "must be within [0, 1)",
+                        ))
+                    }
+                };
+                let max_hold_ms = match h.max_hold_ms {
+                    None => d.max_hold_ms,
+                    Some(x) if (1..=600_000).contains(&x) => x,
+                    Some(x) => {
+                        return Err(ConfigError::new(
+                            "bigRequestHold.maxHoldMs",
+                            x,
+                            "must be within 1..=600000 (milliseconds)",
+                        ))
+                    }
+                };
+                let max_held = u32_in(
+                    "bigRequestHold.maxHeld",
+                    h.max_held,
+                    d.max_held as u32,
+                    1,
+                    100_000,
+                )? as usize;
+                Some(BigRequestHold {
+                    kv_headroom,
+                    max_hold_ms,
+                    max_held,
+                })
+            }
+        };
+
         Ok(FilterConfig {
             mode,
             pools,
@@ -1197,6 +1313,7 @@ impl TryFrom<RawConfig> for FilterConfig {
             debug_header,
             status_path,
             watch,
+            big_request_hold,
             admission: raw
                 .admission
                 .as_ref()

@@ -588,6 +588,21 @@ impl PodRt {
         self.head_blocked || !self.fits(kv_tokens)
     }
 
+    /// Whether a big request holding `kv_tokens` has room here with `headroom` of the KV cache
+    /// to spare (`bigRequestHold`): its queue's head does not wait for KV cache and the
+    /// estimated use with it stays within the cache less that share (a request larger than
+    /// that needs only to fit). True when the pod does not report its KV cache.
+    fn room_for_big(&self, kv_tokens: f64, headroom: f64) -> bool {
+        match (self.kv_used(), self.kv_cap) {
+            (Some(used), Some(cap)) => {
+                let spare = cap * (1.0 - headroom);
+                let limit = if kv_tokens > spare { cap } else { spare };
+                !self.head_blocked && used + kv_tokens <= limit
+            }
+            _ => true,
+        }
+    }
+
     /// How long a request sent to the pod now would wait to start, in service rounds (how
     /// many times the requests running there must turn over first); 0 when a seat is free for
     /// it. The requests that start before it (those over the seats or, while the queue's head
@@ -640,10 +655,22 @@ impl PodRt {
     /// head takes what frees first, and so many tokens more free only when several requests
     /// end, or a long one (seconds). Counted as a queue for seats, a long prompt went to the
     /// pod already blocked by another, the one with the fewest running.
-    fn pick_key(&self, kv_tokens: f64, big: bool, now_ms: u64) -> (u8, f64, f64) {
+    ///
+    /// `headroom`: a big request under `bigRequestHold`; without room for it with that share
+    /// of the KV cache to spare ([`PodRt::room_for_big`]) it counts as waiting for KV cache.
+    fn pick_key(
+        &self,
+        kv_tokens: f64,
+        big: bool,
+        headroom: Option<f64>,
+        now_ms: u64,
+    ) -> (u8, f64, f64) {
         let slow = self.slowness();
         let load = self.load_with(kv_tokens) * slow;
-        if !self.fits(kv_tokens) || (big && self.head_blocked) {
+        if !self.fits(kv_tokens)
+            || (big && self.head_blocked)
+            || headroom.is_some_and(|h| !self.room_for_big(kv_tokens, h))
+        {
             (2, 0.0, load)
         } else if self.head_blocked
             || self.hot
@@ -1363,6 +1390,7 @@ impl Router {
         }
         let big = self.kv_is_big(size.kv_tokens);
         let cfg = &self.cfg;
+        let headroom = cfg.big_request_hold.filter(|_| big).map(|h| h.kv_headroom);
         let Some(p) = self.pools.get_mut(pool_idx) else {
             return Decision::Fallback(FallbackReason::NoAgentData);
         };
@@ -1434,7 +1462,7 @@ impl Router {
                         .get(slot)
                         .and_then(|id| p.pods.get(*id as usize))
                         .map_or((u8::MAX, f64::INFINITY, f64::INFINITY), |r| {
-                            r.pick_key(size.kv_tokens, big, now_ms)
+                            r.pick_key(size.kv_tokens, big, headroom, now_ms)
                         })
                 };
                 if key(other) < key(start) {
@@ -1477,7 +1505,7 @@ impl Router {
                 p.pods
                     .get(id as usize)
                     .map_or((u8::MAX, f64::INFINITY, f64::INFINITY), |r| {
-                        r.pick_key(need, big, now_ms)
+                        r.pick_key(need, big, headroom, now_ms)
                     })
             };
             // A long answer spends its time decoding: it goes where it would finish first,
@@ -1548,9 +1576,9 @@ impl Router {
             // A request that fits neither candidate's KV cache would wait at the head of that
             // pod's queue, and every request behind it with it: look further for one it fits.
             let fits = |id: u32| {
-                p.pods
-                    .get(id as usize)
-                    .is_some_and(|r| !r.waits_for_kv(need))
+                p.pods.get(id as usize).is_some_and(|r| {
+                    !r.waits_for_kv(need) && headroom.is_none_or(|h| r.room_for_big(need, h))
+                })
             };
             if !fits(chosen) {
                 for _ in 0..KV_EXTRA_DRAWS {
@@ -1563,6 +1591,23 @@ impl Router {
                     if fits(chosen) {
                         break;
                     }
+                }
+            }
+            // A big request held in the sidecar (`bigRequestHold`) is released when some pod
+            // has room for it: when the draws missed every such pod, the best of them takes
+            // it (big requests are few; this scans the pool).
+            if headroom.is_some() && !fits(chosen) {
+                let mut best: Option<u32> = None;
+                for (slot, &id) in view.slots.iter().enumerate() {
+                    if view.w.get(slot).copied().unwrap_or(0.0) <= 0.0 || !fits(id) {
+                        continue;
+                    }
+                    if best.is_none_or(|b| better(id, b)) {
+                        best = Some(id);
+                    }
+                }
+                if let Some(b) = best {
+                    chosen = b;
                 }
             }
             // Overflow: the request would queue on the chosen pod, so one pod over the GPU
@@ -1626,6 +1671,75 @@ impl Router {
             ranked,
             chosen_score,
         }
+    }
+
+    /// Whether a request of `size` to pool `pool_idx` (for `model`; None: any) should wait in
+    /// the sidecar now (`bigRequestHold`): the hold is on, the request is big
+    /// ([`BIG_KV_FACTOR`] times the mean request's KV tokens or more), the pool is steered
+    /// (not in fallback), every pod not cut reports its KV cache, and on none would it start
+    /// at once: a free seat, nothing waiting, not over the GPU hard limit, no failure in the
+    /// last second, and room for it with `kvHeadroom` of the KV cache to spare
+    /// ([`PodRt::room_for_big`]). So a big request takes a pod's slack, not the seats and
+    /// cache the short requests behind it need. Anything unknown says no: a request is
+    /// never held on a guess.
+    pub fn should_hold(
+        &mut self,
+        pool_idx: usize,
+        model: Option<&str>,
+        size: RequestSize,
+        now_ms: u64,
+    ) -> bool {
+        let Some(hold) = self.cfg.big_request_hold else {
+            return false;
+        };
+        if !self.kv_is_big(size.kv_tokens) {
+            return false;
+        }
+        let needs_refresh = match self.pools.get(pool_idx) {
+            Some(p) => p.dirty || now_ms >= p.next_refresh_ms,
+            None => return false,
+        };
+        if needs_refresh {
+            self.refresh(pool_idx, now_ms);
+        }
+        let cfg = &self.cfg;
+        let Some(p) = self.pools.get_mut(pool_idx) else {
+            return false;
+        };
+        let vi = match p.views.iter().position(|v| v.model.as_deref() == model) {
+            Some(i) => i,
+            None => {
+                let mut v = View::new(model);
+                build_view(&mut v, p, cfg);
+                p.views.push(v);
+                p.views.len() - 1
+            }
+        };
+        let Some(view) = p.views.get(vi) else {
+            return false;
+        };
+        if view.verdict != Verdict::Pick {
+            return false;
+        }
+        let mut any = false;
+        for (slot, &id) in view.slots.iter().enumerate() {
+            if view.w.get(slot).copied().unwrap_or(0.0) <= 0.0 {
+                continue;
+            }
+            let Some(pod) = p.pods.get(id as usize) else {
+                continue;
+            };
+            if pod.kv_cap.is_none()
+                || pod
+                    .pick_key(size.kv_tokens, true, Some(hold.kv_headroom), now_ms)
+                    .0
+                    == 0
+            {
+                return false;
+            }
+            any = true;
+        }
+        any
     }
 
     /// Whether a request holding `kv_tokens` is [`BIG_KV_FACTOR`] times the mean
@@ -1944,7 +2058,7 @@ impl Router {
                     picks: r.picks,
                     inflight: r.inflight,
                     load: r.load(),
-                    queued: r.pick_key(0.0, false, now_ms).0 > 0,
+                    queued: r.pick_key(0.0, false, None, now_ms).0 > 0,
                     kv: r.kv_used().zip(r.kv_cap).map(|(u, c)| u / c),
                     error_rate: sig.and_then(|s| s.error_rate),
                     window_requests: sig.and_then(|s| s.window_requests),

@@ -1982,3 +1982,109 @@ fn a_slowed_pods_free_seat_counts_at_its_speed() {
         "slowed pod's share behind deep queues {share}"
     );
 }
+
+/// A router whose sidecar has seen ~1 100-byte bodies with 200 output tokens (mean KV ~475
+/// tokens, so 5 000 tokens is big), with `extra` merged into the test config.
+fn trained(extra: &str) -> Router {
+    let mut r = Router::new(config(extra));
+    for _ in 0..200 {
+        r.request_size(Some(1_100), Some(200));
+    }
+    r
+}
+
+const HOLD: &str = r#"{"bigRequestHold": {}}"#;
+
+#[test]
+fn big_request_hold_is_off_unless_configured_and_validated() {
+    assert_eq!(config("").big_request_hold, None);
+    let h = config(HOLD).big_request_hold.unwrap();
+    assert_eq!(
+        (h.kv_headroom, h.max_hold_ms, h.max_held),
+        (0.2, 10_000, 256)
+    );
+    for (field, value, msg) in [
+        ("kvHeadroom", "1.5", "bigRequestHold.kvHeadroom"),
+        ("kvHeadroom", "-0.1", "bigRequestHold.kvHeadroom"),
+        ("maxHoldMs", "0", "bigRequestHold.maxHoldMs"),
+        ("maxHoldMs", "600001", "bigRequestHold.maxHoldMs"),
+        ("maxHeld", "0", "bigRequestHold.maxHeld"),
+    ] {
+        let json = format!(
+            r#"{{"pools":[{{"name":"p","cluster":"c"}}],"bigRequestHold":{{"{field}":{value}}}}}"#
+        );
+        let e = FilterConfig::from_json(json.as_bytes())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(msg) && e.contains(value), "{e}");
+    }
+    let e = FilterConfig::from_json(
+        br#"{"pools":[{"name":"p","cluster":"c"}],"bigRequestHold":{"kvHedroom":0.1}}"#,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("kvHedroom"), "{e}");
+}
+
+#[test]
+fn a_big_request_is_held_only_while_no_pod_has_room_with_the_headroom() {
+    // Four pods of 12 500 KV tokens at 50 % use: a 5 000-token prompt fits each (11 250 ≤
+    // 12 500) but leaves less than the default 20 % (2 500) free: held. Short ones never are.
+    let big = sized(5_000.0, 1_000.0);
+    let mut r = trained(HOLD);
+    r.apply_pool_event(0, &kv_event(&[0.5; 4], 12_500, 1), 1000);
+    assert!(r.should_hold(0, None, big, 1000));
+    assert!(!r.should_hold(0, None, sized(475.0, 200.0), 1000));
+    // Off: never held.
+    let mut off = trained("");
+    off.apply_pool_event(0, &kv_event(&[0.5; 4], 12_500, 1), 1000);
+    assert!(!off.should_hold(0, None, big, 1000));
+    // One pod at 30 % (3 750 + 5 000 ≤ 10 000): released, and routed there.
+    r.apply_pool_event(0, &kv_event(&[0.5, 0.5, 0.3, 0.5], 12_500, 2), 1100);
+    assert!(!r.should_hold(0, None, big, 1100));
+    let c = counts_for(&mut r, 4, big, 2_000, 71);
+    assert_eq!(c[2], 2_000, "{c:?}");
+    // This sidecar's own start there takes the room again: held.
+    r.on_request_start(0, &addr(2), big, 1100);
+    assert!(r.should_hold(0, None, big, 1100));
+    // KV room but every seat taken (or requests waiting): it would not start at once, held.
+    let mut r = trained(HOLD);
+    for (seq, running, waiting, held) in [(3, 8, 0, true), (4, 6, 1, true), (5, 6, 0, false)] {
+        let mut ev = kv_event(&[0.5, 0.5, 0.0, 0.5], 12_500, seq);
+        set_queues(&mut ev, &[(2, running, waiting)]);
+        let now = 1100 + 50 * seq;
+        r.apply_pool_event(0, &ev, now);
+        assert_eq!(
+            r.should_hold(0, None, big, now),
+            held,
+            "{running} running, {waiting} waiting"
+        );
+    }
+    // A request larger than the cache less the headroom needs only to fit: 11 000 tokens
+    // on an empty pod.
+    let mut r = trained(HOLD);
+    r.apply_pool_event(0, &kv_event(&[0.0, 0.5, 0.5, 0.5], 12_500, 3), 1200);
+    assert!(!r.should_hold(0, None, sized(11_000.0, 1_000.0), 1200));
+}
+
+#[test]
+fn a_big_request_is_never_held_on_a_guess() {
+    let big = sized(5_000.0, 1_000.0);
+    // A pod that does not report its KV cache might have room.
+    let mut r = trained(HOLD);
+    let mut ev = kv_event(&[0.5; 4], 12_500, 1);
+    inference(&mut ev, 3).kv_capacity_tokens = None;
+    r.apply_pool_event(0, &ev, 1000);
+    assert!(!r.should_hold(0, None, big, 1000));
+    // Before the sidecar has seen a sized request nothing is big.
+    let mut fresh = Router::new(config(HOLD));
+    fresh.apply_pool_event(0, &kv_event(&[0.9; 4], 12_500, 1), 1000);
+    assert!(!fresh.should_hold(0, None, big, 1000));
+    // A pool in fallback (every snapshot stale) is routed as Envoy would.
+    let mut r = trained(HOLD);
+    r.apply_pool_event(0, &kv_event(&[0.9; 4], 12_500, 1), 1000);
+    assert!(r.should_hold(0, None, big, 1000));
+    assert!(!r.should_hold(0, None, big, 600_000));
+    // No pool: nothing to hold for.
+    assert!(!r.should_hold(7, None, big, 1000));
+}

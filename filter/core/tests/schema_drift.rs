@@ -102,10 +102,11 @@ fn config_with(path: &str, value: &Value) -> Value {
 #[test]
 fn schema_defaults_and_bounds_agree_with_the_parser() {
     let schema = plugin_config_schema();
-    let base = FilterConfig::from_json(
-        &serde_json::to_vec(&config_with("admission", &serde_json::json!({}))).unwrap(),
-    )
-    .unwrap();
+    // The sections that are off unless present (admission, bigRequestHold) are on with
+    // every default in the base and in every config compared with it.
+    let mut on = config_with("admission", &serde_json::json!({}));
+    on["bigRequestHold"] = serde_json::json!({});
+    let base = FilterConfig::from_json(&serde_json::to_vec(&on).unwrap()).unwrap();
     let mut checked = 0;
     for (path, prop) in properties(&schema) {
         if path.contains('[') || path.contains('<') || path.starts_with("pools") {
@@ -113,8 +114,10 @@ fn schema_defaults_and_bounds_agree_with_the_parser() {
         }
         let wrap = |v: &Value| {
             let mut c = config_with(&path, v);
-            if !path.starts_with("admission") {
-                c["admission"] = serde_json::json!({});
+            for section in ["admission", "bigRequestHold"] {
+                if !path.starts_with(section) {
+                    c[section] = serde_json::json!({});
+                }
             }
             c
         };

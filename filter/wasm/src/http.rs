@@ -21,6 +21,7 @@ use ai_lb_filter_core::admission::cost::BodyPlan;
 use ai_lb_filter_core::admission::priority::{self, PriorityDecision};
 
 use crate::admission::{self, AdmReq, Headers, HeldReq, Step};
+use crate::hold::{self, Held};
 use crate::outcome::{self, Observed};
 use crate::root::{count_transitions, State};
 use crate::{body, host};
@@ -66,6 +67,8 @@ pub struct Request {
     max_output_tokens: Option<u64>,
     /// What this request counts in the router's in-flight estimates (start and end alike).
     size: RequestSize,
+    /// Queued in the worker's big-request hold (until [`Request::take_from_root`]).
+    big_held: bool,
 }
 
 impl Request {
@@ -89,6 +92,7 @@ impl Request {
             body_bytes: None,
             max_output_tokens: None,
             size: RequestSize::UNIT,
+            big_held: false,
         }
     }
 
@@ -126,11 +130,39 @@ impl Request {
         }
         match self.priority_gate(now) {
             Gate::Route => {
+                if self.hold_big(now) {
+                    return Action::Pause;
+                }
                 self.route(now);
                 Action::Continue
             }
             Gate::Replied | Gate::Held => Action::Pause,
         }
+    }
+
+    /// A big request no pod has room for now waits in the worker's hold (`bigRequestHold`);
+    /// true when it was queued (the root's tick routes and resumes it).
+    fn hold_big(&mut self, now: u64) -> bool {
+        let Some(pool) = self.pool else { return false };
+        let Ok(mut guard) = self.state.try_borrow_mut() else {
+            return false;
+        };
+        let s = &mut *guard;
+        if !s
+            .router
+            .should_hold(pool, self.model.as_deref(), self.size, now)
+        {
+            return false;
+        }
+        let held = Held {
+            id: self.id,
+            pool,
+            model: self.model.clone(),
+            size: self.size,
+            since_ms: now,
+        };
+        self.big_held = hold::hold(s, held);
+        self.big_held
     }
 
     /// Sheds, holds or lets through by class when the pool is saturated.
@@ -204,7 +236,22 @@ impl Request {
         let Ok(mut s) = self.state.try_borrow_mut() else {
             return;
         };
+        let mut big_resumed = None;
+        if self.big_held {
+            self.big_held = false;
+            big_resumed = s.big_hold.resumed.remove(&self.id);
+            // A client that left while held.
+            if s.big_hold.remove(self.id) {
+                hold::count(&mut s.metrics, "left");
+                let depth = s.big_hold.depth() as u64;
+                s.metrics.set("ailb.big_hold.depth", depth);
+            }
+        }
         let Some(rt) = s.admission.as_mut() else {
+            drop(s);
+            if let Some(st) = big_resumed {
+                self.took(st);
+            }
             return;
         };
         let resumed = rt.resumed.remove(&self.id);
@@ -214,7 +261,7 @@ impl Request {
             rt.held_reqs.remove(&self.id);
         }
         drop(s);
-        if let Some(st) = resumed {
+        if let Some(st) = resumed.or(big_resumed) {
             self.took(st);
         }
         if expired {
@@ -558,7 +605,7 @@ impl HttpContext for Request {
         if self.pool.is_none() {
             return Action::Continue;
         }
-        if self.adm.is_some() {
+        if self.adm.is_some() || self.big_held {
             self.take_from_root();
         }
         if let Some(a) = self.adm.as_mut().filter(|a| !a.refund_all) {
@@ -613,7 +660,7 @@ impl HttpContext for Request {
     }
 
     fn on_log(&mut self) {
-        if self.adm.is_some() {
+        if self.adm.is_some() || self.big_held {
             self.take_from_root();
         }
         if let Some(mut a) = self.adm.take() {

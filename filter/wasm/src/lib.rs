@@ -8,6 +8,7 @@ pub mod body;
 pub mod breakers;
 pub mod grpc_service;
 pub mod guard;
+pub mod hold;
 pub mod host;
 pub mod http;
 pub mod lease;

@@ -26,6 +26,7 @@ use ai_lb_proto::WatchPoolRequest;
 use crate::admission::{AdmissionRt, AdmissionSection};
 use crate::breakers::Breakers;
 use crate::guard::{self, Guard};
+use crate::hold::{self, BigHold};
 use crate::http::{PassThrough, Request};
 use crate::metrics::Metrics;
 use crate::stream::{Backoff, Subscription};
@@ -52,6 +53,8 @@ pub struct State {
     pub admission: Option<AdmissionRt>,
     /// This VM's view of the shared breakers (synced before each pick and on ticks).
     pub breakers: Breakers,
+    /// Big requests waiting in this worker (`bigRequestHold`).
+    pub big_hold: BigHold,
 }
 
 /// Per-pool bookkeeping of the root context.
@@ -170,6 +173,7 @@ impl Root {
             scratch: String::with_capacity(256),
             admission: admission.map(AdmissionRt::new),
             breakers,
+            big_hold: BigHold::default(),
         })));
         if hostcalls::set_tick_period(Duration::from_millis(tick_ms)).is_err() {
             return Err("ai-lb: the host refused the tick period".to_string());
@@ -418,6 +422,7 @@ impl Root {
                 carry_signal_trips(&self.pools, &mut s, now);
             }
             held_tick(&state, now);
+            hold::tick(&state, now);
         }
         if now >= self.next_counters_ms {
             self.next_counters_ms = now + COUNTERS_EVERY_MS;
