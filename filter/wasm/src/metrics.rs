@@ -4,7 +4,7 @@
 //! `ailb.vm_memory_bytes` is the wasm linear memory of the VM that last wrote it (every VM
 //! writes it on its gauge tick, so it is "one VM's size", sampled; all VMs run the same code).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use proxy_wasm::types::MetricType;
 
@@ -89,6 +89,17 @@ impl Metrics {
         m
     }
 
+    /// How many pods have cached metric ids.
+    pub fn pod_count(&self) -> usize {
+        self.pods.len()
+    }
+
+    /// Drops the cached metric ids of every pod not in `live` (they are defined again if the
+    /// pod comes back; Envoy keeps the stats).
+    pub fn forget_pods_except(&mut self, live: &HashSet<&str>) {
+        self.pods.retain(|p, _| live.contains(p.as_str()));
+    }
+
     /// Counts a pick of `pod`.
     pub fn pick(&mut self, pod: &str) {
         if let Some(id) = self.pod(pod).picks {
@@ -135,4 +146,30 @@ fn vm_memory_bytes() -> Option<u64> {
 #[cfg(not(target_arch = "wasm32"))]
 fn vm_memory_bytes() -> Option<u64> {
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metric_ids_of_pods_that_left_are_forgotten() {
+        let mut m = Metrics::default();
+        let none = PodMetrics {
+            picks: None,
+            failures: None,
+            score: None,
+            breaker_state: None,
+            metrics_age_ms: None,
+            inflight: None,
+        };
+        for p in ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"] {
+            m.pods.insert(p.to_string(), none);
+        }
+        assert_eq!(m.pod_count(), 3);
+        let live: HashSet<&str> = ["10.0.0.2:8000"].into_iter().collect();
+        m.forget_pods_except(&live);
+        assert_eq!(m.pod_count(), 1);
+        assert!(m.pods.contains_key("10.0.0.2:8000"));
+    }
 }

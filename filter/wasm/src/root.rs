@@ -5,7 +5,7 @@
 //! and reconnect timing are [`crate::lease`] and [`crate::stream`].
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -327,6 +327,17 @@ impl Root {
             router, metrics, ..
         } = &mut *s;
         metrics.vm_memory();
+        // Pods that left every pool: their metric ids go (a pool whose pods churn grew the
+        // cache for the VM's life). Envoy keeps the stats themselves.
+        let pods: usize = (0..router.pool_count())
+            .map(|i| router.pod_addresses(i).count())
+            .sum();
+        if metrics.pod_count() > pods {
+            let live: HashSet<&str> = (0..router.pool_count())
+                .flat_map(|i| router.pod_addresses(i))
+                .collect();
+            metrics.forget_pods_except(&live);
+        }
         for (i, p) in self.pools.iter().enumerate() {
             if !p.holder {
                 continue;
