@@ -90,7 +90,7 @@ pub fn calibrate(
     }
     let mut children = Vec::new();
     for (_, i) in &probes {
-        let c = Command::new(&env.loadgen)
+        let c = ai_lb_e2e::process::die_with_parent(&mut Command::new(&env.loadgen))
             .arg("--url")
             .arg(format!("http://{}", pool.pods[*i].addr))
             .arg("--trace-in")
@@ -151,7 +151,7 @@ pub fn calibrate(
 }
 
 pub(crate) fn fixed_trace(env: &Env, rate: f64, secs: f64, path: &Path) -> Result<(), Error> {
-    let st = Command::new(&env.loadgen)
+    let st = ai_lb_e2e::process::die_with_parent(&mut Command::new(&env.loadgen))
         .args([
             "--dry-run",
             "--seed",
@@ -188,7 +188,7 @@ pub(crate) fn replay(
     rec: &PathBuf,
     extra: &[&str],
 ) -> Result<(analysis::Summary, Vec<Record>), Error> {
-    let st = Command::new(&env.loadgen)
+    let st = ai_lb_e2e::process::die_with_parent(&mut Command::new(&env.loadgen))
         .args(["--url", url, "--timeout", "10s", "--trace-in"])
         .arg(trace)
         .args(extra)

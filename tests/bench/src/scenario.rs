@@ -273,7 +273,7 @@ fn spawn_loadgens(
         let log = dir.join(format!("{tag}.loadgen.{i}.log"));
         let log_f = File::create(&log).map_err(|e| format!("creating {}: {e}", log.display()))?;
         let log_e = log_f.try_clone().map_err(|e| e.to_string())?;
-        let c = Command::new(&env.loadgen)
+        let c = ai_lb_e2e::process::die_with_parent(&mut Command::new(&env.loadgen))
             .arg("--url")
             .arg(format!("http://{url}"))
             .arg("--trace-in")

@@ -232,7 +232,8 @@ pub fn write_config(opts: &EnvoyOptions, dir: &Path) -> Result<PathBuf, Error> {
 
 fn envoy_command(config: &Path, dir: &Path, concurrency: u32) -> Command {
     let mut cmd = Command::new(envoy_bin());
-    cmd.arg("-c")
+    crate::process::die_with_parent(&mut cmd)
+        .arg("-c")
         .arg(config)
         .arg("--disable-hot-restart")
         .arg("--concurrency")
@@ -823,7 +824,7 @@ impl Proc {
         let dir = scratch_dir(name)?;
         let stderr = dir.join("stderr.log");
         let err_file = std::fs::File::create(&stderr).map_err(|e| e.to_string())?;
-        let mut child = Command::new(bin)
+        let mut child = crate::process::die_with_parent(&mut Command::new(bin))
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

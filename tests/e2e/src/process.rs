@@ -129,6 +129,34 @@ pub struct Proc {
     exited: Option<ExitStatus>,
 }
 
+/// Makes the child of `cmd` die (SIGKILL) when the thread that spawns it exits, so a harness
+/// that is killed (SIGTERM, a timeout, a crashed test) leaves no fake pods, agents, Envoys or
+/// load generators running behind it. Linux only (`PR_SET_PDEATHSIG`); elsewhere a no-op.
+/// Spawn from the thread that owns the child for its whole life (every harness here does).
+pub fn die_with_parent(cmd: &mut Command) -> &mut Command {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::CommandExt;
+        let parent = std::process::id();
+        // SAFETY: runs in the forked child before exec; prctl, getppid and _exit are
+        // async-signal-safe and nothing here allocates.
+        #[allow(unsafe_code)]
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The harness may have died between the fork and the prctl.
+                if u32::try_from(libc::getppid()).ok() != Some(parent) {
+                    libc::_exit(1);
+                }
+                Ok(())
+            });
+        }
+    }
+    cmd
+}
+
 impl Proc {
     /// Spawns `spec` and waits for its `LISTENING` lines (or its exit, or the deadline).
     pub fn spawn(spec: &Spec) -> Result<Proc, Error> {
@@ -140,7 +168,8 @@ impl Proc {
         let mut out_file = File::create(&stdout_log)
             .map_err(|e| format!("cannot create {}: {e}", stdout_log.display()))?;
         let mut cmd = Command::new(&spec.program);
-        cmd.args(&spec.args)
+        die_with_parent(&mut cmd)
+            .args(&spec.args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::from(err_file));
@@ -425,6 +454,37 @@ mod tests {
         assert_eq!(b.len(), 1);
         with_default(&mut b, "--http-listen", "127.0.0.1:0");
         assert_eq!(b.len(), 3);
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_child_dies_with_the_thread_that_spawned_it() {
+        // The spawning thread ends at once, as a killed harness would: its `sleep` must not
+        // outlive it.
+        let pid = std::thread::spawn(|| {
+            let child = die_with_parent(&mut Command::new("sleep"))
+                .arg("30")
+                .spawn()
+                .unwrap();
+            let pid = child.id();
+            std::mem::forget(child);
+            pid
+        })
+        .join()
+        .unwrap();
+        let gone = |pid: u32| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| {
+                s.rsplit(')')
+                    .next()
+                    .is_some_and(|r| r.trim_start().starts_with('Z'))
+            })
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !gone(pid) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // Killed, a zombie until this test process exits: gone either way.
+        assert!(gone(pid), "sleep {pid} outlived the thread that spawned it");
     }
 
     #[test]
