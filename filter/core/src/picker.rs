@@ -1378,30 +1378,15 @@ impl Router {
         now_ms: u64,
         rng: &mut (impl RngCore + ?Sized),
     ) -> Decision {
-        let needs_refresh = match self.pools.get(pool_idx) {
-            Some(p) => p.dirty || now_ms >= p.next_refresh_ms,
-            None => {
-                self.counters.fallback_no_agent_data += 1;
-                return Decision::Fallback(FallbackReason::NoAgentData);
-            }
+        let Some(vi) = self.fresh_view(pool_idx, model, now_ms) else {
+            self.counters.fallback_no_agent_data += 1;
+            return Decision::Fallback(FallbackReason::NoAgentData);
         };
-        if needs_refresh {
-            self.refresh(pool_idx, now_ms);
-        }
         let big = self.kv_is_big(size.kv_tokens);
         let cfg = &self.cfg;
         let headroom = cfg.big_request_hold.filter(|_| big).map(|h| h.kv_headroom);
         let Some(p) = self.pools.get_mut(pool_idx) else {
             return Decision::Fallback(FallbackReason::NoAgentData);
-        };
-        let vi = match p.views.iter().position(|v| v.model.as_deref() == model) {
-            Some(i) => i,
-            None => {
-                let mut v = View::new(model);
-                build_view(&mut v, p, cfg);
-                p.views.push(v);
-                p.views.len() - 1
-            }
         };
         let Some(view) = p.views.get(vi) else {
             return Decision::Fallback(FallbackReason::NoAgentData);
@@ -1673,6 +1658,24 @@ impl Router {
         }
     }
 
+    /// Refreshes pool `pool_idx` when due and returns the index of its view for `model`
+    /// (built on first use). None when there is no such pool.
+    fn fresh_view(&mut self, pool_idx: usize, model: Option<&str>, now_ms: u64) -> Option<usize> {
+        let p = self.pools.get(pool_idx)?;
+        if p.dirty || now_ms >= p.next_refresh_ms {
+            self.refresh(pool_idx, now_ms);
+        }
+        let cfg = &self.cfg;
+        let p = self.pools.get_mut(pool_idx)?;
+        if let Some(i) = p.views.iter().position(|v| v.model.as_deref() == model) {
+            return Some(i);
+        }
+        let mut v = View::new(model);
+        build_view(&mut v, p, cfg);
+        p.views.push(v);
+        Some(p.views.len() - 1)
+    }
+
     /// Whether a request of `size` to pool `pool_idx` (for `model`; None: any) should wait in
     /// the sidecar now (`bigRequestHold`): the hold is on, the request is big
     /// ([`BIG_KV_FACTOR`] times the mean request's KV tokens or more), the pool is steered
@@ -1695,25 +1698,11 @@ impl Router {
         if !self.kv_is_big(size.kv_tokens) {
             return false;
         }
-        let needs_refresh = match self.pools.get(pool_idx) {
-            Some(p) => p.dirty || now_ms >= p.next_refresh_ms,
-            None => return false,
-        };
-        if needs_refresh {
-            self.refresh(pool_idx, now_ms);
-        }
-        let cfg = &self.cfg;
-        let Some(p) = self.pools.get_mut(pool_idx) else {
+        let Some(vi) = self.fresh_view(pool_idx, model, now_ms) else {
             return false;
         };
-        let vi = match p.views.iter().position(|v| v.model.as_deref() == model) {
-            Some(i) => i,
-            None => {
-                let mut v = View::new(model);
-                build_view(&mut v, p, cfg);
-                p.views.push(v);
-                p.views.len() - 1
-            }
+        let Some(p) = self.pools.get(pool_idx) else {
+            return false;
         };
         let Some(view) = p.views.get(vi) else {
             return false;

@@ -21,11 +21,6 @@ use ai_lb_e2e::envoy::{Envoy, EnvoyOptions, HttpClient, PodPool};
 use filter_common::*;
 use serde_json::json;
 
-/// A completion request body whose prompt is `tokens` tokens for the fake pod (4 chars each).
-fn body(tokens: usize, max_tokens: u32) -> String {
-    json!({"prompt": "abc ".repeat(tokens), "max_tokens": max_tokens}).to_string()
-}
-
 /// Sends `body` straight to `addr` (not through Envoy) on a thread; status and when it ended.
 fn direct(addr: std::net::SocketAddr, body: String) -> JoinHandle<(u16, Instant)> {
     std::thread::spawn(move || {

@@ -147,3 +147,9 @@ pub fn complete(client: &mut HttpClient) -> (u16, String) {
         r.header("x-fake-pod").unwrap_or("none").to_string(),
     )
 }
+
+/// A completion request body whose prompt is `tokens` tokens for the fake pod (4 characters
+/// each), reserving `max_tokens`.
+pub fn body(tokens: usize, max_tokens: u32) -> String {
+    serde_json::json!({"prompt": "abc ".repeat(tokens), "max_tokens": max_tokens}).to_string()
+}
