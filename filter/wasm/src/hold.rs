@@ -93,6 +93,19 @@ pub fn hold(state: &mut State, h: Held) -> bool {
     }
 }
 
+/// What the tick wrote for request `id` when it released it (None: not released, or routed
+/// by Envoy's fallback); a request still queued is taken out (its client went away, counted
+/// `left`).
+pub fn take(state: &mut State, id: u32) -> Option<Steered> {
+    let resumed = state.big_hold.resumed.remove(&id);
+    if state.big_hold.remove(id) {
+        count(&mut state.metrics, "left");
+        let depth = state.big_hold.depth();
+        gauge(&mut state.metrics, depth);
+    }
+    resumed
+}
+
 /// On each tick: releases, oldest first, every held request that waited `maxHoldMs` or for
 /// which a pod now has room (each release counts in the router's estimate before the next is
 /// judged, so one free pod takes one big request). Each is routed on its own context, then

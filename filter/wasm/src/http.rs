@@ -236,17 +236,11 @@ impl Request {
         let Ok(mut s) = self.state.try_borrow_mut() else {
             return;
         };
-        let mut big_resumed = None;
-        if self.big_held {
-            self.big_held = false;
-            big_resumed = s.big_hold.resumed.remove(&self.id);
-            // A client that left while held.
-            if s.big_hold.remove(self.id) {
-                hold::count(&mut s.metrics, "left");
-                let depth = s.big_hold.depth() as u64;
-                s.metrics.set("ailb.big_hold.depth", depth);
-            }
-        }
+        let big_resumed = if std::mem::take(&mut self.big_held) {
+            hold::take(&mut s, self.id)
+        } else {
+            None
+        };
         let Some(rt) = s.admission.as_mut() else {
             drop(s);
             if let Some(st) = big_resumed {
