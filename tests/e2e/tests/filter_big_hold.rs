@@ -21,18 +21,6 @@ use ai_lb_e2e::envoy::{Envoy, EnvoyOptions, HttpClient, PodPool};
 use filter_common::*;
 use serde_json::json;
 
-/// Sends `body` straight to `addr` (not through Envoy) on a thread; status and when it ended.
-fn direct(addr: std::net::SocketAddr, body: String) -> JoinHandle<(u16, Instant)> {
-    std::thread::spawn(move || {
-        let s = HttpClient::new(addr)
-            .with_timeout(Duration::from_secs(60))
-            .post_json("/v1/completions", &[("connection", "close")], &body)
-            .map(|r| r.status)
-            .unwrap_or(0);
-        (s, Instant::now())
-    })
-}
-
 /// Sends `body` through Envoy on a thread with client timeout `timeout`: status (0 when the
 /// client gave up), serving pod, and when it ended.
 fn via_envoy(envoy: &Envoy, body: String, timeout: Duration) -> JoinHandle<(u16, String, Instant)> {
@@ -57,16 +45,7 @@ fn via_envoy(envoy: &Envoy, body: String, timeout: Duration) -> JoinHandle<(u16,
 /// Two pods (10 000 KV tokens, 8 seats), Envoy with the hold configured by `hold`, fresh KV
 /// readings, and a trained mean request size (warm-up requests through Envoy).
 fn setup(hold: serde_json::Value) -> (PodPool, Envoy) {
-    let pool = PodPool::start_with(2, 1.0, |_| {
-        ["--kv-cache-tokens", "10000", "--max-num-seqs", "8"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect()
-    })
-    .unwrap();
-    for i in 0..2 {
-        pool.control(i, r#"{"gpu_utilization":0.3}"#).unwrap();
-    }
+    let pool = kv_pool(|_| 10_000);
     // One worker: each worker's VM learns the mean request from its own traffic, and the
     // warm-up below runs on one connection.
     let mut opts = EnvoyOptions::new(config(json!({
@@ -85,13 +64,7 @@ fn setup(hold: serde_json::Value) -> (PodPool, Envoy) {
                 .iter()
                 .all(|a| row(sb, a).is_some_and(|r| r["kv"].is_number()))
     });
-    let mut client = HttpClient::new(envoy.listener);
-    for _ in 0..30 {
-        let r = client
-            .post_json("/v1/completions", &[], &body(2, 4))
-            .unwrap();
-        assert_eq!(r.status, 200, "{}", r.text());
-    }
+    short_requests(&envoy, 30);
     (pool, envoy)
 }
 
@@ -133,13 +106,7 @@ fn a_big_request_waits_in_the_sidecar_until_a_pod_has_room_and_short_ones_pass()
     held(&envoy);
     wait_stat(&envoy, "wasmcustom.ailb.big_hold.depth", |v| v == 1);
     // Short requests are not held, and both pods have seats and KV cache for them.
-    let mut client = HttpClient::new(envoy.listener);
-    for _ in 0..10 {
-        let r = client
-            .post_json("/v1/completions", &[], &body(2, 4))
-            .unwrap();
-        assert_eq!(r.status, 200, "{}", r.text());
-    }
+    short_requests(&envoy, 10);
     assert!(
         bg.iter().all(|h| !h.is_finished()),
         "the direct requests ended before the checks; the run is inconclusive"

@@ -13,36 +13,15 @@
 
 mod filter_common;
 
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use ai_lb_e2e::envoy::HttpClient;
 use filter_common::*;
 use serde_json::json;
 
-/// Sends `body` straight to `addr` (not through Envoy) on a thread.
-fn direct(addr: std::net::SocketAddr, body: String) -> JoinHandle<u16> {
-    std::thread::spawn(move || {
-        HttpClient::new(addr)
-            .post_json("/v1/completions", &[("connection", "close")], &body)
-            .map(|r| r.status)
-            .unwrap_or(0)
-    })
-}
-
 #[test]
 fn a_long_prompt_goes_where_it_fits_the_kv_cache_short_ones_where_seats_are_free() {
-    let pool = ai_lb_e2e::envoy::PodPool::start_with(2, 1.0, |i| {
-        let kv = if i == 0 { "10000" } else { "40000" };
-        ["--kv-cache-tokens", kv, "--max-num-seqs", "8"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect()
-    })
-    .unwrap();
-    for i in 0..2 {
-        pool.control(i, r#"{"gpu_utilization":0.3}"#).unwrap();
-    }
+    let pool = kv_pool(|i| if i == 0 { 10_000 } else { 40_000 });
     // 8 seats per pod (the fake pods' max_num_seqs; the agents here do not announce it).
     let envoy = envoy_for(
         &pool,
@@ -117,7 +96,7 @@ fn a_long_prompt_goes_where_it_fits_the_kv_cache_short_ones_where_seats_are_free
         "short requests should go where seats are free: {short:?}\n{sb:#}"
     );
     for h in background {
-        assert_eq!(h.join().unwrap(), 200);
+        assert_eq!(h.join().unwrap().0, 200);
     }
     assert!(
         !envoy.wasm_failed(),

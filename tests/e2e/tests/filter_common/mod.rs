@@ -153,3 +153,48 @@ pub fn complete(client: &mut HttpClient) -> (u16, String) {
 pub fn body(tokens: usize, max_tokens: u32) -> String {
     serde_json::json!({"prompt": "abc ".repeat(tokens), "max_tokens": max_tokens}).to_string()
 }
+
+/// Two fake pods with 8 seats each and the KV cache `kv_tokens(i)` for pod `i`, GPU forced to
+/// 30 % on both (equal scores), with their agents.
+pub fn kv_pool(kv_tokens: impl Fn(usize) -> u64) -> PodPool {
+    let pool = PodPool::start_with(2, 1.0, |i| {
+        vec![
+            "--kv-cache-tokens".to_string(),
+            kv_tokens(i).to_string(),
+            "--max-num-seqs".to_string(),
+            "8".to_string(),
+        ]
+    })
+    .unwrap();
+    for i in 0..2 {
+        pool.control(i, r#"{"gpu_utilization":0.3}"#).unwrap();
+    }
+    pool
+}
+
+/// Sends `body` straight to the pod at `addr` (not through Envoy) on a thread: its status (0
+/// when it failed) and when it ended.
+pub fn direct(
+    addr: std::net::SocketAddr,
+    body: String,
+) -> std::thread::JoinHandle<(u16, std::time::Instant)> {
+    std::thread::spawn(move || {
+        let s = HttpClient::new(addr)
+            .with_timeout(Duration::from_secs(60))
+            .post_json("/v1/completions", &[("connection", "close")], &body)
+            .map(|r| r.status)
+            .unwrap_or(0);
+        (s, std::time::Instant::now())
+    })
+}
+
+/// Sends `n` small completion requests through Envoy one after another; each must be 200.
+pub fn short_requests(envoy: &Envoy, n: usize) {
+    let mut client = HttpClient::new(envoy.listener);
+    for _ in 0..n {
+        let r = client
+            .post_json("/v1/completions", &[], &body(2, 4))
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+}
