@@ -1270,17 +1270,13 @@ impl TryFrom<RawConfig> for FilterConfig {
                         ))
                     }
                 };
-                let max_hold_ms = match h.max_hold_ms {
-                    None => d.max_hold_ms,
-                    Some(x) if (1..=600_000).contains(&x) => x,
-                    Some(x) => {
-                        return Err(ConfigError::new(
-                            "bigRequestHold.maxHoldMs",
-                            x,
-                            "must be within 1..=600000 (milliseconds)",
-                        ))
-                    }
-                };
+                let max_hold_ms = u64::from(u32_in(
+                    "bigRequestHold.maxHoldMs",
+                    h.max_hold_ms,
+                    u32::try_from(d.max_hold_ms).unwrap_or(u32::MAX),
+                    1,
+                    600_000,
+                )?);
                 let max_held = u32_in(
                     "bigRequestHold.maxHeld",
                     h.max_held,
