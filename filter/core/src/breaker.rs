@@ -148,6 +148,26 @@ impl Outcome {
             None
         }
     }
+
+    /// A half-open probe's verdict at its first response byte: true when what has arrived
+    /// already counts as a success (a status below 500, the time to first byte within
+    /// `ttftSloMs`). The probe then counts as passed at once instead of when its stream ends,
+    /// so a pod serving 30-second answers is readmitted in a few first tokens, not in several
+    /// whole answers. A failure later in the stream (a reset) is still recorded at its end.
+    pub fn probe_passed_at_first_byte(
+        status: Option<u16>,
+        ttft_ms: u64,
+        cfg: &BreakerConfig,
+    ) -> bool {
+        status.is_some()
+            && Outcome {
+                status,
+                ttft_ms: Some(ttft_ms),
+                ..Outcome::default()
+            }
+            .failure(cfg)
+            .is_none()
+    }
 }
 
 /// One state change of a breaker.
@@ -539,6 +559,28 @@ mod tests {
             ttft_slo_ms: Some(500),
             ..BreakerConfig::default()
         }
+    }
+
+    #[test]
+    fn a_probe_passes_at_its_first_byte_only_on_a_good_status_within_the_ttft_slo() {
+        let mut c = cfg();
+        c.ttft_slo_ms = Some(500);
+        assert!(Outcome::probe_passed_at_first_byte(Some(200), 120, &c));
+        assert!(
+            Outcome::probe_passed_at_first_byte(Some(429), 120, &c),
+            "4xx is the client's"
+        );
+        assert!(!Outcome::probe_passed_at_first_byte(Some(503), 120, &c));
+        assert!(
+            !Outcome::probe_passed_at_first_byte(Some(200), 501, &c),
+            "slow first token"
+        );
+        assert!(
+            !Outcome::probe_passed_at_first_byte(None, 120, &c),
+            "no status seen"
+        );
+        c.ttft_slo_ms = None;
+        assert!(Outcome::probe_passed_at_first_byte(Some(200), 60_000, &c));
     }
 
     #[test]

@@ -122,7 +122,7 @@ pub struct BreakerConfig {
     pub base_cooldown_ms: u64,
     /// Cap of the doubling cooldown (≥ base).
     pub max_cooldown_ms: u64,
-    /// Probes admitted while half-open, the first alone and the rest once it has succeeded (a pod that still fails costs one request per cooldown); that many successes close the breaker.
+    /// Probes admitted while half-open, the first alone and the rest once it has succeeded (a pod that still fails costs one request per cooldown); that many successes close the breaker. A probe succeeds at its first response byte (status below 500, first token within `ttftSloMs`), so long streamed answers do not keep a recovered pod half-open; a later reset still counts as a failure.
     pub half_open_probes: u32,
     /// A response whose time to first token exceeds this counts as a failure. None = off.
     pub ttft_slo_ms: Option<u64>,
@@ -666,7 +666,7 @@ struct RawBreaker {
         schemars(extend("default" = 60_000, "minimum" = 1))
     )]
     max_cooldown_ms: Option<u64>,
-    /// Probes admitted while half-open, the first alone and the rest once it has succeeded (a pod that still fails costs one request per cooldown); that many successes close the breaker.
+    /// Probes admitted while half-open, the first alone and the rest once it has succeeded (a pod that still fails costs one request per cooldown); that many successes close the breaker. A probe succeeds at its first response byte (status below 500, first token within `ttftSloMs`), so long streamed answers do not keep a recovered pod half-open; a later reset still counts as a failure.
     #[serde(default)]
     #[cfg_attr(
         feature = "schema",

@@ -12,7 +12,7 @@ use std::rc::Rc;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, LogLevel};
 
-use ai_lb_filter_core::breaker::{BreakerState, TripReason};
+use ai_lb_filter_core::breaker::{BreakerState, Outcome, TripReason};
 use ai_lb_filter_core::picker::{Decision, RequestSize};
 use ai_lb_filter_core::status::scoreboard_json;
 
@@ -69,6 +69,12 @@ pub struct Request {
     size: RequestSize,
     /// Queued in the worker's big-request hold (until [`Request::take_from_root`]).
     big_held: bool,
+    /// Sent to a half-open pod as a probe (see [`Steered::probe`]).
+    probe: bool,
+    /// The probe's response status, read with the response headers (probes only).
+    probe_status: Option<u16>,
+    /// The probe's success was recorded at its first byte (not again at its end).
+    probe_passed: bool,
 }
 
 impl Request {
@@ -93,6 +99,9 @@ impl Request {
             max_output_tokens: None,
             size: RequestSize::UNIT,
             big_held: false,
+            probe: false,
+            probe_status: None,
+            probe_passed: false,
         }
     }
 
@@ -101,6 +110,7 @@ impl Request {
         self.ranked = st.ranked;
         self.chosen_score = st.score;
         self.sent_ms = st.sent_ms;
+        self.probe = st.probe;
     }
 
     fn chosen(&self) -> Option<&str> {
@@ -323,6 +333,37 @@ impl Request {
         self.gate_and_route(now)
     }
 
+    /// Records a probe's success at its first byte when it already counts as one
+    /// ([`Outcome::probe_passed_at_first_byte`]) and came from the probed pod (not a retry
+    /// elsewhere); its end then records only a failure.
+    fn pass_probe(&mut self, ttft_ms: u64, now: u64) {
+        let Some(pool) = self.pool else { return };
+        let Some(chosen) = self.chosen().map(str::to_string) else {
+            return;
+        };
+        let Ok(mut guard) = self.state.try_borrow_mut() else {
+            return;
+        };
+        let State {
+            router,
+            metrics,
+            breakers,
+            ..
+        } = &mut *guard;
+        let cfg = router.config().breaker;
+        if !Outcome::probe_passed_at_first_byte(self.probe_status, ttft_ms, &cfg) {
+            return;
+        }
+        if host::property_string(&["upstream", "address"]).as_deref() != Some(chosen.as_str()) {
+            return;
+        }
+        self.probe_passed = true;
+        if let Some(ts) = breakers.update(router, pool, &chosen, now, |b| b.record(None, now, &cfg))
+        {
+            count_transitions(metrics, &ts);
+        }
+    }
+
     fn finish(&mut self) {
         let Some(pool) = self.pool else { return };
         let now = host::now_ms();
@@ -389,13 +430,20 @@ impl Request {
         }
         for (pod, o) in &pairs {
             let failure = o.failure(&cfg);
+            let is_chosen = chosen.as_deref() == Some(*pod);
             if failure.is_some() {
                 metrics.failure(pod);
-            } else if clean_before && chosen.as_deref() == Some(*pod) && !rate_tripped {
+            } else if is_chosen && !rate_tripped && clean_before {
                 continue;
             }
-            let trip_rate = rate_tripped && chosen.as_deref() == Some(*pod);
+            let trip_rate = rate_tripped && is_chosen;
+            // A probe whose success was recorded at its first byte is not recorded again; the
+            // shared breaker is still read back, over what this VM's own breaker counted above.
+            let on_record = is_chosen && self.probe_passed && failure.is_none() && !trip_rate;
             if let Some(ts) = breakers.update(router, pool, pod, now, |b| {
+                if on_record {
+                    return None;
+                }
                 let t = b.record(failure, now, &cfg);
                 if t.is_none() && trip_rate && b.state() == BreakerState::Closed {
                     b.trip(TripReason::FailureRate, now, &cfg)
@@ -429,6 +477,8 @@ pub struct Steered {
     pub score: f64,
     /// When it was counted in flight (passed back to `on_request_end`).
     pub sent_ms: u64,
+    /// The chosen pod was half-open: this request is one of its probes.
+    pub probe: bool,
 }
 
 /// Asks the router for `pool` (and `model`), writes the routing header of the request whose
@@ -478,10 +528,10 @@ pub fn steer(
     router.on_request_start(pool, chosen, size, now);
     metrics.pick(chosen);
     // A half-open pod's probe budget is shared by every VM.
-    if router
+    let probe = router
         .breaker(pool, chosen, None)
-        .is_some_and(|b| b.state() == BreakerState::HalfOpen)
-    {
+        .is_some_and(|b| b.state() == BreakerState::HalfOpen);
+    if probe {
         if let Some(ts) = breakers.update(router, pool, chosen, now, |b| {
             b.on_request(now);
             None
@@ -493,6 +543,7 @@ pub fn steer(
         ranked: written,
         score: chosen_score,
         sent_ms: now,
+        probe,
     })
 }
 
@@ -611,6 +662,9 @@ impl HttpContext for Request {
             }
         }
         self.attempts = host::response_header("x-envoy-attempt-count").and_then(|v| v.parse().ok());
+        if self.probe {
+            self.probe_status = host::response_header(":status").and_then(|v| v.parse().ok());
+        }
         if end_of_stream && self.ttft_ms.is_none() {
             self.ttft_ms = Some(host::now_ms().saturating_sub(self.started_ms));
         }
@@ -636,7 +690,14 @@ impl HttpContext for Request {
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         if self.ttft_ms.is_none() && self.pool.is_some() {
-            self.ttft_ms = Some(host::now_ms().saturating_sub(self.started_ms));
+            let now = host::now_ms();
+            let ttft = now.saturating_sub(self.started_ms);
+            self.ttft_ms = Some(ttft);
+            // A probe whose answer has started well passes now; the rest of a long stream
+            // need not keep the pod half-open.
+            if self.probe && !end_of_stream {
+                self.pass_probe(ttft, now);
+            }
         }
         if let Some(a) = self.adm.as_mut().filter(|a| a.scanner.is_some()) {
             if body_size > 0 {

@@ -4,7 +4,9 @@
 //!   client), and once it recovers it is readmitted through Half-Open;
 //! - the agent's error rate: a second sidecar that never sent the pod a request cuts it on
 //!   what the pod's agent counted of the first sidecar's traffic, and readmits it once the
-//!   agent's window no longer shows the failures.
+//!   agent's window no longer shows the failures;
+//! - probes that are long streams: the breaker closes at the probes' first tokens, while they
+//!   are still streaming.
 
 mod filter_common;
 
@@ -197,4 +199,97 @@ fn a_sidecar_cuts_a_pod_on_its_agents_error_rate_without_sending_it_anything() {
     for e in [&a, &b] {
         assert!(!e.wasm_failed(), "wasm trapped:\n{}", e.log_tail(40));
     }
+}
+
+/// One streamed completion of `max_tokens` through `listener` on a thread: the serving pod
+/// and when the stream ended.
+fn long_stream(
+    listener: std::net::SocketAddr,
+    max_tokens: u32,
+) -> std::thread::JoinHandle<(String, Instant)> {
+    std::thread::spawn(move || {
+        let body = json!({"prompt": "hello there", "max_tokens": max_tokens, "stream": true});
+        let r = HttpClient::new(listener)
+            .with_timeout(Duration::from_secs(60))
+            .post_json(
+                "/v1/completions",
+                &[("connection", "close")],
+                &body.to_string(),
+            )
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        let pod = r.header("x-fake-pod").unwrap_or("none").to_string();
+        (pod, Instant::now())
+    })
+}
+
+/// A half-open pod whose probes are long streams is readmitted at their first tokens: the
+/// breaker closes while the probes are still streaming, not one or more whole answers later
+/// (each answer here takes seconds; in production, up to the route timeout).
+#[test]
+fn half_open_probes_pass_at_their_first_token_not_at_the_end_of_a_long_stream() {
+    let pool = ai_lb_e2e::envoy::PodPool::start(2, 1.0).unwrap();
+    for i in 0..2 {
+        pool.control(i, r#"{"gpu_utilization":0.3}"#).unwrap();
+    }
+    let envoy = envoy_for(
+        &pool,
+        config(json!({
+            "breaker": {"consecutiveFailures": FAILURES, "baseCooldownMs": 1000, "halfOpenProbes": 2,
+                        "agentErrorRate": 0}
+        })),
+    );
+    wait_scoreboard(&envoy, "every pod fresh", 30, |sb| all_fresh(sb, &pool));
+    let stat = |name: &str| envoy.stat(name).unwrap_or(0);
+
+    pool.control(0, r#"{"error_rate":1.0}"#).unwrap();
+    let mut client = HttpClient::new(envoy.listener);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while stat("wasmcustom.ailb.breaker_opened.server_errors") == 0 {
+        assert_eq!(complete(&mut client).0, 200, "a retry hides pod0's 500");
+        assert!(Instant::now() < deadline, "pod0's breaker never opened");
+    }
+    pool.control(0, r#"{"error_rate":0.0}"#).unwrap();
+
+    // Long streams (about 4 s each at this time scale) every 250 ms until the breaker has
+    // closed, then a few more seconds' worth so that the probes' ends are known.
+    let mut streams = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let closed_at = loop {
+        streams.push(long_stream(envoy.listener, 600));
+        std::thread::sleep(Duration::from_millis(250));
+        if stat("wasmcustom.ailb.breaker_closed") > 0 {
+            break Instant::now();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "pod0's breaker never closed; {}; log:\n{}",
+            decision_stats(&envoy),
+            envoy.log_tail(30)
+        );
+    };
+    let ends: Vec<(String, Instant)> = streams.into_iter().map(|h| h.join().unwrap()).collect();
+    let pod0_ends: Vec<Instant> = ends
+        .iter()
+        .filter(|(pod, _)| pod == "pod0")
+        .map(|(_, end)| *end)
+        .collect();
+    assert!(
+        pod0_ends.len() >= 2,
+        "two probes went to pod0 before its breaker closed; pods: {:?}",
+        ends.iter().map(|(p, _)| p.as_str()).collect::<Vec<_>>()
+    );
+    let first_end = pod0_ends.iter().min().copied().unwrap();
+    assert!(
+        closed_at < first_end,
+        "the breaker closed {:?} after pod0's first probe stream ended: probes were judged at \
+         their end",
+        closed_at - first_end
+    );
+    assert!(stat("wasmcustom.ailb.breaker_half_opened") >= 1);
+    assert!(
+        !envoy.wasm_failed(),
+        "wasm trapped:\n{}",
+        envoy.log_tail(40)
+    );
 }
