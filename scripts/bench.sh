@@ -15,8 +15,21 @@ log() { printf '[bench.sh] %s\n' "$*" >&2; }
 
 smoke=0
 args=()
+# The plots read the run's records (--work) and go beside its tables (--out).
+out=bench-results
+work=/tmp/ai-lb-bench
+prev=
 for a in "$@"; do
   [ "$a" = "--smoke" ] && smoke=1
+  case "$prev" in
+    --out) out="$a" ;;
+    --work) work="$a" ;;
+  esac
+  case "$a" in
+    --out=*) out="${a#--out=}" ;;
+    --work=*) work="${a#--work=}" ;;
+  esac
+  prev="$a"
   args+=("$a")
 done
 if [ "${#args[@]}" -eq 0 ]; then args=(calibrate sharegpt-poisson-80); fi
@@ -40,7 +53,7 @@ if [ "$smoke" = "0" ]; then
     "$py" -m pip install --quiet --disable-pip-version-check matplotlib >&2 || true
   fi
   if "$py" -c 'import matplotlib' 2>/dev/null; then
-    "$py" tests/bench/plot.py /tmp/ai-lb-bench bench-results
+    "$py" tests/bench/plot.py "$work" "$out"
   else
     log "matplotlib unavailable: no plots"
   fi

@@ -250,6 +250,7 @@ fn half_open_probes_pass_at_their_first_token_not_at_the_end_of_a_long_stream() 
         assert!(Instant::now() < deadline, "pod0's breaker never opened");
     }
     pool.control(0, r#"{"error_rate":0.0}"#).unwrap();
+    let recovered = Instant::now();
 
     // Long streams (about 4 s each at this time scale) every 250 ms until the breaker has
     // closed, then a few more seconds' worth so that the probes' ends are known.
@@ -280,6 +281,11 @@ fn half_open_probes_pass_at_their_first_token_not_at_the_end_of_a_long_stream() 
         ends.iter().map(|(p, _)| p.as_str()).collect::<Vec<_>>()
     );
     let first_end = pod0_ends.iter().min().copied().unwrap();
+    eprintln!(
+        "after pod0 recovered: breaker closed at {} ms, pod0's first probe stream ended at {} ms",
+        (closed_at - recovered).as_millis(),
+        (first_end - recovered).as_millis()
+    );
     assert!(
         closed_at < first_end,
         "the breaker closed {:?} after pod0's first probe stream ended: probes were judged at \
