@@ -793,143 +793,18 @@ pub fn free_port() -> Result<u16, Error> {
         .map_err(|e| format!("local_addr: {e}"))
 }
 
-/// A child process of this workspace (fake pod, agent) that announced `LISTENING <kind> <addr>`
-/// on stdout. Its stderr goes to a file; it is killed on drop.
-pub struct Proc {
-    pub name: String,
-    child: Child,
-    pub listening: Vec<(String, SocketAddr)>,
-    stderr: PathBuf,
-    dir: PathBuf,
-}
+pub use crate::process::Proc;
 
-impl std::fmt::Debug for Proc {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Proc")
-            .field("name", &self.name)
-            .field("listening", &self.listening)
-            .finish()
-    }
-}
-
-impl Proc {
-    /// Spawns `bin args` and waits until it announced every kind in `expect`.
-    pub fn spawn(
-        name: &str,
-        bin: &Path,
-        args: &[String],
-        expect: &[&str],
-        timeout: Duration,
-    ) -> Result<Proc, Error> {
-        let dir = scratch_dir(name)?;
-        let stderr = dir.join("stderr.log");
-        let err_file = std::fs::File::create(&stderr).map_err(|e| e.to_string())?;
-        let mut child = crate::process::die_with_parent(&mut Command::new(bin))
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::from(err_file))
-            .spawn()
-            .map_err(|e| format!("spawning {}: {e}", bin.display()))?;
-        let stdout = child
-            .stdout
-            .take()
-            .ok_or_else(|| "no stdout pipe".to_string())?;
-        let (tx, rx) = std::sync::mpsc::channel::<String>();
-        thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    // Keep draining so the child never blocks on a full pipe.
-                    continue;
-                }
-            }
-        });
-        let mut proc = Proc {
-            name: name.to_string(),
-            child,
-            listening: Vec::new(),
-            stderr,
-            dir,
-        };
-        let deadline = Instant::now() + timeout;
-        while !expect
-            .iter()
-            .all(|k| proc.listening.iter().any(|(kind, _)| kind == k))
-        {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match rx.recv_timeout(left.min(Duration::from_millis(100))) {
-                Ok(line) => {
-                    let mut parts = line.split_whitespace();
-                    if parts.next() == Some("LISTENING") {
-                        if let (Some(kind), Some(addr)) = (parts.next(), parts.next()) {
-                            if let Ok(a) = addr.parse() {
-                                proc.listening.push((kind.to_string(), a));
-                            }
-                        }
-                    }
-                }
-                Err(_) => {
-                    if let Ok(Some(status)) = proc.child.try_wait() {
-                        return Err(format!(
-                            "{name} exited ({status}) before announcing {expect:?}; stderr:\n{}",
-                            proc.stderr_tail(30)
-                        ));
-                    }
-                    if Instant::now() >= deadline {
-                        return Err(format!(
-                            "{name} did not announce {expect:?} within {timeout:?}; stderr:\n{}",
-                            proc.stderr_tail(30)
-                        ));
-                    }
-                }
-            }
-        }
-        Ok(proc)
-    }
-
-    /// The address announced for `kind`.
-    pub fn addr(&self, kind: &str) -> Option<SocketAddr> {
-        self.listening
-            .iter()
-            .find(|(k, _)| k == kind)
-            .map(|(_, a)| *a)
-    }
-
-    pub fn stderr_tail(&self, n: usize) -> String {
-        let text = std::fs::read_to_string(&self.stderr).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(n)..].join("\n")
-    }
-
-    /// Sends a signal by name (`STOP`, `CONT`, `TERM`) with `kill(1)`.
-    pub fn signal(&self, sig: &str) -> Result<(), Error> {
-        let status = Command::new("kill")
-            .arg(format!("-{sig}"))
-            .arg(self.child.id().to_string())
-            .status()
-            .map_err(|e| format!("kill -{sig}: {e}"))?;
-        if status.success() {
-            Ok(())
-        } else {
-            Err(format!("kill -{sig} {} failed: {status}", self.child.id()))
-        }
-    }
-
-    /// Kills the process (SIGKILL) and reaps it.
-    pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        self.kill();
-        if !thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.dir);
-        }
-    }
+/// Starts one workspace binary (fake pod, agent) and waits for its `LISTENING <kind>` line.
+fn spawn_listening(name: &str, bin: &Path, args: Vec<String>, kind: &str) -> Result<Proc, Error> {
+    Proc::spawn(&crate::process::Spec {
+        name: name.to_string(),
+        program: bin.to_path_buf(),
+        args,
+        env: Vec::new(),
+        listening: vec![kind.to_string()],
+        deadline: Duration::from_secs(20),
+    })
 }
 
 /// Agent timing for tests: fast sampling, pushes and heartbeats.
@@ -991,10 +866,8 @@ impl PodPool {
             .map(|s| s.to_string())
             .chain(pod_extra(i))
             .collect();
-            let p = Proc::spawn(&name, &pod_bin, &args, &["http"], Duration::from_secs(20))?;
-            let addr = p
-                .addr("http")
-                .ok_or_else(|| format!("{name} announced no http address"))?;
+            let p = spawn_listening(&name, &pod_bin, args, "http")?;
+            let addr = p.addr("http")?;
             names.push(name);
             pod_addrs.push(addr);
             pods.push(p);
@@ -1035,7 +908,7 @@ impl PodPool {
             }
             args.extend(AGENT_FAST_ARGS.iter().map(|s| s.to_string()));
             let name = format!("agent{i}");
-            let a = Proc::spawn(&name, &agent_bin, &args, &["grpc"], Duration::from_secs(20))?;
+            let a = spawn_listening(&name, &agent_bin, args, "grpc")?;
             agents.push(Some(a));
         }
         Ok(PodPool {
@@ -1072,8 +945,8 @@ impl PodPool {
     }
 
     /// Sends a signal to every live agent (e.g. `STOP` to hang them, `CONT` to resume).
-    pub fn signal_agents(&self, sig: &str) -> Result<(), Error> {
-        for a in self.agents.iter().flatten() {
+    pub fn signal_agents(&mut self, sig: &str) -> Result<(), Error> {
+        for a in self.agents.iter_mut().flatten() {
             a.signal(sig)?;
         }
         Ok(())

@@ -265,8 +265,9 @@ impl Proc {
         std::fs::read_to_string(&self.stderr_log).unwrap_or_default()
     }
 
-    /// Signals the child, only while it is known to be running (a reaped pid may be reused).
-    fn signal(&mut self, sig: &str) -> Result<(), Error> {
+    /// Signals the child by name (`STOP`, `CONT`, `TERM`), only while it is known to be running
+    /// (a reaped pid may be reused).
+    pub fn signal(&mut self, sig: &str) -> Result<(), Error> {
         if self.exited.is_none() {
             if let Ok(Some(st)) = self.child.try_wait() {
                 self.exited = Some(st);

@@ -49,7 +49,7 @@ fn guard_stat(envoy: &Envoy, name: &str) -> u64 {
 
 #[test]
 fn a_hot_pod_is_guarded_and_the_client_retries_elsewhere() {
-    let pool = PodPool::start(2, 0.01).unwrap();
+    let mut pool = PodPool::start(2, 0.01).unwrap();
     pool.control(1, r#"{"gpu_utilization":0.3}"#).unwrap();
     pool.control(0, r#"{"gpu_utilization":0.97,"queue":8}"#)
         .unwrap();
@@ -139,7 +139,7 @@ fn a_hot_pod_is_guarded_and_the_client_retries_elsewhere() {
             (r.status == 503).then_some(())
         })
         .unwrap();
-    let agent0 = pool.agents[0].as_ref().unwrap();
+    let agent0 = pool.agents[0].as_mut().unwrap();
     agent0.signal("STOP").unwrap();
     let stale = guard.poll(Duration::from_secs(15), "stale signals admit", || {
         let r = direct.post_json("/v1/completions", &[], BODY).ok()?;

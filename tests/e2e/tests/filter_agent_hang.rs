@@ -12,7 +12,7 @@ use serde_json::json;
 
 #[test]
 fn hung_agents_cost_no_request_and_steering_resumes_after_they_recover() {
-    let pool = ai_lb_e2e::envoy::PodPool::start(3, 0.01).unwrap();
+    let mut pool = ai_lb_e2e::envoy::PodPool::start(3, 0.01).unwrap();
     let envoy = envoy_for(&pool, config(json!({"cutoffs": {"stalenessMs": 1500}})));
     wait_scoreboard(&envoy, "every pod fresh", 30, |sb| all_fresh(sb, &pool));
 
