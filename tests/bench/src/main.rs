@@ -67,6 +67,13 @@ struct Cli {
     /// round); figures are medians over rounds.
     #[arg(long, default_value_t = 3)]
     overhead_rounds: usize,
+    /// Overhead scenario: content chunks in each answer of the fast upstream.
+    #[arg(long, default_value_t = 2)]
+    overhead_chunks: u32,
+    /// Overhead scenario: stream the answer's chunks this many ms apart, one write each (0: all
+    /// in one write). Shows the filter's cost per streamed chunk.
+    #[arg(long, default_value_t = 0)]
+    overhead_chunk_gap_ms: u64,
     #[arg(long, default_value_t = 16)]
     hol_count: u32,
     /// Policies to compare, comma-separated (for quick iterations; the report's tables and
@@ -195,6 +202,10 @@ fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
             if cli.smoke { 2.0 } else { 10.0 },
             cli.overhead_rounds,
             cli.overhead_workers,
+            overhead::Answer {
+                chunks: cli.overhead_chunks,
+                gap_ms: cli.overhead_chunk_gap_ms,
+            },
         )?;
         o["command"] = json!(cmdline);
         overhead::write(&cli.out, &o)?;

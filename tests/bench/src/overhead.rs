@@ -17,7 +17,13 @@
 //!   the loop itself: CPU per request (the steadiest measure of what the filter costs per
 //!   request) and the latency the filter adds at a load its Envoy keeps up with;
 //! - the same at half of plain Envoy's maximum, where the filter's Envoy is near
-//!   its own maximum when the filter halves it (kept for comparison with earlier reports).
+//!   its own maximum when the filter halves it (kept for comparison with earlier reports);
+//! - with no traffic at all: each Envoy's own CPU per second (the filter's ticks and agent
+//!   stream), which every sidecar pays however few requests it carries.
+//!
+//! `--overhead-chunks N --overhead-chunk-gap-ms G` makes the sink stream N chunks G ms apart,
+//! each its own write, so every chunk is a response-body callback of the filter, as with a
+//! model server streaming tokens (the default answers 2 chunks in one write).
 
 use std::path::Path;
 use std::time::Duration;
@@ -177,8 +183,23 @@ fn open_loop_phase(c: &Ctx, name: &str, rate: f64) -> Result<Value, Error> {
     }))
 }
 
+/// What the sink answers: `chunks` content chunks, all in one write (`gap_ms` 0, the default
+/// run) or streamed one by one `gap_ms` apart, as a model server streams tokens (each chunk
+/// then reaches the filter as its own response-body callback).
+#[derive(Debug, Clone, Copy)]
+pub struct Answer {
+    pub chunks: u32,
+    pub gap_ms: u64,
+}
+
 /// Runs the overhead scenario; returns its summary (written by the caller).
-pub fn overhead(env: &Env, secs: f64, rounds: usize, workers: usize) -> Result<Value, Error> {
+pub fn overhead(
+    env: &Env,
+    secs: f64,
+    rounds: usize,
+    workers: usize,
+    answer: Answer,
+) -> Result<Value, Error> {
     let dir = env.work.join("overhead");
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let shape = PodShape {
@@ -191,7 +212,7 @@ pub fn overhead(env: &Env, secs: f64, rounds: usize, workers: usize) -> Result<V
         gpu_sample_interval_ms: None,
     };
     let metrics_pod = Pool::start(&shape, false)?;
-    let (_sink, sink) = topology::spawn_sink(2)?;
+    let (_sink, sink) = topology::spawn_sink(answer.chunks, answer.gap_ms)?;
     let grpc = std::net::SocketAddr::from(([127, 0, 0, 1], ai_lb_e2e::envoy::free_port()?));
     let _agent = topology::spawn_agent(
         "sink",
@@ -208,6 +229,23 @@ pub fn overhead(env: &Env, secs: f64, rounds: usize, workers: usize) -> Result<V
     let plain = topology::start_sidecar(Policy::LeastRequest, &upstreams, &agents, 1)?;
     let ailb = topology::start_sidecar(Policy::AiLb, &upstreams, &agents, 1)?;
     let ready = topology::wait_ailb_ready(&ailb, &upstreams, Duration::from_secs(15));
+    // With no traffic: what each Envoy spends on its own (the filter's ticks, its agent stream,
+    // stats), in CPU ms per second. Every sidecar pays it, and at low request rates it is a
+    // large part of the CPU per request below.
+    let idle = {
+        let before = (cpu_secs(plain.pid()), cpu_secs(ailb.pid()));
+        let t0 = std::time::Instant::now();
+        std::thread::sleep(Duration::from_secs_f64(secs));
+        let el = t0.elapsed().as_secs_f64();
+        let after = (cpu_secs(plain.pid()), cpu_secs(ailb.pid()));
+        let ms_per_s = |a: Option<f64>, b: Option<f64>| a.zip(b).map(|(a, b)| (a - b) * 1e3 / el);
+        json!({
+            "least_request_cpu_ms_per_s": ms_per_s(after.0, before.0),
+            "ai_lb_cpu_ms_per_s": ms_per_s(after.1, before.1),
+            "secs": el,
+            "what": "Envoy process CPU (user + system) with no traffic, ms per second, over one period of secs_per_measurement after the filter was ready",
+        })
+    };
     let url = |p: Policy| match p {
         Policy::AiLb => format!("http://{}", ailb.listener),
         _ => format!("http://{}", plain.listener),
@@ -290,7 +328,13 @@ pub fn overhead(env: &Env, secs: f64, rounds: usize, workers: usize) -> Result<V
     filter_half["what"] = json!("open loop at half of the filter's (or plain's, if lower) maximum: Envoy process CPU per answered request, microseconds (ratio = plain / ai_lb), and e2e latency");
     let half = open_loop_phase(&ctx, "half", (plain_max / 2.0).max(1.0))?;
     Ok(json!({
-        "upstream": "loadgen example sink answering 2 tokens at once (SSE); 16-token prompts; one Envoy, 1 worker, per configuration; ai-lb with envoy-config/filter-config.json and an agent announcing the sink (metrics from an idle fake pod)",
+        "upstream": if answer.gap_ms == 0 {
+            format!("loadgen example sink answering {} tokens at once (SSE); 16-token prompts; one Envoy, 1 worker, per configuration; ai-lb with envoy-config/filter-config.json and an agent announcing the sink (metrics from an idle fake pod)", answer.chunks)
+        } else {
+            format!("loadgen example sink streaming {} tokens {} ms apart, each its own write (SSE); 16-token prompts; one Envoy, 1 worker, per configuration; ai-lb with envoy-config/filter-config.json and an agent announcing the sink (metrics from an idle fake pod)", answer.chunks, answer.gap_ms)
+        },
+        "answer_chunks": answer.chunks,
+        "answer_gap_ms": answer.gap_ms,
         "ailb_ready": ready,
         "secs_per_measurement": secs,
         "rounds": rounds,
@@ -311,6 +355,7 @@ pub fn overhead(env: &Env, secs: f64, rounds: usize, workers: usize) -> Result<V
         },
         "filter_half_load": filter_half,
         "half_load": half,
+        "idle": idle,
     }))
 }
 
@@ -344,7 +389,8 @@ pub fn write(out: &Path, v: &Value) -> Result<(), Error> {
          | Envoy CPU per request over that loop, µs | {} | {} | {} (req/s per CPU; per round: {}) |\n\
          | Envoy CPU per request at {} req/s (half of the filter's max), µs | {} | {} | {} (+{} µs; per round: {}) |\n\
          {}{}\n\
-         Straight to the sink (no Envoy), p99: {} ms at half of the filter's max, {} ms at half of plain's.\n",
+         Straight to the sink (no Envoy), p99: {} ms at half of the filter's max, {} ms at half of plain's.\n\n\
+         With no traffic, Envoy CPU: {} ms/s plain, {} ms/s with the filter.\n",
         v["rounds"],
         v["secs_per_measurement"],
         v["command"].as_str().unwrap_or(""),
@@ -366,6 +412,8 @@ pub fn write(out: &Path, v: &Value) -> Result<(), Error> {
         latency(h, &format!("{} req/s (half of plain's max)", f(&h["rate_rps"]))),
         f(&fh["p99_ms_median"]["direct_to_sink"]),
         f(&h["p99_ms_median"]["direct_to_sink"]),
+        f(&v["idle"]["least_request_cpu_ms_per_s"]),
+        f(&v["idle"]["ai_lb_cpu_ms_per_s"]),
     );
     std::fs::write(dir.join("table.md"), table).map_err(|e| e.to_string())
 }

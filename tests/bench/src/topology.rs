@@ -314,7 +314,7 @@ pub fn spawn_agent(
 
 /// The loadgen example `sink` (answers at once, no model) on a free port, for the overhead
 /// run's upstream; waits until it accepts connections.
-pub fn spawn_sink(chunks: u32) -> Result<(Proc, SocketAddr), Error> {
+pub fn spawn_sink(chunks: u32, gap_ms: u64) -> Result<(Proc, SocketAddr), Error> {
     let bin = {
         let mut found = None;
         for d in ai_lb_e2e::process::target_dirs() {
@@ -331,7 +331,12 @@ pub fn spawn_sink(chunks: u32) -> Result<(Proc, SocketAddr), Error> {
     let p = Proc::spawn(&spec(
         &bin,
         "sink",
-        vec![port.to_string(), "1".into(), chunks.to_string()],
+        vec![
+            port.to_string(),
+            "1".into(),
+            chunks.to_string(),
+            gap_ms.to_string(),
+        ],
         &[],
     ))?;
     let end = Instant::now() + Duration::from_secs(20);
