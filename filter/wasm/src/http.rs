@@ -490,6 +490,8 @@ pub fn steer(
     now: u64,
     size: RequestSize,
 ) -> Option<Steered> {
+    // A VM that was idle ticks slowly: its view of the pool may be older than refreshMs.
+    crate::root::refresh_view_if_old(state, pool, now);
     let State {
         router,
         metrics,
@@ -577,8 +579,13 @@ impl HttpContext for Request {
             let req_path = host::request_header(":path").unwrap_or_default();
             let bare = req_path.split('?').next().unwrap_or("");
             if bare == path {
-                let body = match self.state.try_borrow() {
-                    Ok(s) => scoreboard_json(&s.router, now),
+                let body = match self.state.try_borrow_mut() {
+                    Ok(mut s) => {
+                        for i in 0..pools {
+                            crate::root::refresh_view_if_old(&mut s, i, now);
+                        }
+                        scoreboard_json(&s.router, now)
+                    }
                     Err(_) => "{}".to_string(),
                 };
                 let _ = host::send_response(
