@@ -35,10 +35,12 @@
 )]
 
 pub mod admission;
+pub mod body;
 pub mod breaker;
 pub mod config;
 pub mod counters;
 pub mod error;
+pub mod outcome;
 pub mod picker;
 pub mod pool;
 pub mod score;

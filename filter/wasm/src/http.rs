@@ -22,9 +22,10 @@ use ai_lb_filter_core::admission::priority::{self, PriorityDecision};
 
 use crate::admission::{self, AdmReq, Headers, HeldReq, Step};
 use crate::hold::{self, Held};
-use crate::outcome::{self, Observed};
+use crate::host;
 use crate::root::{count_transitions, State};
-use crate::{body, host};
+use ai_lb_filter_core::body;
+use ai_lb_filter_core::outcome::{self, Observed};
 
 /// Outcome of the class policy for one request.
 enum Gate {

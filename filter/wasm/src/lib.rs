@@ -1,10 +1,8 @@
 //! proxy-wasm glue: translates Envoy host calls into `ai-lb-filter-core` calls. No decisions
-//! live here beyond which VM subscribes ([`lease`]), when to reconnect ([`stream`]) and which
-//! pods a finished request speaks about ([`outcome`]).
+//! live here beyond which VM subscribes ([`lease`]) and when to reconnect ([`stream`]).
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod admission;
-pub mod body;
 pub mod breakers;
 pub mod grpc_service;
 pub mod guard;
@@ -13,7 +11,6 @@ pub mod host;
 pub mod http;
 pub mod lease;
 pub mod metrics;
-pub mod outcome;
 pub mod root;
 pub mod shared;
 pub mod stream;

@@ -4,7 +4,7 @@
 //! connect failures, so an earlier attempt that did not serve was a failure. A request the
 //! client cancelled teaches nothing.
 
-use ai_lb_filter_core::breaker::Outcome;
+use crate::breaker::Outcome;
 
 /// Envoy's legacy response-flag bits (`response.flags` property), envoy/stream_info/stream_info.h.
 pub mod flags {
