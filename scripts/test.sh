@@ -22,9 +22,10 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 step "clippy (wasm32-wasip1: filter core and glue)"
 cargo clippy -p ai-lb-filter-core -p ai-lb-filter-wasm --target wasm32-wasip1 --locked -- -D warnings
 
-step "build binaries and the wasm filter"
+step "build binaries, the wasm filter and the (experimental) native module"
 cargo build --workspace --bins --locked
 cargo build -p ai-lb-filter-wasm --target wasm32-wasip1 --release --locked
+cargo build -p ai-lb-filter-native --locked
 
 step "tests (unit, property, integration, end-to-end with a real Envoy)"
 cargo test --workspace --locked

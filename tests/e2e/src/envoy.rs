@@ -86,6 +86,53 @@ pub fn wasm_path() -> Result<PathBuf, Error> {
     ))
 }
 
+/// The native module (experimental, filter/native): `$AI_LB_NATIVE`, else
+/// `<target>/{release,debug}/libai_lb_filter_native.so`.
+pub fn native_module_path() -> Result<PathBuf, Error> {
+    if let Some(p) = std::env::var_os("AI_LB_NATIVE") {
+        let p = PathBuf::from(p);
+        return if p.exists() {
+            Ok(p)
+        } else {
+            Err(format!("AI_LB_NATIVE={} does not exist", p.display()))
+        };
+    }
+    let dirs = target_dirs();
+    for d in &dirs {
+        for profile in ["release", "debug"] {
+            let p = d.join(profile).join("libai_lb_filter_native.so");
+            if p.exists() {
+                return Ok(p);
+            }
+        }
+    }
+    Err(format!(
+        "the native module is not built: run `cargo build --release -p ai-lb-filter-native` \
+         (looked in {dirs:?}, or set AI_LB_NATIVE)"
+    ))
+}
+
+/// The template `envoy-config/envoy-native.yaml` (the experimental native module).
+pub fn native_template() -> Result<String, Error> {
+    let p = workspace_root().join("envoy-config/envoy-native.yaml");
+    std::fs::read_to_string(&p).map_err(|e| format!("reading {}: {e}", p.display()))
+}
+
+/// The native module's config: the wasm filter's plugin config `filter_json` under `filter`,
+/// and `agents` as every pool's agent addresses.
+pub fn native_filter_config(filter_json: &str, agents: &[SocketAddr]) -> Result<String, Error> {
+    let filter: serde_json::Value =
+        serde_json::from_str(filter_json).map_err(|e| format!("filter config: {e}"))?;
+    let addrs: Vec<String> = agents.iter().map(|a| a.to_string()).collect();
+    let mut per_pool = serde_json::Map::new();
+    for p in filter["pools"].as_array().into_iter().flatten() {
+        if let Some(name) = p["name"].as_str() {
+            per_pool.insert(name.to_string(), serde_json::json!(addrs));
+        }
+    }
+    Ok(serde_json::json!({"filter": filter, "agents": per_pool}).to_string())
+}
+
 /// A binary of this workspace (e.g. `ai-lb-agent`, `ai-lb-fake-pod`) in the target dirs.
 pub fn workspace_bin(name: &str) -> Result<PathBuf, Error> {
     let dirs = target_dirs();
@@ -214,13 +261,20 @@ pub fn write_config(opts: &EnvoyOptions, dir: &Path) -> Result<PathBuf, Error> {
         Some(t) => t.clone(),
         None => template()?,
     };
-    let wasm = wasm_path()?;
     let mut vars = BTreeMap::new();
+    if template.contains("${WASM_PATH}") {
+        vars.insert("WASM_PATH", wasm_path()?.display().to_string());
+    }
+    if template.contains("${NATIVE_MODULE_PATH}") {
+        vars.insert(
+            "NATIVE_MODULE_PATH",
+            native_module_path()?.display().to_string(),
+        );
+    }
     vars.insert("ADMIN_ADDRESS", "127.0.0.1".to_string());
     vars.insert("ADMIN_PORT", "0".to_string());
     vars.insert("LISTEN_ADDRESS", "127.0.0.1".to_string());
     vars.insert("LISTEN_PORT", "0".to_string());
-    vars.insert("WASM_PATH", wasm.display().to_string());
     vars.insert("FILTER_CONFIG", yaml_quote(&opts.filter_config));
     vars.insert("INFERENCE_ENDPOINTS", endpoints_yaml(&opts.inference));
     vars.insert("AGENT_ENDPOINTS", endpoints_yaml(&opts.agents));

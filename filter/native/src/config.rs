@@ -1,0 +1,150 @@
+//! The native module's configuration: the wasm filter's plugin config (validated by the core,
+//! unchanged) under `filter`, plus where each pool's agents listen, since a dynamic module
+//! reaches them itself instead of through an Envoy cluster:
+//!
+//! ```json
+//! {"filter": { ...envoy-config/filter-config.json... },
+//!  "agents": {"default": ["127.0.0.1:9090"]}}
+//! ```
+//!
+//! What the native module does not do is refused, naming the field, so Envoy rejects the
+//! config instead of running a filter that silently ignores part of it.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+
+use ai_lb_filter_core::config::{FilterConfig, Mode};
+use serde::Deserialize;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Raw {
+    filter: serde_json::Value,
+    agents: BTreeMap<String, Vec<String>>,
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone)]
+pub struct NativeConfig {
+    pub filter: FilterConfig,
+    /// Per pool (config order): the agents' gRPC addresses, tried in turn.
+    pub agents: Vec<Vec<SocketAddr>>,
+}
+
+/// Parses and validates; errors read `ai-lb native config: field `<path>`: ...`.
+pub fn parse(bytes: &[u8]) -> Result<NativeConfig, String> {
+    let err = |field: &str, msg: String| format!("ai-lb native config: field `{field}`: {msg}");
+    let raw: Raw = serde_json::from_slice(bytes).map_err(|e| {
+        format!("ai-lb native config: {e} (expected {{\"filter\": {{...}}, \"agents\": {{\"<pool>\": [\"ip:port\"]}}}})")
+    })?;
+    let text = serde_json::to_vec(&raw.filter).map_err(|e| err("filter", e.to_string()))?;
+    let filter = FilterConfig::from_json(&text)
+        .map_err(|e| format!("ai-lb native config: in `filter`: {e}"))?;
+    if filter.mode == Mode::Guard {
+        return Err(err(
+            "filter.mode",
+            "value \"guard\": the native module only routes; use the wasm filter for the guard"
+                .into(),
+        ));
+    }
+    if filter.admission.is_some() {
+        return Err(err(
+            "filter.admission",
+            "admission control is not in the native module; remove it or use the wasm filter"
+                .into(),
+        ));
+    }
+    if filter.big_request_hold.is_some() {
+        return Err(err(
+            "filter.bigRequestHold",
+            "holding big requests is not in the native module; remove it or use the wasm filter"
+                .into(),
+        ));
+    }
+    for name in raw.agents.keys() {
+        if filter.pool_by_name(name).is_none() {
+            return Err(err(
+                &format!("agents.{name}"),
+                format!("value {name:?}: no pool of that name in `filter.pools`"),
+            ));
+        }
+    }
+    let mut agents = Vec::new();
+    for p in &filter.pools {
+        let field = format!("agents.{}", p.name);
+        let list = raw.agents.get(&p.name).ok_or_else(|| {
+            err(
+                &field,
+                "missing: every pool needs its agents' addresses".into(),
+            )
+        })?;
+        if list.is_empty() {
+            return Err(err(&field, "value []: at least one agent address".into()));
+        }
+        let mut addrs = Vec::new();
+        for (i, a) in list.iter().enumerate() {
+            let addr = a.parse::<SocketAddr>().map_err(|_| {
+                err(
+                    &format!("{field}[{i}]"),
+                    format!("value {a:?}: not an ip:port address"),
+                )
+            })?;
+            addrs.push(addr);
+        }
+        agents.push(addrs);
+    }
+    Ok(NativeConfig { filter, agents })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FILTER: &str = r#"{"pools":[{"name":"default","cluster":"inference"}]}"#;
+
+    fn cfg(agents: &str) -> String {
+        format!(r#"{{"filter":{FILTER},"agents":{agents}}}"#)
+    }
+
+    #[test]
+    fn a_valid_config_keeps_the_filter_and_the_agents_per_pool() {
+        let c =
+            parse(cfg(r#"{"default":["127.0.0.1:9090","127.0.0.2:9091"]}"#).as_bytes()).unwrap();
+        assert_eq!(c.filter.pools.len(), 1);
+        assert_eq!(c.agents[0].len(), 2);
+        assert_eq!(c.agents[0][1], "127.0.0.2:9091".parse().unwrap());
+    }
+
+    #[test]
+    fn bad_input_names_the_field_and_the_value() {
+        let e = parse(cfg(r#"{"default":["localhost"]}"#).as_bytes()).unwrap_err();
+        assert!(
+            e.contains("agents.default[0]") && e.contains("\"localhost\""),
+            "{e}"
+        );
+        let e = parse(cfg(r#"{}"#).as_bytes()).unwrap_err();
+        assert!(e.contains("agents.default") && e.contains("missing"), "{e}");
+        let e = parse(cfg(r#"{"default":["127.0.0.1:1"],"other":["127.0.0.1:2"]}"#).as_bytes())
+            .unwrap_err();
+        assert!(e.contains("agents.other"), "{e}");
+        let e = parse(br#"{"filter":{"pools":[]},"agents":{}}"#).unwrap_err();
+        assert!(e.contains("in `filter`"), "{e}");
+        let e = parse(br#"{"filter":{},"agents":{},"extra":1}"#).unwrap_err();
+        assert!(e.contains("extra"), "{e}");
+    }
+
+    #[test]
+    fn features_the_module_lacks_are_refused_not_ignored() {
+        let with = |extra: &str| {
+            format!(
+                r#"{{"filter":{{"pools":[{{"name":"default","cluster":"inference"}}],{extra}}},"agents":{{"default":["127.0.0.1:1"]}}}}"#
+            )
+        };
+        let e = parse(with(r#""bigRequestHold":{}"#).as_bytes()).unwrap_err();
+        assert!(e.contains("filter.bigRequestHold"), "{e}");
+        let e =
+            parse(with(r#""admission":{"tenants":{"default":{"tokensPerSecond":10}}}"#).as_bytes());
+        // An admission section the core accepts is refused here; one it rejects fails there.
+        assert!(e.is_err());
+    }
+}

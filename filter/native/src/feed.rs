@@ -1,0 +1,228 @@
+//! The pool feed: one background thread per filter config (not an Envoy worker) holds one
+//! `WatchPool` stream per pool to its agents over gRPC (tonic), applies each event to a
+//! router of its own and publishes the encoded pool state; workers install a new state when
+//! its version moved (one atomic load per pick otherwise). The same split as the wasm filter's
+//! subscriber VM and shared data, with a thread and a mutex instead of shared data.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ai_lb_filter_core::config::FilterConfig;
+use ai_lb_filter_core::picker::Router;
+use ai_lb_proto::v1::metrics_service_client::MetricsServiceClient;
+use ai_lb_proto::v1::WatchPoolRequest;
+
+use crate::host::{self, Level};
+
+/// Milliseconds since the Unix epoch (the clock the agents stamp snapshots with).
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+/// One pool's published state.
+#[derive(Debug, Default)]
+pub struct Slot {
+    /// Bumped after every publish; 0 = nothing published yet.
+    pub version: AtomicU64,
+    bytes: Mutex<Arc<Vec<u8>>>,
+}
+
+impl Slot {
+    fn publish(&self, bytes: Vec<u8>) {
+        if let Ok(mut b) = self.bytes.lock() {
+            *b = Arc::new(bytes);
+        }
+        self.version.fetch_add(1, Ordering::Release);
+    }
+
+    /// The latest encoded state and its version.
+    pub fn read(&self) -> (u64, Arc<Vec<u8>>) {
+        let v = self.version.load(Ordering::Acquire);
+        let b = self
+            .bytes
+            .lock()
+            .map(|b| Arc::clone(&b))
+            .unwrap_or_default();
+        (v, b)
+    }
+}
+
+/// What the feed thread shares with the workers.
+#[derive(Debug, Default)]
+pub struct Shared {
+    pub pools: Vec<Slot>,
+    /// Streams that ended or failed (each followed by a reconnect).
+    pub stream_errors: AtomicU64,
+    /// How many of them are already in Envoy's stats.
+    pub stream_errors_counted: AtomicU64,
+    /// Events that did not decode or apply.
+    pub decode_errors: AtomicU64,
+}
+
+/// The running feed; dropping it stops the thread (within one reconnect or heartbeat wait).
+#[derive(Debug)]
+pub struct Feed {
+    stop: Option<tokio::sync::watch::Sender<bool>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Feed {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(true);
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Starts the feed thread for `cfg`'s pools.
+pub fn start(
+    cfg: &FilterConfig,
+    agents: &[Vec<SocketAddr>],
+    shared: Arc<Shared>,
+) -> Result<Feed, String> {
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    let cfg = cfg.clone();
+    let agents = agents.to_vec();
+    let thread = std::thread::Builder::new()
+        .name("ai-lb-feed".into())
+        .spawn(move || {
+            let rt = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    host::log(Level::Error, &format!("ai-lb native: no runtime: {e}"));
+                    return;
+                }
+            };
+            rt.block_on(async move {
+                let mut tasks = Vec::new();
+                for (i, addrs) in agents.into_iter().enumerate() {
+                    tasks.push(tokio::spawn(watch(
+                        i,
+                        cfg.clone(),
+                        addrs,
+                        Arc::clone(&shared),
+                        rx.clone(),
+                    )));
+                }
+                for t in tasks {
+                    let _ = t.await;
+                }
+            });
+        })
+        .map_err(|e| format!("ai-lb native: cannot start the feed thread: {e}"))?;
+    Ok(Feed {
+        stop: Some(tx),
+        thread: Some(thread),
+    })
+}
+
+/// Keeps pool `i` subscribed until stopped: connects to its agents in turn, applies every
+/// event, publishes the state; reconnects with backoff after an error or a silent stream
+/// (three heartbeats).
+async fn watch(
+    i: usize,
+    cfg: FilterConfig,
+    addrs: Vec<SocketAddr>,
+    shared: Arc<Shared>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let w = cfg.watch;
+    let name = cfg.pools.get(i).map(|p| p.name.clone()).unwrap_or_default();
+    let heartbeat = if w.heartbeat_ms == 0 {
+        5_000
+    } else {
+        u64::from(w.heartbeat_ms)
+    };
+    let idle = Duration::from_millis(heartbeat.saturating_mul(3).saturating_add(1_000));
+    let mut router = Router::new(cfg);
+    let mut backoff = w.reconnect_base_ms.max(1);
+    let mut turn = 0usize;
+    loop {
+        if *stop.borrow() {
+            return;
+        }
+        let Some(addr) = addrs.get(turn % addrs.len().max(1)).copied() else {
+            return;
+        };
+        turn += 1;
+        let run = stream_once(
+            i,
+            &mut router,
+            addr,
+            &shared,
+            idle,
+            w.min_interval_ms,
+            w.heartbeat_ms,
+        );
+        let got_events = tokio::select! {
+            r = run => r,
+            _ = stop.changed() => return,
+        };
+        shared.stream_errors.fetch_add(1, Ordering::Relaxed);
+        if got_events {
+            backoff = w.reconnect_base_ms.max(1);
+        }
+        host::log(
+            Level::Warn,
+            &format!(
+                "ai-lb native: pool `{name}`: stream to {addr} ended; reconnecting in {backoff} ms"
+            ),
+        );
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(backoff)) => {},
+            _ = stop.changed() => return,
+        }
+        backoff = backoff.saturating_mul(2).min(w.reconnect_max_ms.max(1));
+    }
+}
+
+/// One stream's life; returns whether any event arrived.
+async fn stream_once(
+    i: usize,
+    router: &mut Router,
+    addr: SocketAddr,
+    shared: &Shared,
+    idle: Duration,
+    min_interval_ms: u32,
+    heartbeat_ms: u32,
+) -> bool {
+    let Ok(mut client) = MetricsServiceClient::connect(format!("http://{addr}")).await else {
+        return false;
+    };
+    let req = WatchPoolRequest {
+        min_interval_ms,
+        heartbeat_ms,
+    };
+    let Ok(resp) = client.watch_pool(req).await else {
+        return false;
+    };
+    let mut s = resp.into_inner();
+    let mut any = false;
+    loop {
+        let ev = match tokio::time::timeout(idle, s.message()).await {
+            Ok(Ok(Some(ev))) => ev,
+            _ => return any,
+        };
+        any = true;
+        let now = now_ms();
+        router.apply_pool_event(i, &ev, now);
+        let Some(bytes) = router.pool_state(i).map(|st| st.encode()) else {
+            shared.decode_errors.fetch_add(1, Ordering::Relaxed);
+            continue;
+        };
+        if let Some(slot) = shared.pools.get(i) {
+            slot.publish(bytes);
+        }
+    }
+}

@@ -1,0 +1,244 @@
+//! Decides nothing: safe wrappers over the Envoy callbacks of [`crate::abi`]. The only module
+//! besides the hook exports that holds `unsafe`.
+//!
+//! A [`Stream`] is Envoy's per-request filter pointer; it is valid for the duration of the hook
+//! it was handed to, and every borrowed byte slice returned here lives no longer than the
+//! `&self` borrow (Envoy owns those bytes until the hook returns or the value is changed).
+#![allow(unsafe_code)]
+
+use crate::abi::{self, attribute_id, body_type, header_type, EnvoyBuffer, ModuleBuffer};
+
+/// Log levels of Envoy's `dynamic_modules` logger.
+#[derive(Debug, Clone, Copy)]
+pub enum Level {
+    Info,
+    Warn,
+    Error,
+}
+
+/// Logs through Envoy (thread-safe on Envoy's side: its loggers are).
+pub fn log(level: Level, msg: &str) {
+    let l = match level {
+        Level::Info => abi::log_level::INFO,
+        Level::Warn => abi::log_level::WARN,
+        Level::Error => abi::log_level::ERROR,
+    };
+    // SAFETY: the buffer points into `msg`, which outlives the call; Envoy copies it.
+    unsafe { abi::envoy_dynamic_module_callback_log(l, ModuleBuffer::from_text(msg)) }
+}
+
+/// Which header map.
+#[derive(Debug, Clone, Copy)]
+pub enum Map {
+    Request,
+    Response,
+}
+
+impl Map {
+    fn raw(self) -> u32 {
+        match self {
+            Map::Request => header_type::REQUEST_HEADER,
+            Map::Response => header_type::RESPONSE_HEADER,
+        }
+    }
+}
+
+/// Envoy's per-request filter handle, valid only inside the hook that received it.
+#[derive(Debug)]
+pub struct Stream(abi::HttpFilterEnvoyPtr);
+
+impl Stream {
+    /// Wraps the pointer a hook received. It must not be kept past that hook.
+    pub fn new(ptr: abi::HttpFilterEnvoyPtr) -> Self {
+        Stream(ptr)
+    }
+
+    /// The first value of header `key` in `map` (None when absent).
+    pub fn header(&self, map: Map, key: &str) -> Option<&[u8]> {
+        let mut out = EnvoyBuffer::null();
+        // SAFETY: `self.0` is the live filter pointer of the current hook; `out` is a valid
+        // out-pointer; a null optional size is allowed.
+        let found = unsafe {
+            abi::envoy_dynamic_module_callback_http_get_header(
+                self.0,
+                map.raw(),
+                ModuleBuffer::from_text(key),
+                &mut out,
+                0,
+                std::ptr::null_mut(),
+            )
+        };
+        // SAFETY: Envoy filled `out` in this hook; the slice borrows `self`.
+        (found && !out.ptr.is_null()).then(|| unsafe { out.as_bytes() })
+    }
+
+    /// The first value of header `key` as text (None when absent or not UTF-8).
+    pub fn header_str(&self, map: Map, key: &str) -> Option<&str> {
+        std::str::from_utf8(self.header(map, key)?).ok()
+    }
+
+    /// Sets header `key` to `value`, or removes it (`None`). False when Envoy refused.
+    pub fn set_header(&self, map: Map, key: &str, value: Option<&str>) -> bool {
+        let v = value.map_or(ModuleBuffer::null(), ModuleBuffer::from_text);
+        // SAFETY: live filter pointer; the buffers point into `key`/`value`, copied by Envoy.
+        unsafe {
+            abi::envoy_dynamic_module_callback_http_set_header(
+                self.0,
+                map.raw(),
+                ModuleBuffer::from_text(key),
+                v,
+            )
+        }
+    }
+
+    fn attr_bytes(&self, id: u32) -> Option<&[u8]> {
+        let mut out = EnvoyBuffer::null();
+        // SAFETY: live filter pointer, valid out-pointer.
+        let ok = unsafe {
+            abi::envoy_dynamic_module_callback_http_filter_get_attribute_string(
+                self.0, id, &mut out,
+            )
+        };
+        // SAFETY: filled by Envoy in this hook; borrows `self`.
+        (ok && !out.ptr.is_null()).then(|| unsafe { out.as_bytes() })
+    }
+
+    fn attr_int(&self, id: u32) -> Option<u64> {
+        let mut out = 0u64;
+        // SAFETY: live filter pointer, valid out-pointer.
+        let ok = unsafe {
+            abi::envoy_dynamic_module_callback_http_filter_get_attribute_int(self.0, id, &mut out)
+        };
+        ok.then_some(out)
+    }
+
+    /// `xds.cluster_name`: the routed cluster (None before a route matched).
+    pub fn cluster_name(&self) -> Option<&str> {
+        std::str::from_utf8(self.attr_bytes(attribute_id::XDS_CLUSTER_NAME)?).ok()
+    }
+
+    /// `upstream.address` (`ip:port`) of the final attempt.
+    pub fn upstream_address(&self) -> Option<&str> {
+        std::str::from_utf8(self.attr_bytes(attribute_id::UPSTREAM_ADDRESS)?).ok()
+    }
+
+    /// `response.code` (None or 0 before response headers).
+    pub fn response_code(&self) -> Option<u16> {
+        self.attr_int(attribute_id::RESPONSE_CODE)
+            .and_then(|c| u16::try_from(c).ok())
+            .filter(|c| *c > 0)
+    }
+
+    /// `response.code_details` (`via_upstream`, `upstream_reset_before_response_started{...}`).
+    pub fn response_code_details(&self) -> Option<&str> {
+        std::str::from_utf8(self.attr_bytes(attribute_id::RESPONSE_CODE_DETAILS)?).ok()
+    }
+
+    /// The request body: what Envoy buffered so far, then the chunk of the current body hook
+    /// (`with_current`; at the last body call that chunk is not in the buffer yet), copied.
+    pub fn request_body(&self, with_current: bool) -> Vec<u8> {
+        let mut body = Vec::new();
+        self.append_body(body_type::BUFFERED_REQUEST_BODY, &mut body);
+        if with_current {
+            self.append_body(body_type::RECEIVED_REQUEST_BODY, &mut body);
+        }
+        body
+    }
+
+    fn append_body(&self, kind: u32, out: &mut Vec<u8>) {
+        // SAFETY: live filter pointer.
+        let n =
+            unsafe { abi::envoy_dynamic_module_callback_http_get_body_chunks_size(self.0, kind) };
+        if n == 0 {
+            return;
+        }
+        let mut chunks = vec![EnvoyBuffer::null(); n];
+        // SAFETY: `chunks` has room for the `n` slices Envoy reported.
+        let ok = unsafe {
+            abi::envoy_dynamic_module_callback_http_get_body_chunks(
+                self.0,
+                kind,
+                chunks.as_mut_ptr(),
+            )
+        };
+        if !ok {
+            return;
+        }
+        for c in &chunks {
+            // SAFETY: filled by Envoy in this hook.
+            out.extend_from_slice(unsafe { c.as_bytes() });
+        }
+    }
+
+    /// Answers the request locally (the upstream is never asked).
+    pub fn send_response(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
+        let hs: Vec<abi::ModuleHttpHeader> = headers
+            .iter()
+            .map(|(k, v)| abi::ModuleHttpHeader {
+                key_ptr: k.as_ptr().cast(),
+                key_length: k.len(),
+                value_ptr: v.as_ptr().cast(),
+                value_length: v.len(),
+            })
+            .collect();
+        // SAFETY: live filter pointer; every buffer points into data that outlives the call.
+        unsafe {
+            abi::envoy_dynamic_module_callback_http_send_response(
+                self.0,
+                status,
+                hs.as_ptr(),
+                hs.len(),
+                ModuleBuffer::from_bytes(body),
+                ModuleBuffer::null(),
+            )
+        }
+    }
+
+    /// Adds `n` to the counter `id` (from [`ConfigHandle::define_counter`]); ignores errors.
+    pub fn inc(&self, id: usize, n: u64) {
+        if id == 0 || n == 0 {
+            return;
+        }
+        // SAFETY: live filter pointer; no labels.
+        unsafe {
+            abi::envoy_dynamic_module_callback_http_filter_increment_counter(
+                self.0,
+                id,
+                std::ptr::null(),
+                0,
+                n,
+            );
+        }
+    }
+}
+
+/// Envoy's per-config handle, valid inside `on_http_filter_config_new` only.
+#[derive(Debug)]
+pub struct ConfigHandle(abi::HttpFilterConfigEnvoyPtr);
+
+impl ConfigHandle {
+    pub fn new(ptr: abi::HttpFilterConfigEnvoyPtr) -> Self {
+        ConfigHandle(ptr)
+    }
+
+    /// Defines counter `name` (shown as `<metrics_namespace>.<name>`); 0 (never counted) when
+    /// Envoy refused.
+    pub fn define_counter(&self, name: &str) -> usize {
+        let mut id = 0usize;
+        // SAFETY: live config pointer during config_new; valid out-pointer; no labels.
+        let r = unsafe {
+            abi::envoy_dynamic_module_callback_http_filter_config_define_counter(
+                self.0,
+                ModuleBuffer::from_text(name),
+                std::ptr::null(),
+                0,
+                &mut id,
+            )
+        };
+        if r == abi::metrics_result::SUCCESS {
+            id
+        } else {
+            0
+        }
+    }
+}
