@@ -38,6 +38,9 @@ pub struct ConfigRt {
     pub cfg: NativeConfig,
     pub shared: Arc<Shared>,
     pub counters: Counters,
+    /// Workers keep a weak handle: a worker of a config that is gone is dropped when its
+    /// thread next makes one (configs come and go with Envoy config updates).
+    alive: Arc<()>,
     _feed: Feed,
 }
 
@@ -66,6 +69,7 @@ impl ConfigRt {
             cfg,
             shared,
             counters,
+            alive: Arc::new(()),
             _feed: feed,
         })
     }
@@ -74,6 +78,7 @@ impl ConfigRt {
 /// A worker thread's routing state for one config.
 struct Worker {
     config_id: u64,
+    alive: std::sync::Weak<()>,
     router: Router,
     rng: SmallRng,
     /// Per pool: the published version installed here.
@@ -93,9 +98,11 @@ fn with_worker<R>(rt: &ConfigRt, f: impl FnOnce(&mut Worker) -> R) -> Option<R> 
         let i = match ws.iter().position(|w| w.config_id == rt.id) {
             Some(i) => i,
             None => {
+                ws.retain(|w| w.alive.strong_count() > 0);
                 let seed = now_ms() ^ (ws.len() as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
                 ws.push(Worker {
                     config_id: rt.id,
+                    alive: Arc::downgrade(&rt.alive),
                     router: Router::new(rt.cfg.filter.clone()),
                     rng: SmallRng::seed_from_u64(seed),
                     seen: vec![0; rt.cfg.filter.pools.len()],
