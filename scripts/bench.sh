@@ -40,6 +40,10 @@ if [ "${BENCH_NO_BUILD:-0}" != "1" ]; then
   cargo build --release --bins --locked
   cargo build --release --locked -p ai-lb-loadgen --example sink   # the overhead run's fast upstream
   cargo build -p ai-lb-filter-wasm --target wasm32-wasip1 --release --locked
+  case " ${args[*]} " in
+    *" --overhead-filter "*native*|*" --overhead-filter="*native*)
+      cargo build --release --locked -p ai-lb-filter-native ;;   # the experimental native module
+  esac
 fi
 export ENVOY_BIN="${ENVOY_BIN:-$root/.venv/bin/envoy}"
 

@@ -74,6 +74,11 @@ struct Cli {
     /// in one write). Shows the filter's cost per streamed chunk.
     #[arg(long, default_value_t = 0)]
     overhead_chunk_gap_ms: u64,
+    /// Overhead scenario: which ai-lb builds run against plain Envoy, side by side: `wasm`
+    /// (shipped), `native` (experimental dynamic module, filter/native; built by
+    /// scripts/bench.sh when named), or `wasm,native`.
+    #[arg(long, default_value = "wasm")]
+    overhead_filter: String,
     #[arg(long, default_value_t = 16)]
     hol_count: u32,
     /// Policies to compare, comma-separated (for quick iterations; the report's tables and
@@ -197,6 +202,7 @@ fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
         if cli.overhead_rounds == 0 || cli.overhead_workers == 0 {
             return Err("--overhead-rounds and --overhead-workers must be > 0".into());
         }
+        let builds = overhead::Side::parse_builds(&cli.overhead_filter)?;
         let mut o = overhead::overhead(
             &env,
             if cli.smoke { 2.0 } else { 10.0 },
@@ -206,6 +212,7 @@ fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
                 chunks: cli.overhead_chunks,
                 gap_ms: cli.overhead_chunk_gap_ms,
             },
+            &builds,
         )?;
         o["command"] = json!(cmdline);
         overhead::write(&cli.out, &o)?;

@@ -98,6 +98,50 @@ fn lat(s: &Summary) -> Value {
     json!({"e2e_ms": s.e2e_ms, "ttft_ms": s.ttft_ms, "ok": s.ok, "errors": s.errors, "timeouts": s.timeouts})
 }
 
+/// One Envoy of the overhead run: plain least_request, or ai-lb in one of its builds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Plain,
+    /// The shipped proxy-wasm filter.
+    Wasm,
+    /// The experimental native dynamic module (filter/native, envoy-config/envoy-native.yaml)
+    /// with the same plugin config.
+    Native,
+}
+
+impl Side {
+    /// Its key in the summary.
+    pub fn key(self) -> &'static str {
+        match self {
+            Side::Plain => "least_request",
+            Side::Wasm => "ai_lb",
+            Side::Native => "ai_lb_native",
+        }
+    }
+
+    /// The ai-lb builds of `--overhead-filter` (`wasm`, `native`, or both comma-separated);
+    /// errors name the flag and the value.
+    pub fn parse_builds(s: &str) -> Result<Vec<Side>, Error> {
+        let mut out = Vec::new();
+        for part in s.split(',').map(str::trim) {
+            let side = match part {
+                "wasm" => Side::Wasm,
+                "native" => Side::Native,
+                other => {
+                    return Err(format!(
+                        "--overhead-filter: value {other:?}: expected `wasm`, `native` or `wasm,native`"
+                    ))
+                }
+            };
+            if out.contains(&side) {
+                return Err(format!("--overhead-filter: value {s:?}: `{part}` twice"));
+            }
+            out.push(side);
+        }
+        Ok(out)
+    }
+}
+
 /// What every open-loop phase of [`overhead`] shares.
 struct Ctx<'a> {
     env: &'a Env,
@@ -105,21 +149,51 @@ struct Ctx<'a> {
     secs: f64,
     rounds: usize,
     sink: std::net::SocketAddr,
-    url: &'a dyn Fn(Policy) -> String,
-    pid: &'a dyn Fn(Policy) -> u32,
-    order: &'a dyn Fn(usize) -> [Policy; 2],
+    /// Plain first, then the builds.
+    sides: &'a [Side],
+    url: &'a dyn Fn(Side) -> String,
+    pid: &'a dyn Fn(Side) -> u32,
+}
+
+/// Round `round`'s order: the sides rotated by the round, so each runs first in turn and slow
+/// drift of a shared machine hits all alike.
+fn order(sides: &[Side], round: usize) -> Vec<Side> {
+    let mut v = sides.to_vec();
+    if !v.is_empty() {
+        let k = round % v.len();
+        v.rotate_left(k);
+    }
+    v
+}
+
+/// Per side: one value per round.
+type PerSide = std::collections::BTreeMap<&'static str, Vec<f64>>;
+
+fn push(m: &mut PerSide, side: Side, x: f64) {
+    m.entry(side.key()).or_default().push(x);
+}
+
+fn last(m: &PerSide, side: Side) -> Option<f64> {
+    m.get(side.key()).and_then(|v| v.last().copied())
+}
+
+fn medians(m: &PerSide) -> Value {
+    Value::Object(
+        m.iter()
+            .map(|(k, v)| ((*k).to_string(), json!(median(v.clone()))))
+            .collect(),
+    )
 }
 
 /// One open loop at `rate` for `secs`, `rounds` times: the trace straight to the sink (the
-/// loop's own floor), then each Envoy (order flipped each round), with its CPU per answered
-/// request and e2e latency. Medians over rounds; "added" = ai_lb − plain within a round.
+/// loop's own floor), then each Envoy (order rotated each round), with its CPU per answered
+/// request and e2e latency. Medians over rounds; "added" = build − plain within a round.
 fn open_loop_phase(c: &Ctx, name: &str, rate: f64) -> Result<Value, Error> {
     let trace = c.dir.join(format!("{name}.jsonl"));
     fixed_trace(c.env, rate, c.secs, &trace)?;
-    let (mut cpu_plain, mut cpu_ailb, mut cpu_ratios) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut p99_plain, mut p99_ailb, mut p99_direct, mut added) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let (mut p50_plain, mut p50_ailb) = (Vec::new(), Vec::new());
+    let (mut cpu, mut p50, mut p99) = (PerSide::new(), PerSide::new(), PerSide::new());
+    let (mut cpu_ratio, mut added_p99) = (PerSide::new(), PerSide::new());
+    let mut p99_direct = Vec::new();
     let mut rounds: Vec<Value> = Vec::new();
     for round in 0..c.rounds {
         let mut row = serde_json::Map::new();
@@ -132,53 +206,58 @@ fn open_loop_phase(c: &Ctx, name: &str, rate: f64) -> Result<Value, Error> {
         )?;
         p99_direct.push(direct.e2e_ms.p99.unwrap_or(f64::NAN));
         row.insert("direct_to_sink".into(), lat(&direct));
-        for p in (c.order)(round) {
+        for side in order(c.sides, round) {
             let m = measured_replay(
                 c.env,
-                &(c.url)(p),
+                &(c.url)(side),
                 &trace,
-                &c.dir.join(format!("{}.{name}.{round}.jsonl", p.name())),
+                &c.dir.join(format!("{}.{name}.{round}.jsonl", side.key())),
                 &[],
-                (c.pid)(p),
+                (c.pid)(side),
             )?;
-            let cpu_us = m.cpu_us_per_ok.unwrap_or(f64::NAN);
-            let (p50, p99) = (
-                m.summary.e2e_ms.p50.unwrap_or(f64::NAN),
-                m.summary.e2e_ms.p99.unwrap_or(f64::NAN),
-            );
             let mut v = lat(&m.summary);
             v["envoy_cpu_s"] = json!(m.cpu_s);
             v["envoy_cpu_us_per_request"] = json!(m.cpu_us_per_ok);
-            row.insert(p.name().into(), v);
-            let (cpu, p50s, p99s) = match p {
-                Policy::AiLb => (&mut cpu_ailb, &mut p50_ailb, &mut p99_ailb),
-                _ => (&mut cpu_plain, &mut p50_plain, &mut p99_plain),
-            };
-            cpu.push(cpu_us);
-            p50s.push(p50);
-            p99s.push(p99);
+            row.insert(side.key().into(), v);
+            push(&mut cpu, side, m.cpu_us_per_ok.unwrap_or(f64::NAN));
+            push(&mut p50, side, m.summary.e2e_ms.p50.unwrap_or(f64::NAN));
+            push(&mut p99, side, m.summary.e2e_ms.p99.unwrap_or(f64::NAN));
         }
-        if let (Some(a), Some(b)) = (cpu_ailb.last(), cpu_plain.last()) {
-            cpu_ratios.push(b / a);
-        }
-        if let (Some(a), Some(b)) = (p99_ailb.last(), p99_plain.last()) {
-            added.push(a - b);
+        for &b in c.sides.iter().filter(|s| **s != Side::Plain) {
+            if let (Some(a), Some(p)) = (last(&cpu, b), last(&cpu, Side::Plain)) {
+                push(&mut cpu_ratio, b, p / a);
+            }
+            if let (Some(a), Some(p)) = (last(&p99, b), last(&p99, Side::Plain)) {
+                push(&mut added_p99, b, a - p);
+            }
         }
         rounds.push(Value::Object(row));
     }
     let us = |v: Option<f64>| v.map(|ms| (ms * 1000.0).round());
+    let plain = |m: &PerSide| median(m.get(Side::Plain.key()).cloned().unwrap_or_default());
+    let mut vs = serde_json::Map::new();
+    for &b in c.sides.iter().filter(|s| **s != Side::Plain) {
+        let get = |m: &PerSide| m.get(b.key()).cloned().unwrap_or_default();
+        vs.insert(
+            b.key().into(),
+            json!({
+                "added_p99_us_median_of_rounds": us(median(get(&added_p99))),
+                "added_p99_us_per_round": get(&added_p99).iter().map(|d| us(Some(*d))).collect::<Vec<_>>(),
+                "added_p50_us": us(median(get(&p50)).zip(plain(&p50)).map(|(a, b)| a - b)),
+                "added_us_median": median(get(&cpu)).zip(plain(&cpu)).map(|(a, b)| a - b),
+                "ratio_of_medians": analysis::ratio(plain(&cpu), median(get(&cpu))),
+                "ratio_per_round": get(&cpu_ratio),
+            }),
+        );
+    }
+    let mut p99m = medians(&p99);
+    p99m["direct_to_sink"] = json!(median(p99_direct));
     Ok(json!({
         "rate_rps": rate,
-        "p99_ms_median": {"least_request": median(p99_plain.clone()), "ai_lb": median(p99_ailb.clone()), "direct_to_sink": median(p99_direct)},
-        "p50_ms_median": {"least_request": median(p50_plain.clone()), "ai_lb": median(p50_ailb.clone())},
-        "added_p99_us_median_of_rounds": us(median(added.clone())),
-        "added_p99_us_per_round": added.iter().map(|d| us(Some(*d))).collect::<Vec<_>>(),
-        "added_p50_us": us(median(p50_ailb).zip(median(p50_plain)).map(|(a, b)| a - b)),
-        "least_request_us_median": median(cpu_plain.clone()),
-        "ai_lb_us_median": median(cpu_ailb.clone()),
-        "added_us_median": median(cpu_ailb.clone()).zip(median(cpu_plain.clone())).map(|(a, b)| a - b),
-        "ratio_of_medians": analysis::ratio(median(cpu_plain), median(cpu_ailb)),
-        "ratio_per_round": cpu_ratios,
+        "p99_ms_median": p99m,
+        "p50_ms_median": medians(&p50),
+        "cpu_us_median": medians(&cpu),
+        "vs_least_request": vs,
         "rounds": rounds,
     }))
 }
@@ -192,13 +271,15 @@ pub struct Answer {
     pub gap_ms: u64,
 }
 
-/// Runs the overhead scenario; returns its summary (written by the caller).
+/// Runs the overhead scenario for plain Envoy and each of `builds` (side by side, same run);
+/// returns its summary (written by the caller).
 pub fn overhead(
     env: &Env,
     secs: f64,
     rounds: usize,
     workers: usize,
     answer: Answer,
+    builds: &[Side],
 ) -> Result<Value, Error> {
     let dir = env.work.join("overhead");
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
@@ -226,36 +307,44 @@ pub fn overhead(
     )?;
     let upstreams = [sink];
     let agents = [grpc];
-    let plain = topology::start_sidecar(Policy::LeastRequest, &upstreams, &agents, 1)?;
-    let ailb = topology::start_sidecar(Policy::AiLb, &upstreams, &agents, 1)?;
-    let ready = topology::wait_ailb_ready(&ailb, &upstreams, Duration::from_secs(15));
+    let mut sides = vec![Side::Plain];
+    sides.extend(builds.iter().copied().filter(|b| *b != Side::Plain));
+    let mut envoys = Vec::new();
+    for &side in &sides {
+        let e = match side {
+            Side::Plain => topology::start_sidecar(Policy::LeastRequest, &upstreams, &agents, 1)?,
+            Side::Wasm => topology::start_sidecar(Policy::AiLb, &upstreams, &agents, 1)?,
+            Side::Native => topology::start_native_sidecar(&upstreams, &agents, 1)?,
+        };
+        envoys.push((side, e));
+    }
+    let envoy_of = |side: Side| envoys.iter().find(|(s, _)| *s == side).map(|(_, e)| e);
+    let mut ready = serde_json::Map::new();
+    for (side, e) in &envoys {
+        if *side != Side::Plain {
+            let ok = topology::wait_ailb_ready(e, &upstreams, Duration::from_secs(15));
+            ready.insert(side.key().into(), json!(ok));
+        }
+    }
+    let pid = |side: Side| envoy_of(side).map_or(0, |e| e.pid());
+    let url =
+        |side: Side| envoy_of(side).map_or(String::new(), |e| format!("http://{}", e.listener));
     // With no traffic: what each Envoy spends on its own (the filter's ticks, its agent stream,
     // stats), in CPU ms per second. Every sidecar pays it, and at low request rates it is a
     // large part of the CPU per request below.
     let idle = {
-        let before = (cpu_secs(plain.pid()), cpu_secs(ailb.pid()));
+        let before: Vec<Option<f64>> = sides.iter().map(|s| cpu_secs(pid(*s))).collect();
         let t0 = std::time::Instant::now();
         std::thread::sleep(Duration::from_secs_f64(secs));
         let el = t0.elapsed().as_secs_f64();
-        let after = (cpu_secs(plain.pid()), cpu_secs(ailb.pid()));
-        let ms_per_s = |a: Option<f64>, b: Option<f64>| a.zip(b).map(|(a, b)| (a - b) * 1e3 / el);
-        json!({
-            "least_request_cpu_ms_per_s": ms_per_s(after.0, before.0),
-            "ai_lb_cpu_ms_per_s": ms_per_s(after.1, before.1),
-            "secs": el,
-            "what": "Envoy process CPU (user + system) with no traffic, ms per second, over one period of secs_per_measurement after the filter was ready",
-        })
-    };
-    let url = |p: Policy| match p {
-        Policy::AiLb => format!("http://{}", ailb.listener),
-        _ => format!("http://{}", plain.listener),
-    };
-    let order = |round: usize| {
-        if round % 2 == 0 {
-            [Policy::LeastRequest, Policy::AiLb]
-        } else {
-            [Policy::AiLb, Policy::LeastRequest]
+        let mut v = serde_json::Map::new();
+        for (s, b) in sides.iter().zip(before) {
+            let ms = cpu_secs(pid(*s)).zip(b).map(|(a, b)| (a - b) * 1e3 / el);
+            v.insert(format!("{}_cpu_ms_per_s", s.key()), json!(ms));
         }
+        v.insert("secs".into(), json!(el));
+        v.insert("what".into(), json!("Envoy process CPU (user + system) with no traffic, ms per second, over one period of secs_per_measurement after the filter was ready"));
+        Value::Object(v)
     };
     // Enough entries that no closed loop runs out (the loop stops at the trace's span).
     let closed_trace = dir.join("closed.jsonl");
@@ -263,76 +352,92 @@ pub fn overhead(
     let workers_arg = workers.to_string();
     let closed_args = ["--closed-loop", workers_arg.as_str(), "--threads", "2"];
     let mut max_rounds: Vec<Value> = Vec::new();
-    let (mut plain_rps, mut ailb_rps, mut rps_ratios) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut plain_cpu, mut ailb_cpu, mut cpu_ratios) = (Vec::new(), Vec::new(), Vec::new());
-    let pid = |p: Policy| match p {
-        Policy::AiLb => ailb.pid(),
-        _ => plain.pid(),
-    };
+    let (mut rps, mut cpu) = (PerSide::new(), PerSide::new());
+    let (mut rps_ratio, mut cpu_ratio) = (PerSide::new(), PerSide::new());
     for round in 0..rounds {
         let mut row = serde_json::Map::new();
-        for p in order(round) {
+        for side in order(&sides, round) {
             let m = measured_replay(
                 env,
-                &url(p),
+                &url(side),
                 &closed_trace,
-                &dir.join(format!("{}.closed.{round}.jsonl", p.name())),
+                &dir.join(format!("{}.closed.{round}.jsonl", side.key())),
                 &closed_args,
-                pid(p),
+                pid(side),
             )?;
             let (s, cpu_us) = (&m.summary, m.cpu_us_per_ok);
-            let rps = ok_rps(&m.records);
+            let r = ok_rps(&m.records);
             row.insert(
-                p.name().into(),
-                json!({"ok_rps": rps, "errors": s.errors, "timeouts": s.timeouts, "e2e_ms": s.e2e_ms,
+                side.key().into(),
+                json!({"ok_rps": r, "errors": s.errors, "timeouts": s.timeouts, "e2e_ms": s.e2e_ms,
                        "envoy_cpu_s": m.cpu_s, "envoy_cpu_us_per_request": cpu_us}),
             );
-            match p {
-                Policy::AiLb => {
-                    ailb_rps.push(rps);
-                    ailb_cpu.push(cpu_us.unwrap_or(f64::NAN));
-                }
-                _ => {
-                    plain_rps.push(rps);
-                    plain_cpu.push(cpu_us.unwrap_or(f64::NAN));
-                }
+            push(&mut rps, side, r);
+            push(&mut cpu, side, cpu_us.unwrap_or(f64::NAN));
+        }
+        for &b in sides.iter().filter(|s| **s != Side::Plain) {
+            if let (Some(a), Some(p)) = (last(&rps, b), last(&rps, Side::Plain)) {
+                push(&mut rps_ratio, b, a / p);
             }
-        }
-        if let (Some(a), Some(b)) = (ailb_rps.last(), plain_rps.last()) {
-            rps_ratios.push(a / b);
-        }
-        if let (Some(a), Some(b)) = (ailb_cpu.last(), plain_cpu.last()) {
-            cpu_ratios.push(b / a);
+            if let (Some(a), Some(p)) = (last(&cpu, b), last(&cpu, Side::Plain)) {
+                push(&mut cpu_ratio, b, p / a);
+            }
         }
         max_rounds.push(Value::Object(row));
     }
-    let plain_max = median(plain_rps.clone()).ok_or("no throughput measured")?;
-    let ailb_max = median(ailb_rps.clone()).unwrap_or(plain_max);
-    // CPU per request and latency at a rate both Envoys keep up with (half of the filter's
-    // own maximum, so the filter's Envoy runs at 50 % load): a closed loop's CPU per request
-    // falls as throughput rises (more requests per wake-up), so at saturation it also
+    let get = |m: &PerSide, s: Side| m.get(s.key()).cloned().unwrap_or_default();
+    let plain_max = median(get(&rps, Side::Plain)).ok_or("no throughput measured")?;
+    // The lowest maximum among the builds sets the first open-loop rate below.
+    let builds_max = sides
+        .iter()
+        .filter(|s| **s != Side::Plain)
+        .filter_map(|s| median(get(&rps, *s)))
+        .fold(plain_max, f64::min);
+    let (mut max_vs, mut cpu_vs) = (serde_json::Map::new(), serde_json::Map::new());
+    for &b in sides.iter().filter(|s| **s != Side::Plain) {
+        max_vs.insert(
+            b.key().into(),
+            json!({"ratio_of_medians": analysis::ratio(median(get(&rps, b)), Some(plain_max)),
+                   "ratio_per_round": get(&rps_ratio, b)}),
+        );
+        cpu_vs.insert(
+            b.key().into(),
+            json!({"ratio_of_medians": analysis::ratio(median(get(&cpu, Side::Plain)), median(get(&cpu, b))),
+                   "ratio_per_round": get(&cpu_ratio, b)}),
+        );
+    }
+    // CPU per request and latency at a rate every Envoy keeps up with (half of the lowest
+    // maximum, so the slowest build's Envoy runs at 50 % load): a closed loop's CPU per
+    // request falls as throughput rises (more requests per wake-up), so at saturation it also
     // depends on how much CPU the machine leaves each Envoy; and at half of plain Envoy's
-    // maximum the filter's Envoy is near its own, where it queues.
-    let fh_rate = (ailb_max.min(plain_max) / 2.0).max(1.0);
+    // maximum a filter's Envoy is near its own, where it queues.
     let ctx = Ctx {
         env,
         dir: &dir,
         secs,
         rounds,
         sink,
+        sides: &sides,
         url: &url,
         pid: &pid,
-        order: &order,
     };
-    let mut filter_half = open_loop_phase(&ctx, "filter-half", fh_rate)?;
-    filter_half["what"] = json!("open loop at half of the filter's (or plain's, if lower) maximum: Envoy process CPU per answered request, microseconds (ratio = plain / ai_lb), and e2e latency");
+    let mut filter_half = open_loop_phase(&ctx, "filter-half", (builds_max / 2.0).max(1.0))?;
+    filter_half["what"] = json!("open loop at half of the lowest maximum among the builds (or plain's, if lower): Envoy process CPU per answered request, microseconds (ratio = plain / build), and e2e latency");
     let half = open_loop_phase(&ctx, "half", (plain_max / 2.0).max(1.0))?;
+    let what = if answer.gap_ms == 0 {
+        format!(
+            "loadgen example sink answering {} tokens at once (SSE)",
+            answer.chunks
+        )
+    } else {
+        format!(
+            "loadgen example sink streaming {} tokens {} ms apart, each its own write (SSE)",
+            answer.chunks, answer.gap_ms
+        )
+    };
     Ok(json!({
-        "upstream": if answer.gap_ms == 0 {
-            format!("loadgen example sink answering {} tokens at once (SSE); 16-token prompts; one Envoy, 1 worker, per configuration; ai-lb with envoy-config/filter-config.json and an agent announcing the sink (metrics from an idle fake pod)", answer.chunks)
-        } else {
-            format!("loadgen example sink streaming {} tokens {} ms apart, each its own write (SSE); 16-token prompts; one Envoy, 1 worker, per configuration; ai-lb with envoy-config/filter-config.json and an agent announcing the sink (metrics from an idle fake pod)", answer.chunks, answer.gap_ms)
-        },
+        "upstream": format!("{what}; 16-token prompts; one Envoy, 1 worker, per configuration; ai-lb with envoy-config/filter-config.json and an agent announcing the sink (metrics from an idle fake pod)"),
+        "sides": sides.iter().map(|s| s.key()).collect::<Vec<_>>(),
         "answer_chunks": answer.chunks,
         "answer_gap_ms": answer.gap_ms,
         "ailb_ready": ready,
@@ -340,18 +445,14 @@ pub fn overhead(
         "rounds": rounds,
         "closed_loop_workers": workers,
         "max_rps": {
-            "least_request_median": plain_max,
-            "ai_lb_median": median(ailb_rps.clone()),
-            "ratio_of_medians": analysis::ratio(median(ailb_rps), Some(plain_max)),
-            "ratio_per_round": rps_ratios,
+            "median": medians(&rps),
+            "vs_least_request": max_vs,
             "rounds": max_rounds,
         },
         "cpu_per_request": {
-            "what": "Envoy process CPU (user + system) per answered request over each closed loop, microseconds; ratio = plain / ai_lb, the req/s each would reach on a core of its own",
-            "least_request_us_median": median(plain_cpu.clone()),
-            "ai_lb_us_median": median(ailb_cpu.clone()),
-            "ratio_of_medians": analysis::ratio(median(plain_cpu), median(ailb_cpu)),
-            "ratio_per_round": cpu_ratios,
+            "what": "Envoy process CPU (user + system) per answered request over each closed loop, microseconds; ratio = plain / build, the req/s each would reach on a core of its own",
+            "median": medians(&cpu),
+            "vs_least_request": cpu_vs,
         },
         "filter_half_load": filter_half,
         "half_load": half,
@@ -365,62 +466,128 @@ pub fn write(out: &Path, v: &Value) -> Result<(), Error> {
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let text = serde_json::to_string_pretty(v).map_err(|e| e.to_string())?;
     std::fs::write(dir.join("summary.json"), text).map_err(|e| e.to_string())?;
+    std::fs::write(dir.join("table.md"), table(v)).map_err(|e| e.to_string())
+}
+
+/// The overhead table: one column per Envoy, then each build against plain.
+fn table(v: &Value) -> String {
     let f = |x: &Value| x.as_f64().map_or("–".to_string(), |v| format!("{v:.2}"));
-    let h = &v["half_load"];
-    let fh = &v["filter_half_load"];
-    // The e2e p50 and p99 rows of one open-loop phase ([`open_loop_phase`]).
-    let latency = |ph: &Value, rate: &str| {
-        format!(
-            "| e2e p50 at {rate}, ms | {} | {} | {} µs |\n\
-             | e2e p99 at that rate, ms | {} | {} | {} µs (per round: {}) |\n",
-            f(&ph["p50_ms_median"]["least_request"]),
-            f(&ph["p50_ms_median"]["ai_lb"]),
-            ph["added_p50_us"],
-            f(&ph["p99_ms_median"]["least_request"]),
-            f(&ph["p99_ms_median"]["ai_lb"]),
-            ph["added_p99_us_median_of_rounds"],
-            ph["added_p99_us_per_round"],
-        )
+    // A difference in µs with its sign; a per-round list with 2 decimals (ratios) or none.
+    let signed = |x: &Value| x.as_f64().map_or("–".to_string(), |v| format!("{v:+.0}"));
+    let list = |x: &Value, decimals: usize| {
+        let items: Vec<String> = x
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|e| e.as_f64().map_or("–".into(), |v| format!("{v:.decimals$}")))
+                    .collect()
+            })
+            .unwrap_or_default();
+        items.join(", ")
     };
-    let table = format!(
+    let sides: Vec<&str> = v["sides"]
+        .as_array()
+        .map(|a| a.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    let builds: Vec<&str> = sides
+        .iter()
+        .copied()
+        .filter(|s| *s != "least_request")
+        .collect();
+    let row = |what: String, get: &dyn Fn(&str) -> String, cmp: &dyn Fn(&str) -> String| {
+        let cols: Vec<String> = sides.iter().map(|s| get(s)).collect();
+        let vs: Vec<String> = builds.iter().map(|b| format!("{b}: {}", cmp(b))).collect();
+        format!("| {what} | {} | {} |\n", cols.join(" | "), vs.join("; "))
+    };
+    let mut t = format!(
         "### overhead (1 Envoy worker, fast upstream, {} rounds of {} s, medians)\n\n`{}`\n\n\
-         | measure | least_request | ai_lb | ratio / difference |\n|---|---|---|---|\n\
-         | max req/s (closed loop, {} clients) | {} | {} | {} |\n\
-         | Envoy CPU per request over that loop, µs | {} | {} | {} (req/s per CPU; per round: {}) |\n\
-         | Envoy CPU per request at {} req/s (half of the filter's max), µs | {} | {} | {} (+{} µs; per round: {}) |\n\
-         {}{}\n\
-         Straight to the sink (no Envoy), p99: {} ms at half of the filter's max, {} ms at half of plain's.\n\n\
-         With no traffic, Envoy CPU: {} ms/s plain, {} ms/s with the filter.\n",
+         | measure | {} | against least_request |\n|---|{}---|\n",
         v["rounds"],
         v["secs_per_measurement"],
         v["command"].as_str().unwrap_or(""),
-        v["closed_loop_workers"],
-        f(&v["max_rps"]["least_request_median"]),
-        f(&v["max_rps"]["ai_lb_median"]),
-        f(&v["max_rps"]["ratio_of_medians"]),
-        f(&v["cpu_per_request"]["least_request_us_median"]),
-        f(&v["cpu_per_request"]["ai_lb_us_median"]),
-        f(&v["cpu_per_request"]["ratio_of_medians"]),
-        v["cpu_per_request"]["ratio_per_round"],
-        f(&fh["rate_rps"]),
-        f(&fh["least_request_us_median"]),
-        f(&fh["ai_lb_us_median"]),
-        f(&fh["ratio_of_medians"]),
-        f(&fh["added_us_median"]),
-        fh["ratio_per_round"],
-        latency(fh, "that rate"),
-        latency(h, &format!("{} req/s (half of plain's max)", f(&h["rate_rps"]))),
-        f(&fh["p99_ms_median"]["direct_to_sink"]),
-        f(&h["p99_ms_median"]["direct_to_sink"]),
-        f(&v["idle"]["least_request_cpu_ms_per_s"]),
-        f(&v["idle"]["ai_lb_cpu_ms_per_s"]),
+        sides.join(" | "),
+        "---|".repeat(sides.len()),
     );
-    std::fs::write(dir.join("table.md"), table).map_err(|e| e.to_string())
+    let (m, c) = (&v["max_rps"], &v["cpu_per_request"]);
+    t += &row(
+        format!(
+            "max req/s (closed loop, {} clients)",
+            v["closed_loop_workers"]
+        ),
+        &|s| f(&m["median"][s]),
+        &|b| {
+            let x = &m["vs_least_request"][b];
+            format!(
+                "{} (per round {})",
+                f(&x["ratio_of_medians"]),
+                x["ratio_per_round"]
+            )
+        },
+    );
+    t += &row(
+        "Envoy CPU per request over that loop, µs".into(),
+        &|s| f(&c["median"][s]),
+        &|b| {
+            let x = &c["vs_least_request"][b];
+            format!(
+                "{} req/s per CPU (per round {})",
+                f(&x["ratio_of_medians"]),
+                list(&x["ratio_per_round"], 2)
+            )
+        },
+    );
+    for (ph, label) in [
+        (&v["filter_half_load"], "half of the lowest build max"),
+        (&v["half_load"], "half of plain's max"),
+    ] {
+        let rate = f(&ph["rate_rps"]);
+        t += &row(
+            format!("Envoy CPU per request at {rate} req/s ({label}), µs"),
+            &|s| f(&ph["cpu_us_median"][s]),
+            &|b| {
+                let x = &ph["vs_least_request"][b];
+                format!(
+                    "{} ({} µs; per round {})",
+                    f(&x["ratio_of_medians"]),
+                    signed(&x["added_us_median"]),
+                    list(&x["ratio_per_round"], 2)
+                )
+            },
+        );
+        t += &row(
+            "e2e p50 at that rate, ms".into(),
+            &|s| f(&ph["p50_ms_median"][s]),
+            &|b| format!("{} µs", signed(&ph["vs_least_request"][b]["added_p50_us"])),
+        );
+        t += &row(
+            "e2e p99 at that rate, ms".into(),
+            &|s| f(&ph["p99_ms_median"][s]),
+            &|b| {
+                let x = &ph["vs_least_request"][b];
+                format!(
+                    "{} µs (per round {})",
+                    signed(&x["added_p99_us_median_of_rounds"]),
+                    list(&x["added_p99_us_per_round"], 0)
+                )
+            },
+        );
+    }
+    t += &row(
+        "Envoy CPU with no traffic, ms/s".into(),
+        &|s| f(&v["idle"][format!("{s}_cpu_ms_per_s")]),
+        &|_| "–".to_string(),
+    );
+    t += &format!(
+        "\nStraight to the sink (no Envoy), p99: {} ms at half of the lowest build max, {} ms at half of plain's.\n",
+        f(&v["filter_half_load"]["p99_ms_median"]["direct_to_sink"]),
+        f(&v["half_load"]["p99_ms_median"]["direct_to_sink"]),
+    );
+    t
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{cpu_secs, median};
+    use super::{cpu_secs, median, order, table, Side};
 
     #[test]
     fn cpu_secs_reads_this_process_and_grows_with_work() {
@@ -444,6 +611,46 @@ mod tests {
             );
         }
         assert_eq!(cpu_secs(u32::MAX), None, "no such process");
+    }
+
+    #[test]
+    fn builds_parse_and_errors_name_the_flag_and_value() {
+        assert_eq!(Side::parse_builds("wasm").unwrap(), [Side::Wasm]);
+        assert_eq!(
+            Side::parse_builds("wasm,native").unwrap(),
+            [Side::Wasm, Side::Native]
+        );
+        let e = Side::parse_builds("wasm,v8").unwrap_err();
+        assert!(
+            e.contains("--overhead-filter") && e.contains("\"v8\""),
+            "{e}"
+        );
+        assert!(Side::parse_builds("native,native").is_err());
+    }
+
+    #[test]
+    fn every_side_runs_first_in_turn() {
+        let s = [Side::Plain, Side::Wasm, Side::Native];
+        assert_eq!(order(&s, 0), s);
+        assert_eq!(order(&s, 1), [Side::Wasm, Side::Native, Side::Plain]);
+        assert_eq!(order(&s, 3), s);
+    }
+
+    #[test]
+    fn the_table_has_a_column_per_side_and_a_comparison_per_build() {
+        let v = serde_json::json!({
+            "sides": ["least_request", "ai_lb", "ai_lb_native"], "rounds": 1,
+            "secs_per_measurement": 2.0, "command": "x", "closed_loop_workers": 4,
+            "max_rps": {"median": {"least_request": 100.0, "ai_lb": 50.0, "ai_lb_native": 90.0},
+                        "vs_least_request": {"ai_lb": {"ratio_of_medians": 0.5}, "ai_lb_native": {"ratio_of_medians": 0.9}}},
+        });
+        let t = table(&v);
+        assert!(
+            t.contains("| measure | least_request | ai_lb | ai_lb_native |"),
+            "{t}"
+        );
+        assert!(t.contains("| 100.00 | 50.00 | 90.00 | ai_lb: 0.50"), "{t}");
+        assert!(t.contains("ai_lb_native: 0.90"), "{t}");
     }
 
     #[test]

@@ -404,6 +404,22 @@ pub fn start_sidecar(
     Envoy::start(&opts)
 }
 
+/// Starts one ai-lb sidecar running the experimental native module (filter/native) with the
+/// same plugin config as [`start_sidecar`], its agents given as addresses.
+pub fn start_native_sidecar(
+    upstreams: &[SocketAddr],
+    agents: &[SocketAddr],
+    concurrency: u32,
+) -> Result<Envoy, Error> {
+    let config = envoy::native_filter_config(&ailb_filter_config()?, agents)?;
+    let mut opts = EnvoyOptions::new(config);
+    opts.template = Some(envoy::native_template()?);
+    opts.inference = upstreams.to_vec();
+    opts.agents = agents.to_vec();
+    opts.concurrency = concurrency;
+    Envoy::start(&opts)
+}
+
 /// Waits until an ai-lb sidecar's status page lists every pod (the filter has pool data), up to
 /// `deadline`. Returns whether it did.
 pub fn wait_ailb_ready(sidecar: &Envoy, pods: &[SocketAddr], deadline: Duration) -> bool {
