@@ -63,53 +63,51 @@ fn target_dirs() -> Vec<PathBuf> {
     dirs
 }
 
-/// The wasm filter: `$AI_LB_WASM`, else `<target>/wasm32-wasip1/release/ai_lb_filter_wasm.wasm`.
-pub fn wasm_path() -> Result<PathBuf, Error> {
-    if let Some(p) = std::env::var_os("AI_LB_WASM") {
+/// A build output: the path in `$env_var` (which must exist), else the first of `candidates`
+/// (relative to a target dir) that exists; the error says how to build it.
+fn built(env_var: &str, candidates: &[&str], build: &str) -> Result<PathBuf, Error> {
+    if let Some(p) = std::env::var_os(env_var) {
         let p = PathBuf::from(p);
         return if p.exists() {
             Ok(p)
         } else {
-            Err(format!("AI_LB_WASM={} does not exist", p.display()))
+            Err(format!("{env_var}={} does not exist", p.display()))
         };
     }
     let dirs = target_dirs();
     for d in &dirs {
-        let p = d.join("wasm32-wasip1/release/ai_lb_filter_wasm.wasm");
-        if p.exists() {
-            return Ok(p);
-        }
-    }
-    Err(format!(
-        "the wasm filter is not built: run `cargo build -p ai-lb-filter-wasm --target \
-         wasm32-wasip1 --release` (looked in {dirs:?}, or set AI_LB_WASM)"
-    ))
-}
-
-/// The native module (experimental, filter/native): `$AI_LB_NATIVE`, else
-/// `<target>/{release,debug}/libai_lb_filter_native.so`.
-pub fn native_module_path() -> Result<PathBuf, Error> {
-    if let Some(p) = std::env::var_os("AI_LB_NATIVE") {
-        let p = PathBuf::from(p);
-        return if p.exists() {
-            Ok(p)
-        } else {
-            Err(format!("AI_LB_NATIVE={} does not exist", p.display()))
-        };
-    }
-    let dirs = target_dirs();
-    for d in &dirs {
-        for profile in ["release", "debug"] {
-            let p = d.join(profile).join("libai_lb_filter_native.so");
+        for c in candidates {
+            let p = d.join(c);
             if p.exists() {
                 return Ok(p);
             }
         }
     }
     Err(format!(
-        "the native module is not built: run `cargo build --release -p ai-lb-filter-native` \
-         (looked in {dirs:?}, or set AI_LB_NATIVE)"
+        "not built: run `{build}` (looked for {candidates:?} in {dirs:?}, or set {env_var})"
     ))
+}
+
+/// The wasm filter: `$AI_LB_WASM`, else `<target>/wasm32-wasip1/release/ai_lb_filter_wasm.wasm`.
+pub fn wasm_path() -> Result<PathBuf, Error> {
+    built(
+        "AI_LB_WASM",
+        &["wasm32-wasip1/release/ai_lb_filter_wasm.wasm"],
+        "cargo build -p ai-lb-filter-wasm --target wasm32-wasip1 --release",
+    )
+}
+
+/// The native module (experimental, filter/native): `$AI_LB_NATIVE`, else
+/// `<target>/{release,debug}/libai_lb_filter_native.so`.
+pub fn native_module_path() -> Result<PathBuf, Error> {
+    built(
+        "AI_LB_NATIVE",
+        &[
+            "release/libai_lb_filter_native.so",
+            "debug/libai_lb_filter_native.so",
+        ],
+        "cargo build --release -p ai-lb-filter-native",
+    )
 }
 
 /// The template `envoy-config/envoy-native.yaml` (the experimental native module).
