@@ -297,9 +297,11 @@ impl Request {
             if !w.router.write_ranked(pool, &ranked, &mut w.scratch) {
                 return None;
             }
-            let chosen = w.scratch.split(',').next()?.to_string();
-            w.router.on_request_start(pool, &chosen, size, now);
-            Some((w.scratch.clone(), size, open))
+            let Worker {
+                router, scratch, ..
+            } = w;
+            router.on_request_start(pool, scratch.split(',').next()?, size, now);
+            Some((scratch.clone(), size, open))
         })
         .flatten();
         let Some((ranked, size, open)) = picked else {
@@ -350,13 +352,14 @@ impl Request {
     /// The request is over: close the pick and tell the breakers how it went.
     pub fn on_stream_complete(&mut self, s: &Stream) {
         let Some(rt) = self.rt() else { return };
-        // The feed's stream errors since they were last counted (by any worker).
+        // The feed's stream errors since they were last counted (by any worker). Two plain
+        // loads on the common path; the shared write only when there is something to count.
         let errors = rt.shared.stream_errors.load(Ordering::Relaxed);
-        let counted = rt
-            .shared
-            .stream_errors_counted
-            .fetch_max(errors, Ordering::Relaxed);
-        s.inc(rt.counters.stream_errors, errors.saturating_sub(counted));
+        let counted = &rt.shared.stream_errors_counted;
+        if errors > counted.load(Ordering::Relaxed) {
+            let before = counted.fetch_max(errors, Ordering::Relaxed);
+            s.inc(rt.counters.stream_errors, errors.saturating_sub(before));
+        }
         let Some(pool) = self.pool else { return };
         let now = now_ms();
         let status = s.response_code();
