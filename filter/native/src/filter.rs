@@ -1,25 +1,28 @@
 //! Per-request glue: the same steps as the wasm filter's routing path (drop a client-sent
 //! routing header, find the pool by cluster, the model from a header or the body, pick, write
-//! the ranked list for override_host, and feed the breakers from the outcome), against a
-//! router owned by the Envoy worker thread (no locks on the request path).
+//! the ranked list for override_host, answer the debug header, and feed the breakers from the
+//! outcome, a half-open probe at its first byte), against a router owned by the Envoy worker
+//! thread (no locks on the pick) and breakers shared by every worker ([`crate::breakers`]).
 //!
 //! Not here (refused at config time or stated in filter/native/README.md): admission, big
-//! request hold, the guard mode, breakers shared between workers, the debug response header.
+//! request hold, the guard mode, per-pod stats.
 
 use std::cell::RefCell;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use ai_lb_filter_core::body::routing_fields;
+use ai_lb_filter_core::breaker::{BreakerState, Outcome, TripReason};
 use ai_lb_filter_core::outcome::{attribute, Observed};
 use ai_lb_filter_core::picker::{Decision, RequestSize, Router};
-use ai_lb_filter_core::status::scoreboard_json;
+use ai_lb_filter_core::status::scoreboard;
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
 
+use crate::breakers::SharedBreakers;
 use crate::config::NativeConfig;
 use crate::feed::{self, now_ms, Feed, Shared};
-use crate::host::{ConfigHandle, Map, Stream};
+use crate::host::{self, ConfigHandle, Level, Map, Stream};
 
 /// Counter ids (0 = not defined; never counted).
 #[derive(Debug, Default, Clone, Copy)]
@@ -28,6 +31,49 @@ pub struct Counters {
     fallback: usize,
     fail_open: usize,
     stream_errors: usize,
+    /// Per [`TripReason`], in [`TRIP_REASONS`] order.
+    breaker_opened: [usize; TRIP_REASONS.len()],
+    breaker_half_opened: usize,
+    breaker_closed: usize,
+}
+
+/// Every reason a breaker opens for, each with its own counter
+/// (`ailb.native.breaker_opened.<reason>`, as the wasm filter's `ailb.breaker_opened.<reason>`).
+const TRIP_REASONS: [TripReason; 8] = [
+    TripReason::HardwareFault,
+    TripReason::ServerErrors,
+    TripReason::Resets,
+    TripReason::ConnectFailures,
+    TripReason::Timeouts,
+    TripReason::SlowTtft,
+    TripReason::FailureRate,
+    TripReason::AgentErrorRate,
+];
+
+impl Counters {
+    /// Counts breaker transitions (each once for the process: only the worker that wrote the
+    /// shared breaker sees them) and logs each open.
+    fn transitions(&self, s: &Stream, pod: &str, ts: &[ai_lb_filter_core::breaker::Transition]) {
+        for t in ts {
+            let id = match t.to {
+                BreakerState::Open => {
+                    let reason = t.reason.map_or("unknown", |r| r.as_str());
+                    host::log(
+                        Level::Warn,
+                        &format!("ai-lb native: breaker of {pod} opened ({reason})"),
+                    );
+                    TRIP_REASONS
+                        .iter()
+                        .position(|r| Some(*r) == t.reason)
+                        .and_then(|i| self.breaker_opened.get(i).copied())
+                        .unwrap_or(0)
+                }
+                BreakerState::HalfOpen => self.breaker_half_opened,
+                BreakerState::Closed => self.breaker_closed,
+            };
+            s.inc(id, 1);
+        }
+    }
 }
 
 /// One filter config: what Envoy's config object points to. Lives until every stream of it
@@ -37,6 +83,8 @@ pub struct ConfigRt {
     pub id: u64,
     pub cfg: NativeConfig,
     pub shared: Arc<Shared>,
+    /// Circuit breakers shared by every worker.
+    pub breakers: SharedBreakers,
     pub counters: Counters,
     /// Workers keep a weak handle: a worker of a config that is gone is dropped when its
     /// thread next makes one (configs come and go with Envoy config updates).
@@ -62,10 +110,16 @@ impl ConfigRt {
             fallback: handle.define_counter("ailb.native.fallback"),
             fail_open: handle.define_counter("ailb.native.fail_open"),
             stream_errors: handle.define_counter("ailb.native.stream_errors"),
+            breaker_opened: TRIP_REASONS.map(|r| {
+                handle.define_counter(&format!("ailb.native.breaker_opened.{}", r.as_str()))
+            }),
+            breaker_half_opened: handle.define_counter("ailb.native.breaker_half_opened"),
+            breaker_closed: handle.define_counter("ailb.native.breaker_closed"),
         };
         let feed = feed::start(&cfg.filter, &cfg.agents, Arc::clone(&shared))?;
         Ok(ConfigRt {
             id: NEXT.fetch_add(1, Ordering::Relaxed),
+            breakers: SharedBreakers::new(cfg.filter.pools.len()),
             cfg,
             shared,
             counters,
@@ -83,9 +137,20 @@ struct Worker {
     rng: SmallRng,
     /// Per pool: the published version installed here.
     seen: Vec<u64>,
+    /// Per pool: the shared breakers' epoch copied here (0: copy at the next refresh).
+    breakers_seen: Vec<u64>,
+    /// Cooldown jitter of the shared breakers this worker creates (see
+    /// `Breaker::with_jitter`): random, so sidecars that open a pod's breaker on the same
+    /// agent snapshot probe it at different moments.
+    jitter: u8,
     scratch: String,
     next_tick_ms: u64,
+    /// This worker's number in the process (the status page says which worker answered).
+    ordinal: u64,
 }
+
+/// Numbers the workers of the process, in order of their first request.
+static ORDINALS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 thread_local! {
     static WORKERS: RefCell<Vec<Worker>> = const { RefCell::new(Vec::new()) };
@@ -100,14 +165,18 @@ fn with_worker<R>(rt: &ConfigRt, f: impl FnOnce(&mut Worker) -> R) -> Option<R> 
             None => {
                 ws.retain(|w| w.alive.strong_count() > 0);
                 let seed = now_ms() ^ (ws.len() as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+                let jitter = (seed.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 56) as u8;
                 ws.push(Worker {
                     config_id: rt.id,
                     alive: Arc::downgrade(&rt.alive),
                     router: Router::new(rt.cfg.filter.clone()),
                     rng: SmallRng::seed_from_u64(seed),
                     seen: vec![0; rt.cfg.filter.pools.len()],
+                    breakers_seen: vec![0; rt.cfg.filter.pools.len()],
+                    jitter,
                     scratch: String::with_capacity(256),
                     next_tick_ms: 0,
+                    ordinal: ORDINALS.fetch_add(1, Ordering::Relaxed),
                 });
                 ws.len() - 1
             }
@@ -117,9 +186,12 @@ fn with_worker<R>(rt: &ConfigRt, f: impl FnOnce(&mut Worker) -> R) -> Option<R> 
 }
 
 impl Worker {
-    /// Installs pool `i`'s published state when its version moved; polls breakers and
-    /// staleness every 100 ms of requests.
+    /// Installs pool `i`'s published state when its version moved, then the other workers'
+    /// breaker changes; polls breakers and staleness every 100 ms of requests.
     fn refresh(&mut self, rt: &ConfigRt, i: usize, now: u64) {
+        let Some(bseen) = self.breakers_seen.get_mut(i) else {
+            return;
+        };
         if let (Some(slot), Some(seen)) = (rt.shared.pools.get(i), self.seen.get_mut(i)) {
             if slot.version.load(Ordering::Acquire) != *seen {
                 let (v, bytes) = slot.read();
@@ -127,8 +199,11 @@ impl Worker {
                 if self.router.set_pool_state_bytes(i, &bytes, now).is_err() {
                     rt.shared.decode_errors.fetch_add(1, Ordering::Relaxed);
                 }
+                // Pods new to this worker get their shared breakers too.
+                *bseen = 0;
             }
         }
+        rt.breakers.sync(&mut self.router, i, bseen);
         if now >= self.next_tick_ms {
             self.next_tick_ms = now + 100;
             self.router.tick(now);
@@ -152,6 +227,15 @@ pub struct Request {
     started_ms: u64,
     ttft_ms: Option<u64>,
     attempts: Option<u32>,
+    /// The client asked for the debug response header.
+    debug: bool,
+    chosen_score: f64,
+    /// Sent to a half-open pod as one of its probes.
+    probe: bool,
+    /// The probe's response status (probes only).
+    probe_status: Option<u16>,
+    /// The probe's success was recorded at its first byte (not again at its end).
+    probe_passed: bool,
 }
 
 /// What a headers hook tells Envoy.
@@ -180,6 +264,11 @@ impl Request {
             started_ms: 0,
             ttft_ms: None,
             attempts: None,
+            debug: false,
+            chosen_score: 0.0,
+            probe: false,
+            probe_status: None,
+            probe_passed: false,
         }
     }
 
@@ -210,7 +299,12 @@ impl Request {
                     for i in 0..c.pools.len() {
                         w.refresh(rt, i, now);
                     }
-                    scoreboard_json(&w.router, now)
+                    // Which worker answered: the breakers are shared, the rest is per worker.
+                    let mut sb = scoreboard(&w.router, now);
+                    if let Some(o) = sb.as_object_mut() {
+                        o.insert("worker".into(), w.ordinal.into());
+                    }
+                    sb.to_string()
                 })
                 .unwrap_or_else(|| "{}".into());
                 s.send_response(
@@ -229,6 +323,10 @@ impl Request {
         if self.pool.is_none() {
             return Next::Continue;
         }
+        self.debug = c
+            .debug_header
+            .as_deref()
+            .is_some_and(|h| s.header(Map::Request, h).is_some());
         if let Some(h) = c.model_header.as_deref() {
             self.model = s
                 .header_str(Map::Request, h)
@@ -289,25 +387,49 @@ impl Request {
         let picked = with_worker(rt, |w| {
             w.refresh(rt, pool, now);
             let size = w.router.request_size(body_bytes, max_out);
-            let (ranked, open) = match w.router.decide_for(pool, model, size, now, &mut w.rng) {
-                Decision::Steer { ranked, .. } => (ranked, false),
-                Decision::FailOpen { ranked } => (ranked, true),
-                Decision::Fallback(_) => return None,
-            };
+            let (ranked, open, score) =
+                match w.router.decide_for(pool, model, size, now, &mut w.rng) {
+                    Decision::Steer {
+                        ranked,
+                        chosen_score,
+                    } => (ranked, false, chosen_score),
+                    Decision::FailOpen { ranked } => (ranked, true, 0.0),
+                    Decision::Fallback(_) => return None,
+                };
             if !w.router.write_ranked(pool, &ranked, &mut w.scratch) {
                 return None;
             }
             let Worker {
-                router, scratch, ..
+                router,
+                scratch,
+                jitter,
+                ..
             } = w;
-            router.on_request_start(pool, scratch.split(',').next()?, size, now);
-            Some((scratch.clone(), size, open))
+            let chosen = scratch.split(',').next()?;
+            router.on_request_start(pool, chosen, size, now);
+            // A half-open pod's probe budget is spent once for every worker.
+            let probe = router
+                .breaker(pool, chosen, None)
+                .is_some_and(|b| b.state() == BreakerState::HalfOpen);
+            let mut transitions = Vec::new();
+            if probe {
+                if let Some(wr) = rt.breakers.update(router, pool, chosen, now, *jitter, |b| {
+                    b.on_request(now);
+                    None
+                }) {
+                    transitions = wr.transitions;
+                }
+            }
+            Some((scratch.clone(), size, open, score, probe, transitions))
         })
         .flatten();
-        let Some((ranked, size, open)) = picked else {
+        let Some((ranked, size, open, score, probe, transitions)) = picked else {
             s.inc(rt.counters.fallback, 1);
             return;
         };
+        if let Some(c) = ranked.split(',').next() {
+            rt.counters.transitions(s, c, &transitions);
+        }
         if !s.set_header(Map::Request, &rt.cfg.filter.routing_header, Some(&ranked)) {
             // Nothing was steered: take the pick back.
             with_worker(rt, |w| {
@@ -329,6 +451,13 @@ impl Request {
         self.ranked = ranked;
         self.size = size;
         self.sent_ms = now;
+        self.chosen_score = score;
+        self.probe = probe;
+    }
+
+    /// The pod this request was steered to.
+    fn chosen(&self) -> Option<&str> {
+        self.ranked.split(',').next().filter(|c| !c.is_empty())
     }
 
     pub fn on_response_headers(&mut self, s: &Stream, end_of_stream: bool) {
@@ -338,15 +467,70 @@ impl Request {
         self.attempts = s
             .header_str(Map::Response, "x-envoy-attempt-count")
             .and_then(|v| v.parse().ok());
+        if self.probe {
+            self.probe_status = s
+                .header_str(Map::Response, ":status")
+                .and_then(|v| v.parse().ok());
+        }
         if end_of_stream && self.ttft_ms.is_none() {
             self.ttft_ms = Some(now_ms().saturating_sub(self.started_ms));
         }
+        if self.debug {
+            let header = self
+                .rt()
+                .and_then(|rt| rt.cfg.filter.debug_header.as_deref());
+            if let Some(h) = header {
+                let value = match self.chosen() {
+                    Some(pod) => format!(
+                        "pod={pod}; score={:.3}; ranked={}",
+                        self.chosen_score, self.ranked
+                    ),
+                    None => "pod=none; fallback".to_string(),
+                };
+                s.set_header(Map::Response, h, Some(&value));
+            }
+        }
     }
 
-    pub fn on_response_body(&mut self) {
+    /// A response-body chunk: the first one is the time to first byte, and passes a probe
+    /// whose answer started well (the rest of a long stream need not keep the pod half-open).
+    pub fn on_response_body(&mut self, s: &Stream, end_of_stream: bool) {
         if self.ttft_ms.is_none() && self.pool.is_some() {
-            self.ttft_ms = Some(now_ms().saturating_sub(self.started_ms));
+            let now = now_ms();
+            let ttft = now.saturating_sub(self.started_ms);
+            self.ttft_ms = Some(ttft);
+            if self.probe && !end_of_stream {
+                self.pass_probe(s, ttft, now);
+            }
         }
+    }
+
+    /// Records a probe's success at its first byte when it already counts as one
+    /// ([`Outcome::probe_passed_at_first_byte`]) and came from the probed pod (not a retry
+    /// elsewhere); its end then records only a failure.
+    fn pass_probe(&mut self, s: &Stream, ttft_ms: u64, now: u64) {
+        let (Some(rt), Some(pool)) = (self.rt(), self.pool) else {
+            return;
+        };
+        let cfg = rt.cfg.filter.breaker;
+        if !Outcome::probe_passed_at_first_byte(self.probe_status, ttft_ms, &cfg) {
+            return;
+        }
+        if s.upstream_address().is_none() || s.upstream_address() != self.chosen() {
+            return;
+        }
+        self.probe_passed = true;
+        let Some(chosen) = self.chosen() else { return };
+        let transitions = with_worker(rt, |w| {
+            rt.breakers
+                .update(&mut w.router, pool, chosen, now, w.jitter, |b| {
+                    b.record(None, now, &cfg)
+                })
+                .map(|wr| wr.transitions)
+        })
+        .flatten()
+        .unwrap_or_default();
+        rt.counters.transitions(s, chosen, &transitions);
     }
 
     /// The request is over: close the pick and tell the breakers how it went.
@@ -380,17 +564,64 @@ impl Request {
             total_ms: Some(now.saturating_sub(self.started_ms)),
         };
         let pairs = attribute(&observed);
-        let chosen = self.ranked.split(',').next().filter(|c| !c.is_empty());
+        let chosen = self.chosen();
         let model = self.model.as_deref();
-        let size = self.size;
-        let sent = self.sent_ms;
+        let (size, sent, probe_passed) = (self.size, self.sent_ms, self.probe_passed);
+        let cfg = rt.cfg.filter.breaker;
+        let mut transitions = Vec::new();
         with_worker(rt, |w| {
+            // Whether the chosen pod's breaker had nothing to forget (Closed, no failure
+            // counted, as of this worker's last copy): a success then leaves the shared
+            // breaker as it is, so it is not locked and rewritten.
+            let clean_before = chosen.is_some_and(|c| {
+                w.router.breaker(pool, c, None).is_some_and(|b| {
+                    b.state() == BreakerState::Closed && b.consecutive_failures() == 0
+                })
+            });
+            // The chosen pod was counted in flight: close that however the request ended,
+            // then let this worker's breaker record (the shared breaker below is
+            // authoritative). A cancelled request teaches the breaker nothing.
+            let mut rate_tripped = false;
             if let Some(c) = chosen {
                 w.router.on_request_end(pool, c, size, sent);
+                if let Some((_, o)) = pairs.iter().find(|(p, _)| *p == c) {
+                    // This worker's failure-rate window can open the pod's breaker; the trip
+                    // is carried to the shared breaker.
+                    rate_tripped = w.router.on_outcome(pool, c, model, o, now).iter().any(|e| {
+                        e.to == BreakerState::Open && e.reason == Some(TripReason::FailureRate)
+                    });
+                }
             }
             for (pod, o) in &pairs {
-                w.router.on_outcome(pool, pod, model, o, now);
+                let failure = o.failure(&cfg);
+                let is_chosen = chosen == Some(*pod);
+                if failure.is_none() && is_chosen && !rate_tripped && clean_before {
+                    continue;
+                }
+                let trip_rate = rate_tripped && is_chosen;
+                // A probe whose success was recorded at its first byte is not recorded again;
+                // the shared breaker is still read back, over what this worker counted above.
+                let on_record = is_chosen && probe_passed && failure.is_none() && !trip_rate;
+                let written = rt
+                    .breakers
+                    .update(&mut w.router, pool, pod, now, w.jitter, |b| {
+                        if on_record {
+                            return None;
+                        }
+                        let t = b.record(failure, now, &cfg);
+                        if t.is_none() && trip_rate && b.state() == BreakerState::Closed {
+                            b.trip(TripReason::FailureRate, now, &cfg)
+                        } else {
+                            t
+                        }
+                    });
+                if let Some(wr) = written {
+                    transitions.push((pod.to_string(), wr.transitions));
+                }
             }
         });
+        for (pod, ts) in &transitions {
+            rt.counters.transitions(s, pod, ts);
+        }
     }
 }

@@ -1,16 +1,18 @@
 //! ai-lb as an Envoy 1.40 dynamic module (`envoy.filters.http.dynamic_modules`): the same core
 //! as the wasm filter, run in-process with no V8 entry per callback. EXPERIMENTAL: it routes
-//! (pool by cluster, model by header or body, pick, override_host header, per-worker breakers,
-//! status page) and exists to measure what leaving V8 saves; see filter/native/README.md for
-//! what it lacks against the wasm filter.
+//! (pool by cluster, model by header or body, pick, override_host header, breakers shared by
+//! the workers, debug header, status page) and exists to measure what leaving V8 saves; see
+//! filter/native/README.md for what it lacks against the wasm filter.
 //!
 //! Layout: [`abi`] declares Envoy's C ABI, [`host`] wraps the callbacks safely, [`config`]
-//! validates, [`feed`] subscribes to the agents on a thread of its own, [`filter`] is the
-//! per-request glue, and the hooks below only translate. No hook lets a panic escape: a
-//! panic inside one is caught and the request continues untouched.
+//! validates, [`feed`] subscribes to the agents on a thread of its own, [`breakers`] shares
+//! the circuit breakers between workers, [`filter`] is the per-request glue, and the hooks
+//! below only translate. No hook lets a panic escape: a panic inside one is caught and the
+//! request continues untouched.
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod abi;
+pub mod breakers;
 pub mod config;
 pub mod feed;
 pub mod filter;
@@ -172,14 +174,14 @@ mod exports {
 
     #[no_mangle]
     pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
-        _filter_envoy: abi::HttpFilterEnvoyPtr,
+        filter_envoy: abi::HttpFilterEnvoyPtr,
         filter_module: abi::HttpFilterModulePtr,
-        _end_of_stream: bool,
+        end_of_stream: bool,
     ) -> abi::BodyStatus {
         guard(body_status::CONTINUE, || {
             // SAFETY: see `request`.
             if let Some(r) = unsafe { request(filter_module) } {
-                r.on_response_body();
+                r.on_response_body(&Stream::new(filter_envoy), end_of_stream);
             }
             body_status::CONTINUE
         })

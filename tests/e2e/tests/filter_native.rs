@@ -3,11 +3,13 @@
 //! stream, keeps a pod above the GPU hard limit out of 300 requests whose model it reads from
 //! the JSON body, does not steer a model no pod serves, serves the status page, falls back to
 //! least_request when no agent answers (counted), and makes Envoy refuse a config it cannot
-//! honour. Needs `cargo build -p ai-lb-filter-native` (scripts/test.sh builds it).
+//! honour; shares a breaker one worker opened with every worker (Envoy with 4 workers), and
+//! closes a healed pod's breaker at its probes' first tokens. Needs
+//! `cargo build -p ai-lb-filter-native` (scripts/test.sh builds it).
 
 mod filter_common;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ai_lb_e2e::envoy::{self, Envoy, EnvoyOptions, HttpClient, PodPool};
 use filter_common::*;
@@ -139,4 +141,181 @@ fn envoy_refuses_a_native_config_the_module_cannot_honour() {
             out.log
         );
     }
+}
+
+const OPENED: &str = "dynamicmodulescustom.ailb.native.breaker_opened.server_errors";
+const CLOSED: &str = "dynamicmodulescustom.ailb.native.breaker_closed";
+
+/// One small completion on a connection of its own (so that the kernel spreads them over
+/// Envoy's workers): status, serving pod, the debug header.
+fn fresh_complete(envoy: &Envoy) -> (u16, String, String) {
+    let r = HttpClient::new(envoy.listener)
+        .post_json(
+            "/v1/completions",
+            &[("connection", "close"), ("x-ai-lb-debug", "1")],
+            r#"{"prompt":"hello there","max_tokens":4}"#,
+        )
+        .unwrap();
+    (
+        r.status,
+        r.header("x-fake-pod").unwrap_or("none").to_string(),
+        r.header("x-ai-lb-debug").unwrap_or("").to_string(),
+    )
+}
+
+/// Sends requests on fresh connections until pod0 (answering 500 to everything) has its
+/// breaker opened; a retry hides each 500 from the client.
+fn open_pod0(envoy: &Envoy, pool: &PodPool) {
+    pool.control(0, r#"{"error_rate":1.0}"#).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut sent = 0;
+    while stat(envoy, OPENED) == 0 {
+        let (status, _, _) = fresh_complete(envoy);
+        assert_eq!(status, 200, "a retry should have hidden pod0's 500");
+        sent += 1;
+        assert!(
+            Instant::now() < deadline,
+            "pod0's breaker never opened ({sent} requests); log:\n{}",
+            envoy.log_tail(30)
+        );
+    }
+}
+
+/// A breaker one worker opens is open on every worker: the status page, answered by whichever
+/// worker got the connection, shows pod0 open on each worker it came from; the open is counted
+/// once for the process; no request is steered to pod0 afterwards (read from the debug
+/// header). With per-worker breakers each worker would need its own three failures.
+#[test]
+fn a_breaker_one_worker_opens_is_open_on_every_worker() {
+    let pool = PodPool::start(3, 0.01).unwrap();
+    for i in 0..3 {
+        pool.control(i, r#"{"gpu_utilization":0.3}"#).unwrap();
+    }
+    let filter = config(json!({
+        "breaker": {"consecutiveFailures": 3, "baseCooldownMs": 60000, "halfOpenProbes": 2,
+                    "agentErrorRate": 0}
+    }));
+    let mut opts = native_opts(&pool, &filter, &pool.agent_addrs);
+    opts.concurrency = 4;
+    let envoy = Envoy::start(&opts).unwrap();
+    wait_scoreboard(&envoy, "every pod fresh", 30, |sb| all_fresh(sb, &pool));
+    let bad = pool.pod_addrs[0].to_string();
+    open_pod0(&envoy, &pool);
+
+    let mut states = std::collections::BTreeMap::new();
+    for _ in 0..40 {
+        let sb = scoreboard(&envoy);
+        let worker = sb["worker"]
+            .as_u64()
+            .expect("the status page names its worker");
+        let state = row(&sb, &bad).map(|r| r["breaker"].to_string());
+        states
+            .entry(worker)
+            .or_insert_with(std::collections::BTreeSet::new)
+            .insert(state.unwrap_or_default());
+    }
+    eprintln!("pod0's breaker per worker: {states:?}");
+    assert!(
+        states.len() >= 2,
+        "40 fresh connections all reached one worker ({states:?}): the test cannot tell shared \
+         breakers from per-worker ones"
+    );
+    for (w, st) in &states {
+        assert_eq!(
+            st.iter().map(String::as_str).collect::<Vec<_>>(),
+            ["\"open\""],
+            "worker {w} does not show pod0 open: {states:?}"
+        );
+    }
+    for i in 0..40 {
+        let (status, pod, debug) = fresh_complete(&envoy);
+        assert_eq!(status, 200);
+        assert_ne!(pod, "pod0", "request {i} served by the cut pod");
+        assert!(
+            debug.starts_with("pod=") && !debug.contains(&format!("pod={bad};")),
+            "request {i}: debug header {debug:?}"
+        );
+    }
+    assert_eq!(stat(&envoy, OPENED), 1, "the open is counted once");
+    assert!(
+        !envoy.log_tail(200).contains("panicked"),
+        "a hook panicked:\n{}",
+        envoy.log_tail(40)
+    );
+}
+
+/// A healed pod whose half-open probes are long streams (about 4 s each) is readmitted at
+/// their first tokens: the breaker closes while the first probe is still streaming.
+#[test]
+fn half_open_probes_pass_at_their_first_token() {
+    let pool = PodPool::start(2, 1.0).unwrap();
+    for i in 0..2 {
+        pool.control(i, r#"{"gpu_utilization":0.3}"#).unwrap();
+    }
+    let filter = config(json!({
+        "breaker": {"consecutiveFailures": 3, "baseCooldownMs": 1000, "halfOpenProbes": 2,
+                    "agentErrorRate": 0}
+    }));
+    let envoy = Envoy::start(&native_opts(&pool, &filter, &pool.agent_addrs)).unwrap();
+    wait_scoreboard(&envoy, "every pod fresh", 30, |sb| all_fresh(sb, &pool));
+    open_pod0(&envoy, &pool);
+    pool.control(0, r#"{"error_rate":0.0}"#).unwrap();
+    let recovered = Instant::now();
+
+    let listener = envoy.listener;
+    let stream = move || {
+        std::thread::spawn(move || {
+            let body = json!({"prompt": "hello there", "max_tokens": 600, "stream": true});
+            let r = HttpClient::new(listener)
+                .with_timeout(Duration::from_secs(60))
+                .post_json(
+                    "/v1/completions",
+                    &[("connection", "close")],
+                    &body.to_string(),
+                )
+                .unwrap();
+            assert_eq!(r.status, 200, "{}", r.text());
+            (
+                r.header("x-fake-pod").unwrap_or("none").to_string(),
+                Instant::now(),
+            )
+        })
+    };
+    let mut streams = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let closed_at = loop {
+        streams.push(stream());
+        std::thread::sleep(Duration::from_millis(250));
+        if stat(&envoy, CLOSED) > 0 {
+            break Instant::now();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "pod0's breaker never closed; log:\n{}",
+            envoy.log_tail(30)
+        );
+    };
+    let ends: Vec<(String, Instant)> = streams.into_iter().map(|h| h.join().unwrap()).collect();
+    let first_end = ends
+        .iter()
+        .filter(|(pod, _)| pod == "pod0")
+        .map(|(_, end)| *end)
+        .min()
+        .expect("a probe went to pod0");
+    eprintln!(
+        "after pod0 recovered: breaker closed at {} ms, its first probe ended at {} ms",
+        (closed_at - recovered).as_millis(),
+        (first_end - recovered).as_millis()
+    );
+    assert!(
+        closed_at < first_end,
+        "the breaker closed {:?} after pod0's first probe ended: probes judged at their end",
+        closed_at - first_end
+    );
+    assert!(
+        stat(
+            &envoy,
+            "dynamicmodulescustom.ailb.native.breaker_half_opened"
+        ) >= 1
+    );
 }
