@@ -667,6 +667,16 @@ unsafe extern "C" {
         details: ModuleBuffer,
     );
 
+    /// Asks the cluster's load balancer for `host` (`ip:port`) on this request's first attempt
+    /// (Envoy's upstream override host, as stateful sessions use; retries choose again).
+    /// `strict`: fail rather than fall back when the host is not in the cluster. False when the
+    /// address is not an IP address or the stream has no decoder callbacks.
+    pub fn envoy_dynamic_module_callback_http_set_upstream_override_host(
+        filter_envoy: HttpFilterEnvoyPtr,
+        host: ModuleBuffer,
+        strict: bool,
+    ) -> bool;
+
     /// The module's per-route config object for the matched route, or null.
     pub fn envoy_dynamic_module_callback_get_most_specific_route_config(
         filter_envoy: HttpFilterEnvoyPtr,

@@ -4,8 +4,15 @@
 //!
 //! ```json
 //! {"filter": { ...envoy-config/filter-config.json... },
-//!  "agents": {"default": ["127.0.0.1:9090"]}}
+//!  "agents": {"default": ["127.0.0.1:9090"]},
+//!  "steering": "header"}
 //! ```
+//!
+//! `steering` (optional) says how the pick reaches Envoy's load balancer: `"header"` (default)
+//! writes the ranked list into `filter.routingHeader` for a cluster on the override_host
+//! policy, which also sends retries down the list; `"overrideHost"` hands the chosen pod to
+//! Envoy as the stream's upstream override host, so the cluster can keep a built-in policy
+//! (least_request), whose own choice then serves retries; `"both"` does both.
 //!
 //! What the native module does not do is refused, naming the field, so Envoy rejects the
 //! config instead of running a filter that silently ignores part of it.
@@ -21,6 +28,25 @@ use serde::Deserialize;
 struct Raw {
     filter: serde_json::Value,
     agents: BTreeMap<String, Vec<String>>,
+    #[serde(default)]
+    steering: Option<String>,
+}
+
+/// How the pick reaches Envoy's load balancer (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Steering {
+    Header,
+    OverrideHost,
+    Both,
+}
+
+impl Steering {
+    pub fn header(self) -> bool {
+        matches!(self, Steering::Header | Steering::Both)
+    }
+    pub fn override_host(self) -> bool {
+        matches!(self, Steering::OverrideHost | Steering::Both)
+    }
 }
 
 /// The validated configuration.
@@ -29,6 +55,7 @@ pub struct NativeConfig {
     pub filter: FilterConfig,
     /// Per pool (config order): the agents' gRPC addresses, tried in turn.
     pub agents: Vec<Vec<SocketAddr>>,
+    pub steering: Steering,
 }
 
 /// Parses and validates; errors read `ai-lb native config: field `<path>`: ...`.
@@ -93,7 +120,22 @@ pub fn parse(bytes: &[u8]) -> Result<NativeConfig, String> {
         }
         agents.push(addrs);
     }
-    Ok(NativeConfig { filter, agents })
+    let steering = match raw.steering.as_deref() {
+        None | Some("header") => Steering::Header,
+        Some("overrideHost") => Steering::OverrideHost,
+        Some("both") => Steering::Both,
+        Some(v) => {
+            return Err(err(
+                "steering",
+                format!("value {v:?}: expected \"header\", \"overrideHost\" or \"both\""),
+            ))
+        }
+    };
+    Ok(NativeConfig {
+        filter,
+        agents,
+        steering,
+    })
 }
 
 #[cfg(test)]
@@ -131,6 +173,26 @@ mod tests {
         assert!(e.contains("in `filter`"), "{e}");
         let e = parse(br#"{"filter":{},"agents":{},"extra":1}"#).unwrap_err();
         assert!(e.contains("extra"), "{e}");
+        let with_steering = |v: &str| {
+            format!(
+                r#"{{"filter":{FILTER},"agents":{{"default":["127.0.0.1:1"]}},"steering":{v}}}"#
+            )
+        };
+        let e = parse(with_steering(r#""lb""#).as_bytes()).unwrap_err();
+        assert!(e.contains("`steering`") && e.contains("\"lb\""), "{e}");
+        for (v, want) in [
+            (r#""header""#, Steering::Header),
+            (r#""overrideHost""#, Steering::OverrideHost),
+            (r#""both""#, Steering::Both),
+        ] {
+            assert_eq!(parse(with_steering(v).as_bytes()).unwrap().steering, want);
+        }
+        assert_eq!(
+            parse(cfg(r#"{"default":["127.0.0.1:1"]}"#).as_bytes())
+                .unwrap()
+                .steering,
+            Steering::Header
+        );
     }
 
     #[test]

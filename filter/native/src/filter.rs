@@ -430,7 +430,19 @@ impl Request {
         if let Some(c) = ranked.split(',').next() {
             rt.counters.transitions(s, c, &transitions);
         }
-        if !s.set_header(Map::Request, &rt.cfg.filter.routing_header, Some(&ranked)) {
+        let steering = rt.cfg.steering;
+        let chosen = ranked.split(',').next().unwrap_or("");
+        let steered = if steering.header() {
+            let ok = s.set_header(Map::Request, &rt.cfg.filter.routing_header, Some(&ranked));
+            // With both, the header steers whatever the override call says.
+            if ok && steering.override_host() {
+                s.set_upstream_override_host(chosen);
+            }
+            ok
+        } else {
+            s.set_upstream_override_host(chosen)
+        };
+        if !steered {
             // Nothing was steered: take the pick back.
             with_worker(rt, |w| {
                 if let Some(c) = ranked.split(',').next() {

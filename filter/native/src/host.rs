@@ -194,6 +194,20 @@ impl Stream {
         }
     }
 
+    /// Asks the load balancer for `host` (`ip:port`) on the first attempt, falling back to the
+    /// cluster's own policy when it is not in the cluster (non-strict). False when refused.
+    pub fn set_upstream_override_host(&self, host: &str) -> bool {
+        // SAFETY: live filter pointer; the buffer points into `host`, which outlives the call
+        // (Envoy copies it).
+        unsafe {
+            abi::envoy_dynamic_module_callback_http_set_upstream_override_host(
+                self.0,
+                ModuleBuffer::from_text(host),
+                false,
+            )
+        }
+    }
+
     /// Adds `n` to the counter `id` (from [`ConfigHandle::define_counter`]); ignores errors.
     pub fn inc(&self, id: usize, n: u64) {
         if id == 0 || n == 0 {

@@ -411,9 +411,25 @@ pub fn start_native_sidecar(
     agents: &[SocketAddr],
     concurrency: u32,
 ) -> Result<Envoy, Error> {
-    let config = envoy::native_filter_config(&ailb_filter_config()?, agents)?;
+    let mut config = envoy::native_filter_config(&ailb_filter_config()?, agents)?;
+    // How the module steers (its `steering`), to compare: `overrideHost` also puts the cluster
+    // on least_request, since override_host would then only add its own cost.
+    let steering = std::env::var("AI_LB_BENCH_NATIVE_STEERING").unwrap_or_default();
+    let template = match steering.as_str() {
+        "" | "header" => envoy::native_template()?,
+        "both" => envoy::native_template()?,
+        "overrideHost" => envoy::native_template_least_request()?,
+        other => {
+            return Err(format!(
+                "AI_LB_BENCH_NATIVE_STEERING={other:?}: expected header, overrideHost or both"
+            ))
+        }
+    };
+    if !steering.is_empty() {
+        config = envoy::native_with_steering(&config, &steering)?;
+    }
     let mut opts = EnvoyOptions::new(config);
-    opts.template = Some(envoy::native_template()?);
+    opts.template = Some(template);
     opts.inference = upstreams.to_vec();
     opts.agents = agents.to_vec();
     opts.concurrency = concurrency;

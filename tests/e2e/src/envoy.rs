@@ -116,6 +116,34 @@ pub fn native_template() -> Result<String, Error> {
     std::fs::read_to_string(&p).map_err(|e| format!("reading {}: {e}", p.display()))
 }
 
+/// `envoy-native.yaml` with the `inference` cluster on Envoy's built-in least_request policy
+/// instead of override_host: for the module's `"steering": "overrideHost"`, which hands the
+/// pick to Envoy as the stream's upstream override host.
+pub fn native_template_least_request() -> Result<String, Error> {
+    let t = native_template()?;
+    let start = t
+        .find("    load_balancing_policy:\n")
+        .ok_or("envoy-native.yaml: no load_balancing_policy block")?;
+    let end_marker = "least_request.v3.LeastRequest\n";
+    let end = t[start..]
+        .find(end_marker)
+        .map(|i| start + i + end_marker.len())
+        .ok_or("envoy-native.yaml: the override_host block does not end in LeastRequest")?;
+    Ok(format!(
+        "{}    lb_policy: LEAST_REQUEST\n{}",
+        &t[..start],
+        &t[end..]
+    ))
+}
+
+/// Sets the native module config's `steering` (`header`, `overrideHost` or `both`).
+pub fn native_with_steering(config: &str, steering: &str) -> Result<String, Error> {
+    let mut v: serde_json::Value =
+        serde_json::from_str(config).map_err(|e| format!("native config: {e}"))?;
+    v["steering"] = serde_json::json!(steering);
+    Ok(v.to_string())
+}
+
 /// The native module's config: the wasm filter's plugin config `filter_json` under `filter`,
 /// and `agents` as every pool's agent addresses.
 pub fn native_filter_config(filter_json: &str, agents: &[SocketAddr]) -> Result<String, Error> {

@@ -319,3 +319,47 @@ fn half_open_probes_pass_at_their_first_token() {
         ) >= 1
     );
 }
+
+/// `"steering": "overrideHost"` on a cluster left on Envoy's least_request: the module hands
+/// its pick to Envoy as the stream's upstream override host (no routing header, no
+/// override_host policy), and the 97 % GPU pod, which least_request alone would give a third
+/// of the requests, serves none of 150.
+#[test]
+fn steering_by_upstream_override_host_keeps_the_hot_pod_out_on_a_least_request_cluster() {
+    let pool = PodPool::start(3, 0.01).unwrap();
+    for i in 1..3 {
+        pool.control(i, r#"{"gpu_utilization":0.3}"#).unwrap();
+    }
+    pool.control(0, r#"{"gpu_utilization":0.97}"#).unwrap();
+    let filter = config(json!({}));
+    let mut opts = native_opts(&pool, &filter, &pool.agent_addrs);
+    opts.filter_config = envoy::native_with_steering(&opts.filter_config, "overrideHost").unwrap();
+    opts.template = Some(envoy::native_template_least_request().unwrap());
+    assert!(
+        !opts
+            .template
+            .as_deref()
+            .unwrap()
+            .contains("envoy.load_balancing_policies.override_host"),
+        "the cluster should be on least_request"
+    );
+    let envoy = Envoy::start(&opts).unwrap();
+    let hot = pool.pod_addrs[0].to_string();
+    wait_scoreboard(&envoy, "every pod fresh and the hot pod cut", 30, |sb| {
+        all_fresh(sb, &pool) && row(sb, &hot).is_some_and(|r| r["cut"] == "gpu_hard_limit")
+    });
+    let mut client = HttpClient::new(envoy.listener);
+    let mut served = std::collections::BTreeMap::new();
+    for i in 0..150 {
+        let r = client
+            .post_json("/v1/completions", &[], &body(MODEL))
+            .unwrap();
+        assert_eq!(r.status, 200, "request {i}: {}", r.text());
+        *served
+            .entry(r.header("x-fake-pod").unwrap_or("none").to_string())
+            .or_insert(0usize) += 1;
+    }
+    assert_eq!(served.get("pod0"), None, "the hot pod served: {served:?}");
+    assert_eq!(served.len(), 2, "both cool pods should serve: {served:?}");
+    assert!(stat(&envoy, STEERED) >= 150);
+}
