@@ -59,3 +59,12 @@ pub fn scoreboard(router: &Router, now_ms: u64) -> Value {
 pub fn scoreboard_json(router: &Router, now_ms: u64) -> String {
     scoreboard(router, now_ms).to_string()
 }
+
+/// The debug response header's value for one request: the chosen pod, its score and the
+/// ranked list written for override_host, or `pod=none; fallback` when nothing was steered.
+pub fn debug_header_value(chosen: Option<&str>, score: f64, ranked: &str) -> String {
+    match chosen {
+        Some(pod) => format!("pod={pod}; score={score:.3}; ranked={ranked}"),
+        None => "pod=none; fallback".to_string(),
+    }
+}

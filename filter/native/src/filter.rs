@@ -492,13 +492,11 @@ impl Request {
                 .rt()
                 .and_then(|rt| rt.cfg.filter.debug_header.as_deref());
             if let Some(h) = header {
-                let value = match self.chosen() {
-                    Some(pod) => format!(
-                        "pod={pod}; score={:.3}; ranked={}",
-                        self.chosen_score, self.ranked
-                    ),
-                    None => "pod=none; fallback".to_string(),
-                };
+                let value = ai_lb_filter_core::status::debug_header_value(
+                    self.chosen(),
+                    self.chosen_score,
+                    &self.ranked,
+                );
                 s.set_header(Map::Response, h, Some(&value));
             }
         }

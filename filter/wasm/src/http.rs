@@ -683,13 +683,11 @@ impl HttpContext for Request {
                 .ok()
                 .and_then(|s| s.router.config().debug_header.clone());
             if let Some(h) = header {
-                let value = match self.chosen() {
-                    Some(pod) => format!(
-                        "pod={pod}; score={:.3}; ranked={}",
-                        self.chosen_score, self.ranked
-                    ),
-                    None => "pod=none; fallback".to_string(),
-                };
+                let value = ai_lb_filter_core::status::debug_header_value(
+                    self.chosen(),
+                    self.chosen_score,
+                    &self.ranked,
+                );
                 let _ = host::set_response_header(&h, &value);
             }
         }

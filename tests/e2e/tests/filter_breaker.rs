@@ -201,28 +201,6 @@ fn a_sidecar_cuts_a_pod_on_its_agents_error_rate_without_sending_it_anything() {
     }
 }
 
-/// One streamed completion of `max_tokens` through `listener` on a thread: the serving pod
-/// and when the stream ended.
-fn long_stream(
-    listener: std::net::SocketAddr,
-    max_tokens: u32,
-) -> std::thread::JoinHandle<(String, Instant)> {
-    std::thread::spawn(move || {
-        let body = json!({"prompt": "hello there", "max_tokens": max_tokens, "stream": true});
-        let r = HttpClient::new(listener)
-            .with_timeout(Duration::from_secs(60))
-            .post_json(
-                "/v1/completions",
-                &[("connection", "close")],
-                &body.to_string(),
-            )
-            .unwrap();
-        assert_eq!(r.status, 200, "{}", r.text());
-        let pod = r.header("x-fake-pod").unwrap_or("none").to_string();
-        (pod, Instant::now())
-    })
-}
-
 /// A half-open pod whose probes are long streams is readmitted at their first tokens: the
 /// breaker closes while the probes are still streaming, not one or more whole answers later
 /// (each answer here takes seconds; in production, up to the route timeout).

@@ -262,29 +262,10 @@ fn half_open_probes_pass_at_their_first_token() {
     pool.control(0, r#"{"error_rate":0.0}"#).unwrap();
     let recovered = Instant::now();
 
-    let listener = envoy.listener;
-    let stream = move || {
-        std::thread::spawn(move || {
-            let body = json!({"prompt": "hello there", "max_tokens": 600, "stream": true});
-            let r = HttpClient::new(listener)
-                .with_timeout(Duration::from_secs(60))
-                .post_json(
-                    "/v1/completions",
-                    &[("connection", "close")],
-                    &body.to_string(),
-                )
-                .unwrap();
-            assert_eq!(r.status, 200, "{}", r.text());
-            (
-                r.header("x-fake-pod").unwrap_or("none").to_string(),
-                Instant::now(),
-            )
-        })
-    };
     let mut streams = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(30);
     let closed_at = loop {
-        streams.push(stream());
+        streams.push(long_stream(envoy.listener, 600));
         std::thread::sleep(Duration::from_millis(250));
         if stat(&envoy, CLOSED) > 0 {
             break Instant::now();

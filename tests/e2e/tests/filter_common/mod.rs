@@ -198,3 +198,26 @@ pub fn short_requests(envoy: &Envoy, n: usize) {
         assert_eq!(r.status, 200, "{}", r.text());
     }
 }
+
+/// One streamed completion of `max_tokens` through `listener` on a thread: the serving pod
+/// and when the stream ended.
+pub fn long_stream(
+    listener: std::net::SocketAddr,
+    max_tokens: u32,
+) -> std::thread::JoinHandle<(String, std::time::Instant)> {
+    std::thread::spawn(move || {
+        let body =
+            serde_json::json!({"prompt": "hello there", "max_tokens": max_tokens, "stream": true});
+        let r = HttpClient::new(listener)
+            .with_timeout(Duration::from_secs(60))
+            .post_json(
+                "/v1/completions",
+                &[("connection", "close")],
+                &body.to_string(),
+            )
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        let pod = r.header("x-fake-pod").unwrap_or("none").to_string();
+        (pod, std::time::Instant::now())
+    })
+}
