@@ -1683,8 +1683,9 @@ impl Router {
     /// at once: a free seat, nothing waiting, not over the GPU hard limit, no failure in the
     /// last second, and room for it with `kvHeadroom` of the KV cache to spare
     /// ([`PodRt::room_for_big`]). So a big request takes a pod's slack, not the seats and
-    /// cache the short requests behind it need. Anything unknown says no: a request is
-    /// never held on a guess.
+    /// cache the short requests behind it need. Only a request holding `minKvShare` of the
+    /// largest KV cache among those pods or more is held. Anything unknown says no: a
+    /// request is never held on a guess.
     pub fn should_hold(
         &mut self,
         pool_idx: usize,
@@ -1711,6 +1712,7 @@ impl Router {
             return false;
         }
         let mut any = false;
+        let mut largest_cache = 0.0f64;
         for (slot, &id) in view.slots.iter().enumerate() {
             if view.w.get(slot).copied().unwrap_or(0.0) <= 0.0 {
                 continue;
@@ -1718,6 +1720,7 @@ impl Router {
             let Some(pod) = p.pods.get(id as usize) else {
                 continue;
             };
+            largest_cache = largest_cache.max(pod.kv_cap.unwrap_or(0.0));
             if pod.kv_cap.is_none()
                 || pod
                     .pick_key(size.kv_tokens, true, Some(hold.kv_headroom), now_ms)
@@ -1728,7 +1731,7 @@ impl Router {
             }
             any = true;
         }
-        any
+        any && size.kv_tokens >= hold.min_kv_share * largest_cache
     }
 
     /// Whether a request holding `kv_tokens` is [`BIG_KV_FACTOR`] times the mean

@@ -2000,8 +2000,8 @@ fn big_request_hold_is_off_unless_configured_and_validated() {
     assert_eq!(config("").big_request_hold, None);
     let h = config(HOLD).big_request_hold.unwrap();
     assert_eq!(
-        (h.kv_headroom, h.max_hold_ms, h.max_held),
-        (0.2, 10_000, 256)
+        (h.kv_headroom, h.max_hold_ms, h.max_held, h.min_kv_share),
+        (0.2, 10_000, 256, 0.25)
     );
     for (field, value, msg) in [
         ("kvHeadroom", "1.5", "bigRequestHold.kvHeadroom"),
@@ -2009,6 +2009,8 @@ fn big_request_hold_is_off_unless_configured_and_validated() {
         ("maxHoldMs", "0", "bigRequestHold.maxHoldMs"),
         ("maxHoldMs", "600001", "bigRequestHold.maxHoldMs"),
         ("maxHeld", "0", "bigRequestHold.maxHeld"),
+        ("minKvShare", "1.01", "bigRequestHold.minKvShare"),
+        ("minKvShare", "-0.5", "bigRequestHold.minKvShare"),
     ] {
         let json = format!(
             r#"{{"pools":[{{"name":"p","cluster":"c"}}],"bigRequestHold":{{"{field}":{value}}}}}"#
@@ -2060,6 +2062,24 @@ fn a_big_request_is_held_only_while_no_pod_has_room_with_the_headroom() {
             "{running} running, {waiting} waiting"
         );
     }
+    // Four times the mean (1 900 tokens here) but under a quarter of the largest cache
+    // (`minKvShare`, default 0.25 of 12 500): a long-tail request of ordinary traffic,
+    // never held; with `minKvShare: 0` it is.
+    let tail = sized(2_000.0, 1_000.0);
+    let mut r = trained(HOLD);
+    r.apply_pool_event(0, &kv_event(&[0.95; 4], 12_500, 1), 1000);
+    assert!(r.should_hold(0, None, big, 1000));
+    assert!(!r.should_hold(0, None, tail, 1000));
+    let mut r = trained(r#"{"bigRequestHold": {"minKvShare": 0}}"#);
+    r.apply_pool_event(0, &kv_event(&[0.95; 4], 12_500, 1), 1000);
+    assert!(r.should_hold(0, None, tail, 1000));
+    // The share is of the largest cache: beside a pod of 40 000 tokens (3 000 < 10 000) it
+    // is not held either.
+    let mut r = trained(HOLD);
+    let mut ev = kv_event(&[0.95; 4], 12_500, 1);
+    inference(&mut ev, 3).kv_capacity_tokens = Some(40_000);
+    r.apply_pool_event(0, &ev, 1000);
+    assert!(!r.should_hold(0, None, tail, 1000));
     // A request larger than the cache less the headroom needs only to fit: 11 000 tokens
     // on an empty pod.
     let mut r = trained(HOLD);

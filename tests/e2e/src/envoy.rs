@@ -864,9 +864,43 @@ fn serve_stub(s: TcpStream, addr: SocketAddr, seen: SeenHeaders, stop: Arc<Atomi
     }
 }
 
-/// A free loopback port: bound to port 0 and released (a small race with other binders is
-/// accepted; used only where a process must know its peers' ports before they start).
+/// A free loopback port for a process that must know its peers' ports before they start
+/// (the agents' static peers): checked free by binding it, then released for the process.
+///
+/// Drawn below the kernel's ephemeral range (`ip_local_port_range`), where the outgoing
+/// connections of a load test and every `bind(0)` take their ports: a port from `bind(0)`
+/// itself was taken by one of them before the agent bound it often enough to fail a
+/// benchmark run (`Address already in use`). Falls back to `bind(0)` when the range leaves
+/// no room below it.
 pub fn free_port() -> Result<u16, Error> {
+    static DRAWS: AtomicU64 = AtomicU64::new(0);
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|t| t.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32_768);
+    const FIRST: u16 = 10_000;
+    if low > FIRST + 1_000 {
+        let span = u64::from(low - FIRST);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let mut x = u64::from(std::process::id()) << 32 ^ u64::from(nanos);
+        for _ in 0..256 {
+            // splitmix64 over (pid, time, draw count): distinct processes and threads spread.
+            x = x
+                .wrapping_add(DRAWS.fetch_add(1, Ordering::Relaxed).wrapping_add(1))
+                .wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            let port = FIRST + u16::try_from(z % span).unwrap_or(0);
+            if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return Ok(port);
+            }
+        }
+    }
     let l = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("bind 127.0.0.1:0: {e}"))?;
     l.local_addr()
         .map(|a| a.port())
@@ -1039,5 +1073,28 @@ impl PodPool {
                 p.kill();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_ports_are_bindable_and_below_the_ephemeral_range() {
+        let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .ok()
+            .and_then(|t| t.split_whitespace().next()?.parse::<u16>().ok());
+        let ports: Vec<u16> = (0..50).map(|_| free_port().unwrap()).collect();
+        for &p in &ports {
+            if let Some(low) = low.filter(|l| *l > 11_000) {
+                assert!((10_000..low).contains(&p), "{p} not in 10000..{low}");
+            }
+            TcpListener::bind(("127.0.0.1", p)).unwrap();
+        }
+        let mut distinct = ports.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert!(distinct.len() >= 45, "{ports:?}");
     }
 }

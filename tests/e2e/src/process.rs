@@ -9,7 +9,7 @@ use std::io::{BufRead, BufReader, Read, Seek, SeekFrom, Write};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -60,8 +60,8 @@ pub fn binary(name: &str) -> Result<PathBuf, Error> {
 
 static COUNTER: AtomicU64 = AtomicU64::new(0);
 
-/// A fresh directory for one process's logs under the system temp dir (kept after the test,
-/// so a failure can be inspected).
+/// A fresh directory for one process's logs under the system temp dir (kept after a failed
+/// test, so the failure can be inspected; see [`Proc`]).
 pub fn log_dir(tag: &str) -> Result<PathBuf, Error> {
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
     let d = std::env::temp_dir().join(format!("ai-lb-e2e-{}-{tag}-{n}", std::process::id()));
@@ -126,6 +126,11 @@ pub struct Proc {
     pub listening: BTreeMap<String, SocketAddr>,
     pub stderr_log: PathBuf,
     pub stdout_log: PathBuf,
+    /// Holds the two logs; removed when the process is dropped, unless a failure message
+    /// pointed at them ([`Proc::failure`]), the thread panics (a failed test) or
+    /// `AI_LB_KEEP_LOGS` is set.
+    log_dir: PathBuf,
+    keep_logs: AtomicBool,
     exited: Option<ExitStatus>,
 }
 
@@ -204,6 +209,8 @@ impl Proc {
             listening: BTreeMap::new(),
             stderr_log,
             stdout_log,
+            log_dir: dir,
+            keep_logs: AtomicBool::new(false),
             exited: None,
         };
         let end = Instant::now() + spec.deadline;
@@ -252,6 +259,7 @@ impl Proc {
 
     /// `msg` with the process's log tail, for test failures.
     pub fn failure(&self, msg: &str) -> String {
+        self.keep_logs.store(true, Ordering::Relaxed);
         format!(
             "{}: {msg}\n--- stderr tail ({}) ---\n{}\n--- end ---",
             self.name,
@@ -342,6 +350,10 @@ impl Drop for Proc {
         self.kill();
         if std::thread::panicking() {
             eprintln!("{}", self.failure("log at test failure"));
+        } else if !self.keep_logs.load(Ordering::Relaxed)
+            && std::env::var_os("AI_LB_KEEP_LOGS").is_none()
+        {
+            let _ = std::fs::remove_dir_all(&self.log_dir);
         }
     }
 }
@@ -528,5 +540,36 @@ mod tests {
         };
         let e = Proc::spawn(&spec).unwrap_err();
         assert!(e.contains("bad flag --x"), "{e}");
+        // The message points at the log: it is kept.
+        let log = e
+            .split(['(', ')'])
+            .find(|s| s.ends_with("stderr.log"))
+            .map(PathBuf::from)
+            .unwrap();
+        assert!(log.exists(), "{}", log.display());
+        let _ = std::fs::remove_dir_all(log.parent().unwrap());
+    }
+
+    #[test]
+    fn logs_are_removed_after_a_clean_run_and_kept_after_a_failure() {
+        let spec = Spec {
+            name: "sh".into(),
+            program: "sh".into(),
+            args: owned(&["-c", "echo 'LISTENING http 127.0.0.1:1'; exec sleep 30"]),
+            env: vec![],
+            listening: owned(&["http"]),
+            deadline: Duration::from_secs(10),
+        };
+        let p = Proc::spawn(&spec).unwrap();
+        let clean = p.stderr_log.clone();
+        assert!(clean.exists());
+        drop(p);
+        assert!(!clean.exists(), "{}", clean.display());
+        let p = Proc::spawn(&spec).unwrap();
+        let kept = p.stderr_log.clone();
+        let _ = p.failure("something went wrong");
+        drop(p);
+        assert!(kept.exists(), "{}", kept.display());
+        let _ = std::fs::remove_dir_all(kept.parent().unwrap());
     }
 }
