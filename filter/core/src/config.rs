@@ -493,9 +493,9 @@ struct RawConfig {
     watch: RawWatch,
     /// Big requests (prompt and `max_tokens` four times the mean request's KV-cache tokens or
     /// more, as this Envoy worker has seen them, and `minKvShare` of the largest pod's KV
-    /// cache or more) wait in the sidecar while no pod of the pool
-    /// would start them at once (a free seat, nothing waiting, not over the GPU hard limit,
-    /// and room in its estimated free KV cache with `kvHeadroom` to spare), instead of
+    /// cache or more) wait in the sidecar while no pod of the pool would start them at once
+    /// (a free seat, nothing waiting, not over the GPU hard limit, and room in its estimated
+    /// free KV cache with `kvHeadroom` to spare), instead of
     /// taking the seats and KV cache the short requests behind them need, or waiting at the
     /// head of a pod's queue, where every request behind them waits too (head-of-line
     /// blocking). Judged only when every pod not cut reports its KV cache and the pool is
