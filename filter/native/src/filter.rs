@@ -22,7 +22,7 @@ use rand::SeedableRng;
 use crate::breakers::SharedBreakers;
 use crate::config::NativeConfig;
 use crate::feed::{self, now_ms, Feed, Shared};
-use crate::host::{self, ConfigHandle, Level, Map, Stream};
+use crate::host::{self, ConfigHandle, LabeledCounter, Level, Map, Stream};
 
 /// Counter ids (0 = not defined; never counted).
 #[derive(Debug, Default, Clone, Copy)]
@@ -35,6 +35,10 @@ pub struct Counters {
     breaker_opened: [usize; TRIP_REASONS.len()],
     breaker_half_opened: usize,
     breaker_closed: usize,
+    /// Per pod (label `endpoint`, `ip:port`): requests steered there, and the failures
+    /// attributed to it (as the wasm filter's `ailb.endpoint.<ip:port>.picks` / `.failures`).
+    picks: LabeledCounter,
+    failures: LabeledCounter,
 }
 
 /// Every reason a breaker opens for, each with its own counter
@@ -115,6 +119,8 @@ impl ConfigRt {
             }),
             breaker_half_opened: handle.define_counter("ailb.native.breaker_half_opened"),
             breaker_closed: handle.define_counter("ailb.native.breaker_closed"),
+            picks: handle.define_labeled_counter("ailb.native.picks", "endpoint"),
+            failures: handle.define_labeled_counter("ailb.native.failures", "endpoint"),
         };
         let feed = feed::start(&cfg.filter, &cfg.agents, Arc::clone(&shared))?;
         Ok(ConfigRt {
@@ -460,6 +466,7 @@ impl Request {
             },
             1,
         );
+        s.inc_labeled(rt.counters.picks, chosen, 1);
         self.ranked = ranked;
         self.size = size;
         self.sent_ms = now;
@@ -579,6 +586,11 @@ impl Request {
         let (size, sent, probe_passed) = (self.size, self.sent_ms, self.probe_passed);
         let cfg = rt.cfg.filter.breaker;
         let mut transitions = Vec::new();
+        for (pod, o) in &pairs {
+            if o.failure(&cfg).is_some() {
+                s.inc_labeled(rt.counters.failures, pod, 1);
+            }
+        }
         with_worker(rt, |w| {
             // Whether the chosen pod's breaker had nothing to forget (Closed, no failure
             // counted, as of this worker's last copy): a success then leaves the shared

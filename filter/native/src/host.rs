@@ -210,21 +210,41 @@ impl Stream {
 
     /// Adds `n` to the counter `id` (from [`ConfigHandle::define_counter`]); ignores errors.
     pub fn inc(&self, id: usize, n: u64) {
+        self.inc_with(id, &[], n);
+    }
+
+    /// Adds `n` to the one-label counter `id` for that label's `value`; ignores errors.
+    pub fn inc_labeled(&self, id: LabeledCounter, value: &str, n: u64) {
+        self.inc_with(id.0, &[ModuleBuffer::from_text(value)], n);
+    }
+
+    fn inc_with(&self, id: usize, values: &[ModuleBuffer], n: u64) {
         if id == 0 || n == 0 {
             return;
         }
-        // SAFETY: live filter pointer; no labels.
+        let ptr = if values.is_empty() {
+            std::ptr::null()
+        } else {
+            values.as_ptr()
+        };
+        // SAFETY: live filter pointer; `values` (and the text each points into) outlives the
+        // call, and Envoy reads exactly `values.len()` of them.
         unsafe {
             abi::envoy_dynamic_module_callback_http_filter_increment_counter(
                 self.0,
                 id,
-                std::ptr::null(),
-                0,
+                ptr,
+                values.len(),
                 n,
             );
         }
     }
 }
+
+/// The id of a counter with one label ([`ConfigHandle::define_labeled_counter`]); only
+/// [`Stream::inc_labeled`] takes it, with exactly one value. 0: never counted.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct LabeledCounter(usize);
 
 /// Envoy's per-config handle, valid inside `on_http_filter_config_new` only.
 #[derive(Debug)]
@@ -238,14 +258,33 @@ impl ConfigHandle {
     /// Defines counter `name` (shown as `<metrics_namespace>.<name>`); 0 (never counted) when
     /// Envoy refused.
     pub fn define_counter(&self, name: &str) -> usize {
+        self.define_counter_with(name, &[])
+    }
+
+    /// Defines counter `name` with the one label `label` (an Envoy tag: in `/stats` each
+    /// value shows as `<name>.<label>.<value>`, in `/stats/prometheus` as a label). One label
+    /// by construction, so every increment ([`Stream::inc_labeled`]) passes exactly as many
+    /// values as the counter has labels.
+    pub fn define_labeled_counter(&self, name: &str, label: &str) -> LabeledCounter {
+        LabeledCounter(self.define_counter_with(name, &[ModuleBuffer::from_text(label)]))
+    }
+
+    /// 0 (never counted) when Envoy refused.
+    fn define_counter_with(&self, name: &str, labels: &[ModuleBuffer]) -> usize {
+        let ptr = if labels.is_empty() {
+            std::ptr::null()
+        } else {
+            labels.as_ptr()
+        };
         let mut id = 0usize;
-        // SAFETY: live config pointer during config_new; valid out-pointer; no labels.
+        // SAFETY: live config pointer during config_new; valid out-pointer; `labels` (and the
+        // text each points into) outlives the call.
         let r = unsafe {
             abi::envoy_dynamic_module_callback_http_filter_config_define_counter(
                 self.0,
                 ModuleBuffer::from_text(name),
-                std::ptr::null(),
-                0,
+                ptr,
+                labels.len(),
                 &mut id,
             )
         };

@@ -4,7 +4,8 @@
 //! the JSON body, does not steer a model no pod serves, serves the status page, falls back to
 //! least_request when no agent answers (counted), and makes Envoy refuse a config it cannot
 //! honour; shares a breaker one worker opened with every worker (Envoy with 4 workers), and
-//! closes a healed pod's breaker at its probes' first tokens. Needs
+//! closes a healed pod's breaker at its probes' first tokens; counts picks and failures per
+//! pod (`ailb.native.picks` / `.failures`, label `endpoint`). Needs
 //! `cargo build -p ai-lb-filter-native` (scripts/test.sh builds it).
 
 mod filter_common;
@@ -18,6 +19,8 @@ use serde_json::json;
 const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
 const STEERED: &str = "dynamicmodulescustom.ailb.native.steered";
 const FALLBACK: &str = "dynamicmodulescustom.ailb.native.fallback";
+const PICKS: &str = "dynamicmodulescustom.ailb.native.picks";
+const FAILURES: &str = "dynamicmodulescustom.ailb.native.failures";
 
 fn native_opts(pool: &PodPool, filter: &str, agents: &[std::net::SocketAddr]) -> EnvoyOptions {
     let mut opts = EnvoyOptions::new(envoy::native_filter_config(filter, agents).unwrap());
@@ -79,6 +82,32 @@ fn the_native_module_keeps_a_hot_pod_out_and_reads_the_model_from_the_body() {
             || (stat(&envoy, STEERED) >= n as u64).then_some(()),
         )
         .unwrap_or_else(|e| panic!("{e}: steered {}", stat(&envoy, STEERED)));
+    // Per pod: every steered request counted for the pod it went to (label `endpoint`), none
+    // for the hot pod; Prometheus shows the pod as a label.
+    let picks: Vec<u64> = pool
+        .pod_addrs
+        .iter()
+        .map(|a| stat(&envoy, &format!("{PICKS}.endpoint.{a}")))
+        .collect();
+    assert_eq!(picks[0], 0, "picks per pod {picks:?}");
+    assert!(
+        picks[1] > 0 && picks[2] > 0 && picks.iter().sum::<u64>() == stat(&envoy, STEERED),
+        "picks per pod {picks:?}, steered {}",
+        stat(&envoy, STEERED)
+    );
+    let prom = envoy.prometheus().unwrap();
+    let label = format!(
+        "envoy_dynamicmodulescustom_ailb_native_picks{{endpoint=\"{}\"}}",
+        pool.pod_addrs[1]
+    );
+    assert!(
+        prom.lines().any(|l| l.starts_with(&label)),
+        "no {label} in /stats/prometheus:\n{}",
+        prom.lines()
+            .filter(|l| l.contains("ailb_native"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
 
     // A model no pod serves, read from the body, is not steered (so the body was read): the
     // pod least_request picks answers 404, and the fallback is counted.
@@ -237,6 +266,17 @@ fn a_breaker_one_worker_opens_is_open_on_every_worker() {
         );
     }
     assert_eq!(stat(&envoy, OPENED), 1, "the open is counted once");
+    // pod0's failures are counted for it (at least the three that opened the breaker), and
+    // none for the healthy pods.
+    let failures: Vec<u64> = pool
+        .pod_addrs
+        .iter()
+        .map(|a| stat(&envoy, &format!("{FAILURES}.endpoint.{a}")))
+        .collect();
+    assert!(
+        failures[0] >= 3 && failures[1] == 0 && failures[2] == 0,
+        "failures per pod {failures:?}"
+    );
     assert!(
         !envoy.log_tail(200).contains("panicked"),
         "a hook panicked:\n{}",
