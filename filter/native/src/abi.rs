@@ -705,6 +705,28 @@ unsafe extern "C" {
         value: u64,
     ) -> MetricsResult;
 
+    // ----- gauges (same shapes as the counters) -----
+
+    /// Define a gauge; only succeeds while `on_http_filter_config_new` runs (else FROZEN).
+    /// With `label_names_len == 0` it is a plain gauge.
+    pub fn envoy_dynamic_module_callback_http_filter_config_define_gauge(
+        config_envoy: HttpFilterConfigEnvoyPtr,
+        name: ModuleBuffer,
+        label_names: *const ModuleBuffer,
+        label_names_len: usize,
+        gauge_id: *mut usize,
+    ) -> MetricsResult;
+
+    /// Set a gauge from a stream context. Pass null/0 labels for a plain gauge; otherwise
+    /// exactly as many label values as names were defined.
+    pub fn envoy_dynamic_module_callback_http_filter_set_gauge(
+        filter_envoy: HttpFilterEnvoyPtr,
+        gauge_id: usize,
+        label_values: *const ModuleBuffer,
+        label_values_len: usize,
+        value: u64,
+    ) -> MetricsResult;
+
     /// Same as above, from a config context (no stream needed).
     pub fn envoy_dynamic_module_callback_http_filter_config_increment_counter(
         config_envoy: HttpFilterConfigEnvoyPtr,

@@ -8,7 +8,7 @@
 //! request hold, the guard mode, per-pod stats.
 
 use std::cell::RefCell;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use ai_lb_filter_core::body::routing_fields;
@@ -22,7 +22,7 @@ use rand::SeedableRng;
 use crate::breakers::SharedBreakers;
 use crate::config::NativeConfig;
 use crate::feed::{self, now_ms, Feed, Shared};
-use crate::host::{self, ConfigHandle, LabeledCounter, Level, Map, Stream};
+use crate::host::{self, ConfigHandle, LabeledCounter, LabeledGauge, Level, Map, Stream};
 
 /// Counter ids (0 = not defined; never counted).
 #[derive(Debug, Default, Clone, Copy)]
@@ -39,6 +39,11 @@ pub struct Counters {
     /// attributed to it (as the wasm filter's `ailb.endpoint.<ip:port>.picks` / `.failures`).
     picks: LabeledCounter,
     failures: LabeledCounter,
+    /// Per pod (label `endpoint`), set once a second by one worker ([`export_gauges`]): its
+    /// score x1000, breaker (0 closed, 1 half-open, 2 open) and metrics age (ms).
+    score: LabeledGauge,
+    breaker_state: LabeledGauge,
+    metrics_age_ms: LabeledGauge,
 }
 
 /// Every reason a breaker opens for, each with its own counter
@@ -90,6 +95,8 @@ pub struct ConfigRt {
     /// Circuit breakers shared by every worker.
     pub breakers: SharedBreakers,
     pub counters: Counters,
+    /// When the per-pod gauges are next due (ms; [`export_gauges`]).
+    gauges_due_ms: AtomicU64,
     /// Workers keep a weak handle: a worker of a config that is gone is dropped when its
     /// thread next makes one (configs come and go with Envoy config updates).
     alive: Arc<()>,
@@ -121,6 +128,9 @@ impl ConfigRt {
             breaker_closed: handle.define_counter("ailb.native.breaker_closed"),
             picks: handle.define_labeled_counter("ailb.native.picks", "endpoint"),
             failures: handle.define_labeled_counter("ailb.native.failures", "endpoint"),
+            score: handle.define_labeled_gauge("ailb.native.score", "endpoint"),
+            breaker_state: handle.define_labeled_gauge("ailb.native.breaker_state", "endpoint"),
+            metrics_age_ms: handle.define_labeled_gauge("ailb.native.metrics_age_ms", "endpoint"),
         };
         let feed = feed::start(&cfg.filter, &cfg.agents, Arc::clone(&shared))?;
         Ok(ConfigRt {
@@ -129,6 +139,7 @@ impl ConfigRt {
             cfg,
             shared,
             counters,
+            gauges_due_ms: AtomicU64::new(0),
             alive: Arc::new(()),
             _feed: feed,
         })
@@ -213,6 +224,45 @@ impl Worker {
         if now >= self.next_tick_ms {
             self.next_tick_ms = now + 100;
             self.router.tick(now);
+        }
+    }
+}
+
+/// Sets the per-pod gauges from this worker's router, at most once a second for the whole
+/// process: the first request routed after the second is up does it, on whichever worker
+/// (scores and metrics ages are alike on every worker, breakers are shared). Pods that left
+/// keep their last values (Envoy keeps the stats), as with the wasm filter.
+fn export_gauges(rt: &ConfigRt, s: &Stream, now: u64) {
+    let due = rt.gauges_due_ms.load(Ordering::Relaxed);
+    if now < due
+        || rt
+            .gauges_due_ms
+            .compare_exchange(due, now + 1000, Ordering::Relaxed, Ordering::Relaxed)
+            .is_err()
+    {
+        return;
+    }
+    let rows = with_worker(rt, |w| {
+        (0..w.router.pool_count())
+            .flat_map(|i| w.router.pod_status(i, now))
+            .map(|r| {
+                let breaker = match r.breaker {
+                    BreakerState::Closed => 0,
+                    BreakerState::HalfOpen => 1,
+                    BreakerState::Open => 2,
+                };
+                let score = (r.score.clamp(0.0, 1.0) * 1000.0).round() as u64;
+                (r.address.to_string(), score, breaker, r.metrics_age_ms)
+            })
+            .collect::<Vec<_>>()
+    })
+    .unwrap_or_default();
+    let c = &rt.counters;
+    for (pod, score, breaker, age) in &rows {
+        s.set_labeled(c.score, pod, *score);
+        s.set_labeled(c.breaker_state, pod, *breaker);
+        if let Some(age) = age {
+            s.set_labeled(c.metrics_age_ms, pod, *age);
         }
     }
 }
@@ -429,6 +479,8 @@ impl Request {
             Some((scratch.clone(), size, open, score, probe, transitions))
         })
         .flatten();
+        // After the pick, so this worker's router holds the pool state it just installed.
+        export_gauges(rt, s, now);
         let Some((ranked, size, open, score, probe, transitions)) = picked else {
             s.inc(rt.counters.fallback, 1);
             return;

@@ -218,6 +218,25 @@ impl Stream {
         self.inc_with(id.0, &[ModuleBuffer::from_text(value)], n);
     }
 
+    /// Sets the one-label gauge `id` for that label's `value` to `v`; ignores errors.
+    pub fn set_labeled(&self, id: LabeledGauge, value: &str, v: u64) {
+        if id.0 == 0 {
+            return;
+        }
+        let values = [ModuleBuffer::from_text(value)];
+        // SAFETY: live filter pointer; `values` (and the text it points into) outlives the
+        // call, and the gauge was defined with exactly one label.
+        unsafe {
+            abi::envoy_dynamic_module_callback_http_filter_set_gauge(
+                self.0,
+                id.0,
+                values.as_ptr(),
+                values.len(),
+                v,
+            );
+        }
+    }
+
     fn inc_with(&self, id: usize, values: &[ModuleBuffer], n: u64) {
         if id == 0 || n == 0 {
             return;
@@ -246,6 +265,11 @@ impl Stream {
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct LabeledCounter(usize);
 
+/// The id of a gauge with one label ([`ConfigHandle::define_labeled_gauge`]); only
+/// [`Stream::set_labeled`] takes it. 0: never set.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct LabeledGauge(usize);
+
 /// Envoy's per-config handle, valid inside `on_http_filter_config_new` only.
 #[derive(Debug)]
 pub struct ConfigHandle(abi::HttpFilterConfigEnvoyPtr);
@@ -267,6 +291,28 @@ impl ConfigHandle {
     /// values as the counter has labels.
     pub fn define_labeled_counter(&self, name: &str, label: &str) -> LabeledCounter {
         LabeledCounter(self.define_counter_with(name, &[ModuleBuffer::from_text(label)]))
+    }
+
+    /// Defines gauge `name` with the one label `label`, as [`Self::define_labeled_counter`].
+    pub fn define_labeled_gauge(&self, name: &str, label: &str) -> LabeledGauge {
+        let labels = [ModuleBuffer::from_text(label)];
+        let mut id = 0usize;
+        // SAFETY: live config pointer during config_new; valid out-pointer; `labels` (and the
+        // text it points into) outlives the call.
+        let r = unsafe {
+            abi::envoy_dynamic_module_callback_http_filter_config_define_gauge(
+                self.0,
+                ModuleBuffer::from_text(name),
+                labels.as_ptr(),
+                labels.len(),
+                &mut id,
+            )
+        };
+        LabeledGauge(if r == abi::metrics_result::SUCCESS {
+            id
+        } else {
+            0
+        })
     }
 
     /// 0 (never counted) when Envoy refused.

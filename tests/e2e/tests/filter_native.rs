@@ -5,7 +5,8 @@
 //! least_request when no agent answers (counted), and makes Envoy refuse a config it cannot
 //! honour; shares a breaker one worker opened with every worker (Envoy with 4 workers), and
 //! closes a healed pod's breaker at its probes' first tokens; counts picks and failures per
-//! pod (`ailb.native.picks` / `.failures`, label `endpoint`). Needs
+//! pod (`ailb.native.picks` / `.failures`, label `endpoint`) and sets the per-pod gauges
+//! (score, breaker state, metrics age). Needs
 //! `cargo build -p ai-lb-filter-native` (scripts/test.sh builds it).
 
 mod filter_common;
@@ -21,6 +22,9 @@ const STEERED: &str = "dynamicmodulescustom.ailb.native.steered";
 const FALLBACK: &str = "dynamicmodulescustom.ailb.native.fallback";
 const PICKS: &str = "dynamicmodulescustom.ailb.native.picks";
 const FAILURES: &str = "dynamicmodulescustom.ailb.native.failures";
+const SCORE: &str = "dynamicmodulescustom.ailb.native.score";
+const BREAKER_STATE: &str = "dynamicmodulescustom.ailb.native.breaker_state";
+const METRICS_AGE: &str = "dynamicmodulescustom.ailb.native.metrics_age_ms";
 
 fn native_opts(pool: &PodPool, filter: &str, agents: &[std::net::SocketAddr]) -> EnvoyOptions {
     let mut opts = EnvoyOptions::new(envoy::native_filter_config(filter, agents).unwrap());
@@ -95,6 +99,33 @@ fn the_native_module_keeps_a_hot_pod_out_and_reads_the_model_from_the_body() {
         "picks per pod {picks:?}, steered {}",
         stat(&envoy, STEERED)
     );
+    // Per-pod gauges (set at most once a second, by the request that finds them due): the
+    // cool pods score above 0, the hot one (cut) 0; every pod has a metrics age.
+    let scores = || -> Vec<u64> {
+        pool.pod_addrs
+            .iter()
+            .map(|a| stat(&envoy, &format!("{SCORE}.endpoint.{a}")))
+            .collect()
+    };
+    envoy
+        .poll(
+            Duration::from_secs(5),
+            "the cool pods' score gauges",
+            || {
+                client
+                    .post_json("/v1/completions", &[], &body(MODEL))
+                    .unwrap();
+                let s = scores();
+                (s[1] > 0 && s[2] > 0).then_some(())
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}: scores x1000 per pod {:?}", scores()));
+    assert_eq!(scores()[0], 0, "the hot pod's score gauge {:?}", scores());
+    let stats = envoy.stats().unwrap();
+    for a in &pool.pod_addrs {
+        let age = format!("{METRICS_AGE}.endpoint.{a}");
+        assert!(stats.contains_key(&age), "no {age}");
+    }
     let prom = envoy.prometheus().unwrap();
     let label = format!(
         "envoy_dynamicmodulescustom_ailb_native_picks{{endpoint=\"{}\"}}",
@@ -276,6 +307,24 @@ fn a_breaker_one_worker_opens_is_open_on_every_worker() {
     assert!(
         failures[0] >= 3 && failures[1] == 0 && failures[2] == 0,
         "failures per pod {failures:?}"
+    );
+    // The breaker gauge shows pod0 open (2) within the next second's export, the others
+    // closed (0).
+    let gauge = |a: &std::net::SocketAddr| stat(&envoy, &format!("{BREAKER_STATE}.endpoint.{a}"));
+    envoy
+        .poll(Duration::from_secs(5), "pod0's breaker gauge open", || {
+            fresh_complete(&envoy);
+            (gauge(&pool.pod_addrs[0]) == 2).then_some(())
+        })
+        .unwrap();
+    assert_eq!(
+        (gauge(&pool.pod_addrs[1]), gauge(&pool.pod_addrs[2])),
+        (0, 0)
+    );
+    let states = envoy.stats().unwrap();
+    assert!(
+        states.contains_key(&format!("{BREAKER_STATE}.endpoint.{}", pool.pod_addrs[1])),
+        "no breaker gauge for pod1"
     );
     assert!(
         !envoy.log_tail(200).contains("panicked"),
