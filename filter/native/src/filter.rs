@@ -5,9 +5,10 @@
 //! thread (no locks on the pick) and breakers shared by every worker ([`crate::breakers`]).
 //!
 //! Not here (refused at config time or stated in filter/native/README.md): admission, big
-//! request hold, the guard mode, per-pod stats.
+//! request hold, the guard mode, the per-pod in-flight gauge.
 
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -36,7 +37,8 @@ pub struct Counters {
     breaker_half_opened: usize,
     breaker_closed: usize,
     /// Per pod (label `endpoint`, `ip:port`): requests steered there, and the failures
-    /// attributed to it (as the wasm filter's `ailb.endpoint.<ip:port>.picks` / `.failures`).
+    /// attributed to it (as the wasm filter's `ailb.endpoint.<ip:port>.picks` / `.failures`),
+    /// added once a second per worker ([`flush_counts`]).
     picks: LabeledCounter,
     failures: LabeledCounter,
     /// Per pod (label `endpoint`), set once a second by one worker ([`export_gauges`]): its
@@ -164,6 +166,25 @@ struct Worker {
     next_tick_ms: u64,
     /// This worker's number in the process (the status page says which worker answered).
     ordinal: u64,
+    /// Per pod: picks and failures not yet added to Envoy's labelled counters. A labelled
+    /// increment has Envoy encode the label into its symbol table (a lock and an allocation),
+    /// so the request path only counts here and [`flush_counts`] adds them once a second.
+    pending: HashMap<String, [u64; 2]>,
+    /// When this worker next adds `pending` to Envoy's counters (ms).
+    flush_due_ms: u64,
+}
+
+impl Worker {
+    /// Counts `n` on `pod`'s pending picks (`which` 0) or failures (1).
+    fn count(&mut self, pod: &str, which: usize, n: u64) {
+        if let Some(c) = self.pending.get_mut(pod) {
+            c[which] += n;
+        } else {
+            let mut c = [0; 2];
+            c[which] = n;
+            self.pending.insert(pod.to_string(), c);
+        }
+    }
 }
 
 /// Numbers the workers of the process, in order of their first request.
@@ -194,6 +215,8 @@ fn with_worker<R>(rt: &ConfigRt, f: impl FnOnce(&mut Worker) -> R) -> Option<R> 
                     scratch: String::with_capacity(256),
                     next_tick_ms: 0,
                     ordinal: ORDINALS.fetch_add(1, Ordering::Relaxed),
+                    pending: HashMap::new(),
+                    flush_due_ms: 0,
                 });
                 ws.len() - 1
             }
@@ -518,7 +541,7 @@ impl Request {
             },
             1,
         );
-        s.inc_labeled(rt.counters.picks, chosen, 1);
+        flush_counts(rt, s, now, Some(chosen));
         self.ranked = ranked;
         self.size = size;
         self.sent_ms = now;
@@ -638,12 +661,12 @@ impl Request {
         let (size, sent, probe_passed) = (self.size, self.sent_ms, self.probe_passed);
         let cfg = rt.cfg.filter.breaker;
         let mut transitions = Vec::new();
-        for (pod, o) in &pairs {
-            if o.failure(&cfg).is_some() {
-                s.inc_labeled(rt.counters.failures, pod, 1);
-            }
-        }
         with_worker(rt, |w| {
+            for (pod, o) in &pairs {
+                if o.failure(&cfg).is_some() {
+                    w.count(pod, 1, 1);
+                }
+            }
             // Whether the chosen pod's breaker had nothing to forget (Closed, no failure
             // counted, as of this worker's last copy): a success then leaves the shared
             // breaker as it is, so it is not locked and rewritten.
@@ -697,5 +720,28 @@ impl Request {
         for (pod, ts) in &transitions {
             rt.counters.transitions(s, pod, ts);
         }
+        flush_counts(rt, s, now, None);
+    }
+}
+
+/// Counts a pick of `picked` (if any) on this worker, then adds the worker's pending
+/// per-pod picks and failures to Envoy's labelled counters, at most once a second (called as
+/// requests are routed and end, so the counters lag by up to a second of this worker's
+/// traffic).
+fn flush_counts(rt: &ConfigRt, s: &Stream, now: u64, picked: Option<&str>) {
+    let due = with_worker(rt, |w| {
+        if let Some(pod) = picked {
+            w.count(pod, 0, 1);
+        }
+        if now < w.flush_due_ms || w.pending.is_empty() {
+            return Vec::new();
+        }
+        w.flush_due_ms = now + 1000;
+        w.pending.drain().collect()
+    })
+    .unwrap_or_default();
+    for (pod, [picks, failures]) in &due {
+        s.inc_labeled(rt.counters.picks, pod, *picks);
+        s.inc_labeled(rt.counters.failures, pod, *failures);
     }
 }

@@ -87,17 +87,30 @@ fn the_native_module_keeps_a_hot_pod_out_and_reads_the_model_from_the_body() {
         )
         .unwrap_or_else(|e| panic!("{e}: steered {}", stat(&envoy, STEERED)));
     // Per pod: every steered request counted for the pod it went to (label `endpoint`), none
-    // for the hot pod; Prometheus shows the pod as a label.
-    let picks: Vec<u64> = pool
-        .pod_addrs
-        .iter()
-        .map(|a| stat(&envoy, &format!("{PICKS}.endpoint.{a}")))
-        .collect();
-    assert_eq!(picks[0], 0, "picks per pod {picks:?}");
+    // for the hot pod; Prometheus shows the pod as a label. Each worker adds its counts once
+    // a second, on a request: a second later, requests on fresh connections (any worker)
+    // bring the 300 in.
+    let picks = || -> Vec<u64> {
+        pool.pod_addrs
+            .iter()
+            .map(|a| stat(&envoy, &format!("{PICKS}.endpoint.{a}")))
+            .collect()
+    };
+    std::thread::sleep(Duration::from_millis(1100));
+    envoy
+        .poll(
+            Duration::from_secs(5),
+            "the 300 picks counted per pod",
+            || {
+                fresh_complete(&envoy);
+                (picks().iter().sum::<u64>() >= n as u64).then_some(())
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}: picks per pod {:?}", picks()));
+    let (p, steered) = (picks(), stat(&envoy, STEERED));
     assert!(
-        picks[1] > 0 && picks[2] > 0 && picks.iter().sum::<u64>() == stat(&envoy, STEERED),
-        "picks per pod {picks:?}, steered {}",
-        stat(&envoy, STEERED)
+        p[0] == 0 && p[1] > 0 && p[2] > 0 && p.iter().sum::<u64>() <= steered,
+        "picks per pod {p:?}, steered {steered}"
     );
     // Per-pod gauges (set at most once a second, by the request that finds them due): the
     // cool pods score above 0, the hot one (cut) 0; every pod has a metrics age.
@@ -297,17 +310,22 @@ fn a_breaker_one_worker_opens_is_open_on_every_worker() {
         );
     }
     assert_eq!(stat(&envoy, OPENED), 1, "the open is counted once");
-    // pod0's failures are counted for it (at least the three that opened the breaker), and
-    // none for the healthy pods.
-    let failures: Vec<u64> = pool
-        .pod_addrs
-        .iter()
-        .map(|a| stat(&envoy, &format!("{FAILURES}.endpoint.{a}")))
-        .collect();
-    assert!(
-        failures[0] >= 3 && failures[1] == 0 && failures[2] == 0,
-        "failures per pod {failures:?}"
-    );
+    // pod0's failures are counted for it (at least the three that opened the breaker, added
+    // within a second on a later request), and none for the healthy pods.
+    let failures = || -> Vec<u64> {
+        pool.pod_addrs
+            .iter()
+            .map(|a| stat(&envoy, &format!("{FAILURES}.endpoint.{a}")))
+            .collect()
+    };
+    envoy
+        .poll(Duration::from_secs(5), "pod0's failures counted", || {
+            fresh_complete(&envoy);
+            (failures()[0] >= 3).then_some(())
+        })
+        .unwrap_or_else(|e| panic!("{e}: failures per pod {:?}", failures()));
+    let f = failures();
+    assert!(f[1] == 0 && f[2] == 0, "failures per pod {f:?}");
     // The breaker gauge shows pod0 open (2) within the next second's export, the others
     // closed (0).
     let gauge = |a: &std::net::SocketAddr| stat(&envoy, &format!("{BREAKER_STATE}.endpoint.{a}"));
