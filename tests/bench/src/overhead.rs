@@ -26,6 +26,7 @@
 //! model server streaming tokens (the default answers 2 chunks in one write).
 
 use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use serde_json::{json, Value};
@@ -36,6 +37,34 @@ use ai_lb_loadgen::stats::{Outcome, Record};
 use crate::calibrate::{fixed_trace, ok_rps, replay};
 use crate::scenario::Env;
 use crate::topology::{self, Error, PodShape, Policy, Pool};
+
+/// `AI_LB_BENCH_OVERHEAD_PIN=1`: the harness and every process it starts (load generator,
+/// sink, agent, fake pod) run on CPU 0 and each Envoy under test (all its threads) on CPU 1,
+/// so an Envoy does not share its core with the load that measures it (Linux, `taskset`).
+/// Unset or 0: no pinning (the default; the report's figures).
+fn pin_requested() -> Result<bool, Error> {
+    match std::env::var("AI_LB_BENCH_OVERHEAD_PIN").as_deref() {
+        Err(_) | Ok("") | Ok("0") => Ok(false),
+        Ok("1") => Ok(true),
+        Ok(other) => Err(format!(
+            "AI_LB_BENCH_OVERHEAD_PIN={other:?}: expected 0 or 1"
+        )),
+    }
+}
+
+/// Moves every thread of process `pid` to CPU `cpu` (`taskset -a -cp`).
+fn pin(pid: u32, cpu: u32) -> Result<(), Error> {
+    let st = Command::new("taskset")
+        .args(["-a", "-cp", &cpu.to_string(), &pid.to_string()])
+        .stdout(Stdio::null())
+        .status()
+        .map_err(|e| format!("AI_LB_BENCH_OVERHEAD_PIN=1 needs taskset: {e}"))?;
+    if st.success() {
+        Ok(())
+    } else {
+        Err(format!("taskset -a -cp {cpu} {pid}: {st}"))
+    }
+}
 
 /// CPU seconds (user + system) process `pid` has used so far, from `/proc/<pid>/stat`
 /// (fields 14 and 15, in clock ticks of 1/100 s: Linux's USER_HZ). None off Linux or when
@@ -283,6 +312,11 @@ pub fn overhead(
 ) -> Result<Value, Error> {
     let dir = env.work.join("overhead");
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let pinned = pin_requested()?;
+    if pinned {
+        // Before anything starts: children inherit the harness's CPU.
+        pin(std::process::id(), 0)?;
+    }
     let shape = PodShape {
         h100: 1,
         a100: 0,
@@ -316,6 +350,9 @@ pub fn overhead(
             Side::Wasm => topology::start_sidecar(Policy::AiLb, &upstreams, &agents, 1)?,
             Side::Native => topology::start_native_sidecar(&upstreams, &agents, 1)?,
         };
+        if pinned {
+            pin(e.pid(), 1)?;
+        }
         envoys.push((side, e));
     }
     let envoy_of = |side: Side| envoys.iter().find(|(s, _)| *s == side).map(|(_, e)| e);
@@ -444,6 +481,7 @@ pub fn overhead(
         "secs_per_measurement": secs,
         "rounds": rounds,
         "closed_loop_workers": workers,
+        "pinned": pinned,
         "max_rps": {
             "median": medians(&rps),
             "vs_least_request": max_vs,
@@ -500,10 +538,15 @@ fn table(v: &Value) -> String {
         format!("| {what} | {} | {} |\n", cols.join(" | "), vs.join("; "))
     };
     let mut t = format!(
-        "### overhead (1 Envoy worker, fast upstream, {} rounds of {} s, medians)\n\n`{}`\n\n\
+        "### overhead (1 Envoy worker, fast upstream, {} rounds of {} s, medians{})\n\n`{}`\n\n\
          | measure | {} | against least_request |\n|---|{}---|\n",
         v["rounds"],
         v["secs_per_measurement"],
+        if v["pinned"] == json!(true) {
+            "; each Envoy on CPU 1, everything else on CPU 0"
+        } else {
+            ""
+        },
         v["command"].as_str().unwrap_or(""),
         sides.join(" | "),
         "---|".repeat(sides.len()),
