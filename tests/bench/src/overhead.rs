@@ -43,10 +43,14 @@ use crate::topology::{self, Error, PodShape, Policy, Pool};
 /// so an Envoy does not share its core with the load that measures it (Linux, `taskset`).
 /// Unset or 0: no pinning (the default; the report's figures).
 fn pin_requested() -> Result<bool, Error> {
-    match std::env::var("AI_LB_BENCH_OVERHEAD_PIN").as_deref() {
-        Err(_) | Ok("") | Ok("0") => Ok(false),
-        Ok("1") => Ok(true),
-        Ok(other) => Err(format!(
+    parse_pin(std::env::var("AI_LB_BENCH_OVERHEAD_PIN").ok().as_deref())
+}
+
+fn parse_pin(v: Option<&str>) -> Result<bool, Error> {
+    match v {
+        None | Some("") | Some("0") => Ok(false),
+        Some("1") => Ok(true),
+        Some(other) => Err(format!(
             "AI_LB_BENCH_OVERHEAD_PIN={other:?}: expected 0 or 1"
         )),
     }
@@ -630,7 +634,7 @@ fn table(v: &Value) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{cpu_secs, median, order, table, Side};
+    use super::{cpu_secs, median, order, parse_pin, table, Side};
 
     #[test]
     fn cpu_secs_reads_this_process_and_grows_with_work() {
@@ -694,6 +698,18 @@ mod tests {
         );
         assert!(t.contains("| 100.00 | 50.00 | 90.00 | ai_lb: 0.50"), "{t}");
         assert!(t.contains("ai_lb_native: 0.90"), "{t}");
+    }
+
+    #[test]
+    fn pinning_is_off_unless_asked_and_bad_values_name_the_variable() {
+        assert_eq!(parse_pin(None), Ok(false));
+        assert_eq!(parse_pin(Some("0")), Ok(false));
+        assert_eq!(parse_pin(Some("1")), Ok(true));
+        let e = parse_pin(Some("yes")).unwrap_err();
+        assert!(
+            e.contains("AI_LB_BENCH_OVERHEAD_PIN") && e.contains("yes"),
+            "{e}"
+        );
     }
 
     #[test]
