@@ -35,6 +35,16 @@ impl BreakerState {
             BreakerState::HalfOpen => "half_open",
         }
     }
+
+    /// The value of the per-pod `breaker_state` gauges (the dashboard maps it back):
+    /// 0 closed, 1 half-open, 2 open.
+    pub fn gauge_value(&self) -> u64 {
+        match self {
+            BreakerState::Closed => 0,
+            BreakerState::HalfOpen => 1,
+            BreakerState::Open => 2,
+        }
+    }
 }
 
 /// Why a breaker opened.
@@ -549,6 +559,20 @@ impl Writer<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gauge_values_are_the_dashboards() {
+        // envoy-config/grafana/ai-lb-dashboard.json maps 0 closed, 1 half-open, 2 open.
+        assert_eq!(
+            [
+                BreakerState::Closed,
+                BreakerState::HalfOpen,
+                BreakerState::Open
+            ]
+            .map(|b| b.gauge_value()),
+            [0, 1, 2]
+        );
+    }
 
     fn cfg() -> BreakerConfig {
         BreakerConfig {

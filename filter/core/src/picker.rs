@@ -358,6 +358,13 @@ pub struct PodStatus<'a> {
     pub decode_ms: Option<f64>,
 }
 
+impl PodStatus<'_> {
+    /// The value of the per-pod `score` gauges: the smoothed score x1000, 0..=1000.
+    pub fn score_gauge_value(&self) -> u64 {
+        (self.score.clamp(0.0, 1.0) * 1000.0).round() as u64
+    }
+}
+
 #[derive(Debug, Clone)]
 struct PodRt {
     address: String,

@@ -269,13 +269,12 @@ fn export_gauges(rt: &ConfigRt, s: &Stream, now: u64) {
         (0..w.router.pool_count())
             .flat_map(|i| w.router.pod_status(i, now))
             .map(|r| {
-                let breaker = match r.breaker {
-                    BreakerState::Closed => 0,
-                    BreakerState::HalfOpen => 1,
-                    BreakerState::Open => 2,
-                };
-                let score = (r.score.clamp(0.0, 1.0) * 1000.0).round() as u64;
-                (r.address.to_string(), score, breaker, r.metrics_age_ms)
+                (
+                    r.address.to_string(),
+                    r.score_gauge_value(),
+                    r.breaker.gauge_value(),
+                    r.metrics_age_ms,
+                )
             })
             .collect::<Vec<_>>()
     })

@@ -413,15 +413,10 @@ impl Root {
             for row in router.pod_status(i, now) {
                 let m = metrics.pod(row.address);
                 if let Some(id) = m.score {
-                    host::record_metric(id, (row.score.clamp(0.0, 1.0) * 1000.0).round() as u64);
+                    host::record_metric(id, row.score_gauge_value());
                 }
                 if let Some(id) = m.breaker_state {
-                    let v = match row.breaker {
-                        BreakerState::Closed => 0,
-                        BreakerState::HalfOpen => 1,
-                        BreakerState::Open => 2,
-                    };
-                    host::record_metric(id, v);
+                    host::record_metric(id, row.breaker.gauge_value());
                 }
                 if let (Some(id), Some(age)) = (m.metrics_age_ms, row.metrics_age_ms) {
                     host::record_metric(id, age);

@@ -82,6 +82,18 @@ fn a_pod_returning_500s_is_cut_then_readmitted_through_half_open() {
         );
     }
 
+    // The per-pod breaker gauge shows it open (2) while the cooldown lasts (3-6 s with
+    // jitter), then closed (0) again below.
+    let state = |e: &ai_lb_e2e::envoy::Envoy| {
+        e.stat(&format!("wasmcustom.ailb.endpoint.{bad}.breaker_state"))
+            .unwrap()
+    };
+    envoy
+        .poll(Duration::from_secs(2), "pod0's breaker gauge open", || {
+            (state(&envoy) == 2).then_some(())
+        })
+        .unwrap();
+
     // Recovery: after the cooldown, Half-Open probes succeed and pod0 serves again.
     pool.control(0, r#"{"error_rate":0.0}"#).unwrap();
     let served_again = envoy.poll(Duration::from_secs(30), "pod0 readmitted", || {
@@ -92,6 +104,13 @@ fn a_pod_returning_500s_is_cut_then_readmitted_through_half_open() {
     });
     served_again.unwrap();
     assert!(envoy.stat("wasmcustom.ailb.breaker_half_opened").unwrap() >= 1);
+    envoy
+        .poll(
+            Duration::from_secs(5),
+            "pod0's breaker gauge closed",
+            || (state(&envoy) == 0).then_some(()),
+        )
+        .unwrap();
     assert!(
         !envoy.wasm_failed(),
         "wasm trapped:\n{}",

@@ -52,6 +52,22 @@ fn a_pod_at_97_percent_gpu_receives_none_of_1000_requests() {
             .unwrap(),
         0
     );
+    // Per-pod gauges (set by the main-thread VM on its tick): the cool pod scores above 0
+    // (x1000), the hot one 0, both breakers closed (0).
+    let gauge = |pod: &str, m: &str| envoy.stat(&format!("wasmcustom.ailb.endpoint.{pod}.{m}"));
+    envoy
+        .poll(
+            std::time::Duration::from_secs(5),
+            "the cool pod's score gauge",
+            || (gauge(&cool, "score").ok()? > 0).then_some(()),
+        )
+        .unwrap();
+    let stats = envoy.stats().unwrap();
+    for m in ["score", "breaker_state"] {
+        let name = format!("wasmcustom.ailb.endpoint.{hot}.{m}");
+        assert_eq!(stats.get(&name), Some(&0), "{name}");
+    }
+    assert_eq!(gauge(&cool, "breaker_state").unwrap(), 0);
     let prom = envoy.prometheus().unwrap();
     let label = format!("ailb_endpoint_picks{{ailb_endpoint=\"{cool}\"}}");
     assert!(
