@@ -42,6 +42,14 @@ fn stat(envoy: &Envoy, name: &str) -> u64 {
     envoy.stat(name).unwrap_or(0)
 }
 
+/// The per-pod stat `name` (label `endpoint`) of every pod of `pool`, in pod order.
+fn per_pod(envoy: &Envoy, pool: &PodPool, name: &str) -> Vec<u64> {
+    pool.pod_addrs
+        .iter()
+        .map(|a| stat(envoy, &format!("{name}.endpoint.{a}")))
+        .collect()
+}
+
 #[test]
 fn the_native_module_keeps_a_hot_pod_out_and_reads_the_model_from_the_body() {
     let pool = PodPool::start(3, 0.01).unwrap();
@@ -90,12 +98,7 @@ fn the_native_module_keeps_a_hot_pod_out_and_reads_the_model_from_the_body() {
     // for the hot pod; Prometheus shows the pod as a label. Each worker adds its counts once
     // a second, on a request: a second later, requests on fresh connections (any worker)
     // bring the 300 in.
-    let picks = || -> Vec<u64> {
-        pool.pod_addrs
-            .iter()
-            .map(|a| stat(&envoy, &format!("{PICKS}.endpoint.{a}")))
-            .collect()
-    };
+    let picks = || per_pod(&envoy, &pool, PICKS);
     std::thread::sleep(Duration::from_millis(1100));
     envoy
         .poll(
@@ -114,12 +117,7 @@ fn the_native_module_keeps_a_hot_pod_out_and_reads_the_model_from_the_body() {
     );
     // Per-pod gauges (set at most once a second, by the request that finds them due): the
     // cool pods score above 0, the hot one (cut) 0; every pod has a metrics age.
-    let scores = || -> Vec<u64> {
-        pool.pod_addrs
-            .iter()
-            .map(|a| stat(&envoy, &format!("{SCORE}.endpoint.{a}")))
-            .collect()
-    };
+    let scores = || per_pod(&envoy, &pool, SCORE);
     envoy
         .poll(
             Duration::from_secs(5),
@@ -312,12 +310,7 @@ fn a_breaker_one_worker_opens_is_open_on_every_worker() {
     assert_eq!(stat(&envoy, OPENED), 1, "the open is counted once");
     // pod0's failures are counted for it (at least the three that opened the breaker, added
     // within a second on a later request), and none for the healthy pods.
-    let failures = || -> Vec<u64> {
-        pool.pod_addrs
-            .iter()
-            .map(|a| stat(&envoy, &format!("{FAILURES}.endpoint.{a}")))
-            .collect()
-    };
+    let failures = || per_pod(&envoy, &pool, FAILURES);
     envoy
         .poll(Duration::from_secs(5), "pod0's failures counted", || {
             fresh_complete(&envoy);
@@ -328,17 +321,14 @@ fn a_breaker_one_worker_opens_is_open_on_every_worker() {
     assert!(f[1] == 0 && f[2] == 0, "failures per pod {f:?}");
     // The breaker gauge shows pod0 open (2) within the next second's export, the others
     // closed (0).
-    let gauge = |a: &std::net::SocketAddr| stat(&envoy, &format!("{BREAKER_STATE}.endpoint.{a}"));
+    let states = || per_pod(&envoy, &pool, BREAKER_STATE);
     envoy
         .poll(Duration::from_secs(5), "pod0's breaker gauge open", || {
             fresh_complete(&envoy);
-            (gauge(&pool.pod_addrs[0]) == 2).then_some(())
+            (states()[0] == 2).then_some(())
         })
         .unwrap();
-    assert_eq!(
-        (gauge(&pool.pod_addrs[1]), gauge(&pool.pod_addrs[2])),
-        (0, 0)
-    );
+    assert_eq!(states()[1..], [0, 0]);
     let states = envoy.stats().unwrap();
     assert!(
         states.contains_key(&format!("{BREAKER_STATE}.endpoint.{}", pool.pod_addrs[1])),
