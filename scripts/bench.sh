@@ -44,6 +44,10 @@ if [ "${BENCH_NO_BUILD:-0}" != "1" ]; then
     *" --overhead-filter "*native*|*" --overhead-filter="*native*)
       cargo build --release --locked -p ai-lb-filter-native ;;   # the experimental native module
   esac
+  case " ${args[*]} " in
+    *" --smoke "*|*" --overhead-filter "*empty-wasm*|*" --overhead-filter="*empty-wasm*)
+      cargo build --target wasm32-wasip1 --release --locked -p ai-lb-bench-empty-wasm ;;   # the floor of any wasm filter
+  esac
 fi
 export ENVOY_BIN="${ENVOY_BIN:-$root/.venv/bin/envoy}"
 

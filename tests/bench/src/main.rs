@@ -76,7 +76,9 @@ struct Cli {
     overhead_chunk_gap_ms: u64,
     /// Overhead scenario: which ai-lb builds run against plain Envoy, side by side: `wasm`
     /// (shipped), `native` (experimental dynamic module, filter/native; built by
-    /// scripts/bench.sh when named), or `wasm,native`.
+    /// scripts/bench.sh when named), `wasm-b` (a second wasm build, `$AI_LB_WASM_B`, to compare
+    /// a change in the same run), `empty-wasm` (a proxy-wasm filter that does nothing, the
+    /// floor of any wasm filter; tests/bench/empty-wasm), comma-separated: `wasm,native`.
     #[arg(long, default_value = "wasm")]
     overhead_filter: String,
     #[arg(long, default_value_t = 16)]
@@ -107,6 +109,11 @@ fn main() -> ExitCode {
         cli.cal_rate = 20.0;
         cli.overhead_rounds = 1;
         cli.overhead_workers = 4;
+        // The empty proxy-wasm filter too (tests/bench/empty-wasm), so the overhead run's
+        // baseline fixture keeps loading in this Envoy; unless other builds were asked for.
+        if cli.overhead_filter == "wasm" {
+            cli.overhead_filter = "wasm,empty-wasm".into();
+        }
         cli.hol_count = 2;
         // Its own work dir, so a smoke run never mixes with the records of a real run.
         cli.work = cli.work.join("smoke");
@@ -216,6 +223,15 @@ fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
         )?;
         o["command"] = json!(cmdline);
         overhead::write(&cli.out, &o)?;
+        if cli.smoke {
+            // Every Envoy of the overhead run answered in its closed loop.
+            for side in o["sides"].as_array().cloned().unwrap_or_default() {
+                let k = side.as_str().unwrap_or("");
+                if o["max_rps"]["median"][k].as_f64().unwrap_or(0.0) <= 0.0 {
+                    return Err(format!("smoke: overhead/{k} answered nothing"));
+                }
+            }
+        }
         println!(
             "overhead: {}",
             serde_json::to_string_pretty(&o).unwrap_or_default()

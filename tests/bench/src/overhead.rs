@@ -140,6 +140,12 @@ pub enum Side {
     /// The experimental native dynamic module (filter/native, envoy-config/envoy-native.yaml)
     /// with the same plugin config.
     Native,
+    /// A second build of the wasm filter (`$AI_LB_WASM_B`), same config: to compare a change
+    /// against the build before it in one run, where round-to-round noise hits both alike.
+    WasmB,
+    /// A proxy-wasm filter that does nothing (tests/bench/empty-wasm) in front of plain
+    /// least_request: the floor of any proxy-wasm filter, not an ai-lb build.
+    EmptyWasm,
 }
 
 impl Side {
@@ -149,10 +155,13 @@ impl Side {
             Side::Plain => "least_request",
             Side::Wasm => "ai_lb",
             Side::Native => "ai_lb_native",
+            Side::WasmB => "ai_lb_b",
+            Side::EmptyWasm => "empty_wasm",
         }
     }
 
-    /// The ai-lb builds of `--overhead-filter` (`wasm`, `native`, or both comma-separated);
+    /// The filters of `--overhead-filter` (`wasm`, `wasm-b`, `native`, `empty-wasm`,
+    /// comma-separated);
     /// errors name the flag and the value.
     pub fn parse_builds(s: &str) -> Result<Vec<Side>, Error> {
         let mut out = Vec::new();
@@ -160,9 +169,11 @@ impl Side {
             let side = match part {
                 "wasm" => Side::Wasm,
                 "native" => Side::Native,
+                "wasm-b" => Side::WasmB,
+                "empty-wasm" => Side::EmptyWasm,
                 other => {
                     return Err(format!(
-                        "--overhead-filter: value {other:?}: expected `wasm`, `native` or `wasm,native`"
+                        "--overhead-filter: value {other:?}: expected `wasm`, `wasm-b`, `native` or `empty-wasm`, comma-separated (e.g. `wasm,native`)"
                     ))
                 }
             };
@@ -353,6 +364,13 @@ pub fn overhead(
             Side::Plain => topology::start_sidecar(Policy::LeastRequest, &upstreams, &agents, 1)?,
             Side::Wasm => topology::start_sidecar(Policy::AiLb, &upstreams, &agents, 1)?,
             Side::Native => topology::start_native_sidecar(&upstreams, &agents, 1)?,
+            Side::WasmB => topology::start_sidecar_with_wasm(
+                &topology::wasm_b_path()?,
+                &upstreams,
+                &agents,
+                1,
+            )?,
+            Side::EmptyWasm => topology::start_empty_wasm_sidecar(&upstreams, 1)?,
         };
         if pinned {
             pin(e.pid(), 1)?;
@@ -362,7 +380,7 @@ pub fn overhead(
     let envoy_of = |side: Side| envoys.iter().find(|(s, _)| *s == side).map(|(_, e)| e);
     let mut ready = serde_json::Map::new();
     for (side, e) in &envoys {
-        if *side != Side::Plain {
+        if !matches!(side, Side::Plain | Side::EmptyWasm) {
             let ok = topology::wait_ailb_ready(e, &upstreams, Duration::from_secs(15));
             ready.insert(side.key().into(), json!(ok));
         }
@@ -486,6 +504,8 @@ pub fn overhead(
         "rounds": rounds,
         "closed_loop_workers": workers,
         "pinned": pinned,
+        "empty_wasm_steps": sides.contains(&Side::EmptyWasm).then(topology::empty_wasm_steps),
+        "wasm_b": sides.contains(&Side::WasmB).then(|| std::env::var("AI_LB_WASM_B").unwrap_or_default()),
         "max_rps": {
             "median": medians(&rps),
             "vs_least_request": max_vs,
@@ -666,6 +686,10 @@ mod tests {
         assert_eq!(
             Side::parse_builds("wasm,native").unwrap(),
             [Side::Wasm, Side::Native]
+        );
+        assert_eq!(
+            Side::parse_builds("empty-wasm, wasm,wasm-b").unwrap(),
+            [Side::EmptyWasm, Side::Wasm, Side::WasmB]
         );
         let e = Side::parse_builds("wasm,v8").unwrap_err();
         assert!(

@@ -404,6 +404,101 @@ pub fn start_sidecar(
     Envoy::start(&opts)
 }
 
+/// Starts an ai-lb sidecar as [`start_sidecar`] does, running the wasm build at `wasm` instead
+/// of `$AI_LB_WASM` (a second build of the filter, to compare two in the same run).
+pub fn start_sidecar_with_wasm(
+    wasm: &Path,
+    upstreams: &[SocketAddr],
+    agents: &[SocketAddr],
+    concurrency: u32,
+) -> Result<Envoy, Error> {
+    let mut opts = EnvoyOptions::new(ailb_filter_config()?);
+    let t = envoy::template()?;
+    if !t.contains("${WASM_PATH}") {
+        return Err("envoy-config/envoy.yaml: no ${WASM_PATH} placeholder".into());
+    }
+    opts.template = Some(t.replace("${WASM_PATH}", &wasm.display().to_string()));
+    opts.inference = upstreams.to_vec();
+    opts.agents = agents.to_vec();
+    opts.concurrency = concurrency;
+    Envoy::start(&opts)
+}
+
+/// The second wasm build of the overhead run's `wasm-b`: `$AI_LB_WASM_B` (required).
+pub fn wasm_b_path() -> Result<PathBuf, Error> {
+    let p = std::env::var_os("AI_LB_WASM_B")
+        .map(PathBuf::from)
+        .ok_or("--overhead-filter wasm-b needs AI_LB_WASM_B (the second build's .wasm)")?;
+    if p.exists() {
+        Ok(p)
+    } else {
+        Err(format!("AI_LB_WASM_B={} does not exist", p.display()))
+    }
+}
+
+/// The empty proxy-wasm filter (`tests/bench/empty-wasm`): `$AI_LB_EMPTY_WASM`, else
+/// `<target>/wasm32-wasip1/release/ai_lb_bench_empty_wasm.wasm`.
+pub fn empty_wasm_path() -> Result<PathBuf, Error> {
+    envoy::built(
+        "AI_LB_EMPTY_WASM",
+        &["wasm32-wasip1/release/ai_lb_bench_empty_wasm.wasm"],
+        "cargo build -p ai-lb-bench-empty-wasm --target wasm32-wasip1 --release",
+    )
+}
+
+/// Plain least_request's template with the empty proxy-wasm filter at `wasm` put before the
+/// router, configured as the ai-lb filter is (same flags, V8): what any proxy-wasm filter costs.
+/// `steps` is its plugin configuration (the pieces of ai-lb's work it does; blank = none).
+pub fn empty_wasm_template(wasm: &Path, steps: &str) -> Result<String, Error> {
+    let t = plain_template(Policy::LeastRequest)?;
+    let router = "          - name: envoy.filters.http.router\n";
+    if t.matches(router).count() != 1 {
+        return Err("tests/bench/envoy-plain.yaml: expected one router filter line".into());
+    }
+    let filter = format!(
+        "          - name: envoy.filters.http.wasm\n\
+         \x20           typed_config:\n\
+         \x20             \"@type\": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm\n\
+         \x20             config:\n\
+         \x20               name: empty\n\
+         \x20               root_id: empty\n\
+         \x20               allow_on_headers_stop_iteration: true\n\
+         \x20               failure_policy: FAIL_OPEN\n\
+         \x20               configuration:\n\
+         \x20                 \"@type\": type.googleapis.com/google.protobuf.StringValue\n\
+         \x20                 value: {}\n\
+         \x20               vm_config:\n\
+         \x20                 vm_id: empty\n\
+         \x20                 runtime: envoy.wasm.runtime.v8\n\
+         \x20                 code:\n\
+         \x20                   local: {{filename: \"{}\"}}\n",
+        serde_json::to_string(steps).map_err(|e| e.to_string())?,
+        wasm.display()
+    );
+    Ok(t.replace(router, &format!("{filter}{router}")))
+}
+
+/// The empty filter's steps for a benchmark: `$AI_LB_BENCH_EMPTY_WASM_STEPS` (blank = none).
+pub fn empty_wasm_steps() -> String {
+    std::env::var("AI_LB_BENCH_EMPTY_WASM_STEPS").unwrap_or_default()
+}
+
+/// Starts plain least_request's sidecar with the empty proxy-wasm filter in front of the router
+/// (doing [`empty_wasm_steps`]).
+pub fn start_empty_wasm_sidecar(
+    upstreams: &[SocketAddr],
+    concurrency: u32,
+) -> Result<Envoy, Error> {
+    let mut opts = EnvoyOptions::new("{}");
+    opts.template = Some(empty_wasm_template(
+        &empty_wasm_path()?,
+        &empty_wasm_steps(),
+    )?);
+    opts.inference = upstreams.to_vec();
+    opts.concurrency = concurrency;
+    Envoy::start(&opts)
+}
+
 /// Starts one ai-lb sidecar running the experimental native module (filter/native) with the
 /// same plugin config as [`start_sidecar`], its agents given as addresses.
 pub fn start_native_sidecar(
@@ -462,6 +557,20 @@ mod tests {
                     vllm:num_requests_running_other 9\nvllm:num_requests_running 2\n";
         assert_eq!(gauge(text, "vllm:num_requests_running"), 5.0);
         assert_eq!(gauge(text, "absent"), 0.0);
+    }
+
+    #[test]
+    fn empty_wasm_template_is_plain_least_request_with_the_filter_before_the_router() {
+        let t = empty_wasm_template(Path::new("/x/empty.wasm"), "clock,read-path").unwrap();
+        assert!(t.contains("lb_policy: LEAST_REQUEST"));
+        let wasm = t
+            .find("name: envoy.filters.http.wasm")
+            .expect("wasm filter");
+        let router = t.find("name: envoy.filters.http.router").expect("router");
+        assert!(wasm < router, "the wasm filter must run before the router");
+        assert!(t.contains("local: {filename: \"/x/empty.wasm\"}"), "{t}");
+        assert!(t.contains("runtime: envoy.wasm.runtime.v8"));
+        assert!(t.contains("value: \"clock,read-path\""), "{t}");
     }
 
     #[test]

@@ -65,7 +65,7 @@ fn target_dirs() -> Vec<PathBuf> {
 
 /// A build output: the path in `$env_var` (which must exist), else the first of `candidates`
 /// (relative to a target dir) that exists; the error says how to build it.
-fn built(env_var: &str, candidates: &[&str], build: &str) -> Result<PathBuf, Error> {
+pub fn built(env_var: &str, candidates: &[&str], build: &str) -> Result<PathBuf, Error> {
     if let Some(p) = std::env::var_os(env_var) {
         let p = PathBuf::from(p);
         return if p.exists() {
