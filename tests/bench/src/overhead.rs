@@ -161,8 +161,7 @@ impl Side {
     }
 
     /// The filters of `--overhead-filter` (`wasm`, `wasm-b`, `native`, `empty-wasm`,
-    /// comma-separated);
-    /// errors name the flag and the value.
+    /// comma-separated); errors name the flag and the value.
     pub fn parse_builds(s: &str) -> Result<Vec<Side>, Error> {
         let mut out = Vec::new();
         for part in s.split(',').map(str::trim) {
