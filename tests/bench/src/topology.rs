@@ -383,6 +383,19 @@ pub fn ailb_filter_config() -> Result<String, Error> {
     std::fs::read_to_string(&p).map_err(|e| format!("reading {}: {e}", p.display()))
 }
 
+/// Starts Envoy with `opts` in front of `upstreams`, its agents and worker count filled in.
+fn start_with(
+    mut opts: EnvoyOptions,
+    upstreams: &[SocketAddr],
+    agents: &[SocketAddr],
+    concurrency: u32,
+) -> Result<Envoy, Error> {
+    opts.inference = upstreams.to_vec();
+    opts.agents = agents.to_vec();
+    opts.concurrency = concurrency;
+    Envoy::start(&opts)
+}
+
 /// Starts one sidecar for `policy` in front of `upstreams`.
 pub fn start_sidecar(
     policy: Policy,
@@ -390,7 +403,7 @@ pub fn start_sidecar(
     agents: &[SocketAddr],
     concurrency: u32,
 ) -> Result<Envoy, Error> {
-    let mut opts = match policy {
+    let opts = match policy {
         Policy::AiLb => EnvoyOptions::new(ailb_filter_config()?),
         p => {
             let mut o = EnvoyOptions::new("{}");
@@ -398,10 +411,7 @@ pub fn start_sidecar(
             o
         }
     };
-    opts.inference = upstreams.to_vec();
-    opts.agents = agents.to_vec();
-    opts.concurrency = concurrency;
-    Envoy::start(&opts)
+    start_with(opts, upstreams, agents, concurrency)
 }
 
 /// Starts an ai-lb sidecar as [`start_sidecar`] does, running the wasm build at `wasm` instead
@@ -418,10 +428,7 @@ pub fn start_sidecar_with_wasm(
         return Err("envoy-config/envoy.yaml: no ${WASM_PATH} placeholder".into());
     }
     opts.template = Some(t.replace("${WASM_PATH}", &wasm.display().to_string()));
-    opts.inference = upstreams.to_vec();
-    opts.agents = agents.to_vec();
-    opts.concurrency = concurrency;
-    Envoy::start(&opts)
+    start_with(opts, upstreams, agents, concurrency)
 }
 
 /// The second wasm build of the overhead run's `wasm-b`: `$AI_LB_WASM_B` (required).
@@ -494,9 +501,7 @@ pub fn start_empty_wasm_sidecar(
         &empty_wasm_path()?,
         &empty_wasm_steps(),
     )?);
-    opts.inference = upstreams.to_vec();
-    opts.concurrency = concurrency;
-    Envoy::start(&opts)
+    start_with(opts, upstreams, &[], concurrency)
 }
 
 /// Starts one ai-lb sidecar running the experimental native module (filter/native) with the
@@ -525,10 +530,7 @@ pub fn start_native_sidecar(
     }
     let mut opts = EnvoyOptions::new(config);
     opts.template = Some(template);
-    opts.inference = upstreams.to_vec();
-    opts.agents = agents.to_vec();
-    opts.concurrency = concurrency;
-    Envoy::start(&opts)
+    start_with(opts, upstreams, agents, concurrency)
 }
 
 /// Waits until an ai-lb sidecar's status page lists every pod (the filter has pool data), up to
