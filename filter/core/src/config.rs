@@ -928,6 +928,20 @@ fn ratio_limit(path: &str, v: Option<f64>, default: f64) -> Result<f64, ConfigEr
     }
 }
 
+/// An optional share within [0, 1]; `hint` follows the range in the error (e.g. " (0 turns it
+/// off)").
+fn share(path: &str, v: Option<f64>, default: f64, hint: &str) -> Result<f64, ConfigError> {
+    match v {
+        None => Ok(default),
+        Some(x) if x.is_finite() && (0.0..=1.0).contains(&x) => Ok(x),
+        Some(x) => Err(ConfigError::new(
+            path,
+            x,
+            format!("must be within [0, 1]{hint}"),
+        )),
+    }
+}
+
 fn u32_in(
     path: &str,
     v: Option<u64>,
@@ -1156,17 +1170,12 @@ impl TryFrom<RawConfig> for FilterConfig {
                 1,
                 100_000,
             )?,
-            agent_error_rate: match raw.breaker.agent_error_rate {
-                None => d.agent_error_rate,
-                Some(x) if x.is_finite() && (0.0..=1.0).contains(&x) => x,
-                Some(x) => {
-                    return Err(ConfigError::new(
-                        "breaker.agentErrorRate",
-                        x,
-                        "must be within [0, 1] (0 turns it off)",
-                    ))
-                }
-            },
+            agent_error_rate: share(
+                "breaker.agentErrorRate",
+                raw.breaker.agent_error_rate,
+                d.agent_error_rate,
+                " (0 turns it off)",
+            )?,
         };
 
         let ema_alpha = match raw.ema_alpha {
@@ -1306,17 +1315,12 @@ impl TryFrom<RawConfig> for FilterConfig {
                     1,
                     100_000,
                 )? as usize;
-                let min_kv_share = match h.min_kv_share {
-                    None => d.min_kv_share,
-                    Some(x) if x.is_finite() && (0.0..=1.0).contains(&x) => x,
-                    Some(x) => {
-                        return Err(ConfigError::new(
-                            "bigRequestHold.minKvShare",
-                            x,
-                            "must be within [0, 1]",
-                        ))
-                    }
-                };
+                let min_kv_share = share(
+                    "bigRequestHold.minKvShare",
+                    h.min_kv_share,
+                    d.min_kv_share,
+                    "",
+                )?;
                 Some(BigRequestHold {
                     kv_headroom,
                     max_hold_ms,
