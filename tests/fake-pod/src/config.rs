@@ -6,6 +6,9 @@ use std::net::SocketAddr;
 
 use clap::{Parser, ValueEnum};
 
+use crate::gpu::GpuUtilModel;
+use crate::kv_cache::CacheParams;
+use crate::kv_events::{EventsConfig, WireFormat};
 use crate::model::EngineParams;
 
 /// A simulated GPU inference pod (vLLM-like): OpenAI API, vLLM metrics, fault injection.
@@ -53,6 +56,50 @@ pub struct Cli {
     /// Number of GPUs reported by /sim/gpu (tensor-parallel group; timing is per pod).
     #[arg(long, env = "AI_LB_FAKE_POD_NUM_GPUS", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub num_gpus: u32,
+    /// What `/sim/gpu` reports as `utilization`: `nvml` (fraction of the window in which any
+    /// batch step ran, as NVML defines it) or `graded` (busy × (0.5 + 0.5 × occupancy)).
+    #[arg(long, env = "AI_LB_FAKE_POD_GPU_UTIL_MODEL", value_enum, default_value_t = GpuUtilModel::Nvml)]
+    pub gpu_util_model: GpuUtilModel,
+    /// Tokens per KV-cache block (vLLM `--block-size`: 1, 8, 16, 32, 64 or 128).
+    #[arg(long, env = "AI_LB_FAKE_POD_BLOCK_SIZE", default_value_t = 16, value_parser = block_size)]
+    pub block_size: u32,
+    /// Automatic prefix caching (`false` = vLLM `--no-enable-prefix-caching`: nothing hits).
+    #[arg(long, env = "AI_LB_FAKE_POD_PREFIX_CACHING", default_value_t = true, action = clap::ArgAction::Set)]
+    pub prefix_caching: bool,
+    /// Publish vLLM KV-cache events on a ZeroMQ PUB socket bound here, e.g.
+    /// `tcp://127.0.0.1:5557` (port 0 picks one; read the `LISTENING kv-events` line). Off
+    /// when unset.
+    #[arg(long, env = "AI_LB_FAKE_POD_KV_EVENTS_ENDPOINT", value_parser = tcp_endpoint)]
+    pub kv_events_endpoint: Option<String>,
+    /// Topic frame of every KV-event message (vLLM's default: empty).
+    #[arg(long, env = "AI_LB_FAKE_POD_KV_EVENTS_TOPIC", default_value = "")]
+    pub kv_events_topic: String,
+    /// ROUTER socket answering replay requests (vLLM `replay_endpoint`); needs
+    /// --kv-events-endpoint.
+    #[arg(long, env = "AI_LB_FAKE_POD_KV_EVENTS_REPLAY_ENDPOINT", value_parser = tcp_endpoint, requires = "kv_events_endpoint")]
+    pub kv_events_replay_endpoint: Option<String>,
+    /// Encoding of each event: `array` (msgspec `array_like`, vLLM up to v0.23) or `map`
+    /// (tagged maps, vLLM after PR #42892).
+    #[arg(long, env = "AI_LB_FAKE_POD_KV_EVENTS_FORMAT", value_enum, default_value_t = WireFormat::Array)]
+    pub kv_events_format: WireFormat,
+}
+
+fn block_size(s: &str) -> Result<u32, String> {
+    match s.trim().parse::<u32>() {
+        Ok(v @ (1 | 8 | 16 | 32 | 64 | 128)) => Ok(v),
+        _ => Err("must be one of 1, 8, 16, 32, 64, 128 (vLLM's block sizes)".to_string()),
+    }
+}
+
+/// `tcp://HOST:PORT` (what the pure-Rust ZeroMQ transport binds); `*` means every address.
+fn tcp_endpoint(s: &str) -> Result<String, String> {
+    let err = || "expected tcp://HOST:PORT, e.g. tcp://127.0.0.1:5557".to_string();
+    let rest = s.trim().strip_prefix("tcp://").ok_or_else(err)?;
+    let (host, port) = rest.rsplit_once(':').ok_or_else(err)?;
+    if host.is_empty() || port.parse::<u16>().is_err() {
+        return Err(err());
+    }
+    Ok(s.trim().to_string())
 }
 
 fn non_empty(s: &str) -> Result<String, String> {
@@ -82,12 +129,17 @@ pub enum Preset {
     /// Llama-3.1-8B (bf16) on one A100 SXM4 80GB.
     #[value(name = "a100-8b")]
     A100_8b,
+    /// Llama-3.1-8B (bf16) on one L40S 48GB (Ada: no GPM).
+    #[value(name = "l40s-8b")]
+    L40s_8b,
 }
 
 /// Hardware description of a preset.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PresetSpec {
     pub gpu_name: &'static str,
+    /// Whether the GPU has GPM metrics (`nvmlGpmQueryDeviceSupport`: Hopper and later).
+    pub gpm: bool,
     pub memory_total_bytes: u64,
     pub power_limit_watts: f64,
     pub idle_power_watts: f64,
@@ -109,6 +161,11 @@ pub const FRONTEND_OVERHEAD: f64 = 0.004;
 /// compute bound (989 / 312 dense bf16 TFLOPS ≈ 3.2 peak, ~2.5 achieved).
 pub const A100_DECODE_RATIO: f64 = 1.64;
 pub const A100_PREFILL_RATIO: f64 = 2.5;
+/// L40S / H100 ratios: decode by bandwidth (3.35 / 0.864 TB/s ≈ 3.88); prefill by dense bf16
+/// compute (989 / 362 TFLOPS ≈ 2.73 peak), at the A100's achieved share of its peak ratio
+/// (2.5 / 3.2 ≈ 0.78) ≈ 2.1.
+pub const L40S_DECODE_RATIO: f64 = 3.88;
+pub const L40S_PREFILL_RATIO: f64 = 2.1;
 
 impl Preset {
     pub fn spec(self) -> PresetSpec {
@@ -116,6 +173,7 @@ impl Preset {
         match self {
             Preset::H100_8b => PresetSpec {
                 gpu_name: "NVIDIA H100 80GB HBM3 (simulated)",
+                gpm: true,
                 memory_total_bytes: 80 * GIB,
                 power_limit_watts: 700.0,
                 idle_power_watts: 70.0,
@@ -129,6 +187,7 @@ impl Preset {
             },
             Preset::A100_8b => PresetSpec {
                 gpu_name: "NVIDIA A100-SXM4-80GB (simulated)",
+                gpm: false,
                 memory_total_bytes: 80 * GIB,
                 power_limit_watts: 400.0,
                 idle_power_watts: 55.0,
@@ -140,6 +199,20 @@ impl Preset {
                 kv_cache_tokens: 400_000,
                 max_batched_tokens: 8192,
             },
+            Preset::L40s_8b => PresetSpec {
+                gpu_name: "NVIDIA L40S (simulated)",
+                gpm: false,
+                memory_total_bytes: 48 * GIB,
+                power_limit_watts: 350.0,
+                idle_power_watts: 35.0,
+                a: H100_A * L40S_DECODE_RATIO,
+                b: H100_B * L40S_DECODE_RATIO,
+                p: H100_P * L40S_PREFILL_RATIO,
+                overhead: FRONTEND_OVERHEAD,
+                max_num_seqs: 256,
+                kv_cache_tokens: 200_000,
+                max_batched_tokens: 8192,
+            },
         }
     }
 
@@ -147,6 +220,24 @@ impl Preset {
         match self {
             Preset::H100_8b => "h100-8b",
             Preset::A100_8b => "a100-8b",
+            Preset::L40s_8b => "l40s-8b",
+        }
+    }
+}
+
+impl PresetSpec {
+    /// The engine parameters of this preset at `time_scale`, with no flag overrides.
+    pub fn engine(&self, time_scale: f64) -> EngineParams {
+        EngineParams {
+            a: self.a,
+            b: self.b,
+            p: self.p,
+            overhead: self.overhead,
+            max_num_seqs: self.max_num_seqs as usize,
+            kv_cache_tokens: self.kv_cache_tokens,
+            max_batched_tokens: self.max_batched_tokens,
+            time_scale,
+            cache: CacheParams::default(),
         }
     }
 }
@@ -161,7 +252,10 @@ pub struct PodConfig {
     pub pod_name: String,
     pub seed: u64,
     pub num_gpus: u32,
+    pub gpu_util_model: GpuUtilModel,
     pub engine: EngineParams,
+    /// Where and how KV-cache events are published; `None` = off.
+    pub kv_events: Option<EventsConfig>,
 }
 
 impl PodConfig {
@@ -177,7 +271,18 @@ impl PodConfig {
             kv_cache_tokens: cli.kv_cache_tokens.unwrap_or(spec.kv_cache_tokens),
             max_batched_tokens: cli.max_batched_tokens.unwrap_or(spec.max_batched_tokens),
             time_scale: cli.time_scale,
+            cache: CacheParams {
+                block_size: cli.block_size,
+                prefix_caching: cli.prefix_caching,
+                seed: ai_lb_prefix::model_seed(&cli.model),
+            },
         };
+        let kv_events = cli.kv_events_endpoint.map(|endpoint| EventsConfig {
+            endpoint,
+            replay_endpoint: cli.kv_events_replay_endpoint,
+            topic: cli.kv_events_topic,
+            format: cli.kv_events_format,
+        });
         let pod_name = cli
             .pod_name
             .or_else(|| hostname.filter(|h| !h.trim().is_empty()))
@@ -190,7 +295,9 @@ impl PodConfig {
             pod_name,
             seed: cli.seed,
             num_gpus: cli.num_gpus,
+            gpu_util_model: cli.gpu_util_model,
             engine,
+            kv_events,
         }
     }
 }
@@ -221,6 +328,9 @@ mod tests {
         assert_eq!(cfg.engine.max_num_seqs, 256);
         assert_eq!(cfg.engine.max_batched_tokens, 8192);
         assert_eq!(cfg.model, "meta-llama/Llama-3.1-8B-Instruct");
+        assert_eq!(cfg.gpu_util_model, GpuUtilModel::Nvml);
+        let cfg = PodConfig::from_cli(parse(&["--gpu-util-model", "graded"]).unwrap(), None);
+        assert_eq!(cfg.gpu_util_model, GpuUtilModel::Graded);
         let cfg = PodConfig::from_cli(
             parse(&["--preset", "a100-8b", "--max-num-seqs", "8"]).unwrap(),
             Some("host-1".into()),
@@ -228,6 +338,35 @@ mod tests {
         assert_eq!(cfg.pod_name, "host-1");
         assert_eq!(cfg.engine.max_num_seqs, 8);
         assert!(cfg.engine.a > H100_A);
+        assert_eq!(cfg.engine.cache.block_size, 16);
+        assert!(cfg.engine.cache.prefix_caching);
+        assert_eq!(
+            cfg.engine.cache.seed,
+            ai_lb_prefix::model_seed("meta-llama/Llama-3.1-8B-Instruct")
+        );
+        assert!(cfg.kv_events.is_none());
+        let cfg = PodConfig::from_cli(
+            parse(&[
+                "--block-size",
+                "32",
+                "--prefix-caching",
+                "false",
+                "--kv-events-endpoint",
+                "tcp://127.0.0.1:0",
+                "--kv-events-topic",
+                "kv",
+            ])
+            .unwrap(),
+            None,
+        );
+        assert_eq!(cfg.engine.cache.block_size, 32);
+        assert!(!cfg.engine.cache.prefix_caching);
+        let ev = cfg.kv_events.unwrap();
+        assert_eq!(
+            (ev.endpoint.as_str(), ev.topic.as_str()),
+            ("tcp://127.0.0.1:0", "kv")
+        );
+        assert_eq!(ev.format, WireFormat::Array);
     }
 
     #[test]
@@ -240,6 +379,32 @@ mod tests {
             (&["--max-num-seqs", "0"][..], "--max-num-seqs", "0"),
             (&["--listen", "nowhere"][..], "--listen", "nowhere"),
             (&["--seed", "x"][..], "--seed", "x"),
+            (
+                &["--gpu-util-model", "dcgm"][..],
+                "--gpu-util-model",
+                "dcgm",
+            ),
+            (&["--block-size", "12"][..], "--block-size", "12"),
+            (
+                &["--prefix-caching", "maybe"][..],
+                "--prefix-caching",
+                "maybe",
+            ),
+            (
+                &["--kv-events-endpoint", "ipc:///tmp/x"][..],
+                "--kv-events-endpoint",
+                "ipc:///tmp/x",
+            ),
+            (
+                &[
+                    "--kv-events-endpoint",
+                    "tcp://h:1",
+                    "--kv-events-format",
+                    "json",
+                ][..],
+                "--kv-events-format",
+                "json",
+            ),
         ] {
             let err = parse(args).unwrap_err().to_string();
             assert!(err.contains(flag) && err.contains(value), "{err}");

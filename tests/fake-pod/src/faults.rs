@@ -18,6 +18,9 @@ pub struct Faults {
     pub freeze: bool,
     /// Forces the utilisation reported by /sim/gpu (0..1).
     pub gpu_utilization: Option<f64>,
+    /// Forces the GPM SM occupancy reported by /sim/gpu (0..1); only on presets whose GPU has
+    /// GPM (an A100 reports none, so forcing one there is refused).
+    pub sm_occupancy: Option<f64>,
     /// Whether /sim/gpu reports the HW-slowdown throttle reason: `None` follows `slowdown`
     /// (reported while it is above 1, as a thermally or power-throttled GPU would), `Some`
     /// forces it (`false`: a slowdown the GPU does not show, e.g. a noisy neighbour).
@@ -39,6 +42,7 @@ impl Default for Faults {
             hang: false,
             freeze: false,
             gpu_utilization: None,
+            sm_occupancy: None,
             throttle: None,
             queue: None,
             xid_errors: 0,
@@ -53,7 +57,7 @@ impl Default for Faults {
 pub enum ControlError {
     #[error("control body must be a JSON object: {0}")]
     NotAnObject(String),
-    #[error("unknown control field `{field}` (value {value}); known: slowdown, error_rate, hang, freeze, gpu_utilization, throttle, queue, xid, ecc_errors, reset")]
+    #[error("unknown control field `{field}` (value {value}); known: slowdown, error_rate, hang, freeze, gpu_utilization, sm_occupancy, throttle, queue, xid, ecc_errors, reset")]
     UnknownField { field: String, value: String },
     #[error("invalid value {value} for control field `{field}`: {reason}")]
     InvalidValue {
@@ -80,8 +84,9 @@ fn unit_interval(field: &str, v: &Value) -> Result<f64, ControlError> {
 
 impl Faults {
     /// Applies a partial update from a JSON body. `reset: true` is applied first, then the
-    /// other fields; nothing changes if any field is invalid.
-    pub fn apply(&self, body: &Value) -> Result<Faults, ControlError> {
+    /// other fields; nothing changes if any field is invalid. `gpm`: whether the pod's GPU
+    /// reports GPM readings (`sm_occupancy` can be forced only then).
+    pub fn apply(&self, body: &Value, gpm: bool) -> Result<Faults, ControlError> {
         let obj: &Map<String, Value> = body
             .as_object()
             .ok_or_else(|| ControlError::NotAnObject(body.to_string()))?;
@@ -113,6 +118,19 @@ impl Faults {
                 "gpu_utilization" => {
                     next.gpu_utilization = if v.is_null() {
                         None
+                    } else {
+                        Some(unit_interval(field, v)?)
+                    }
+                }
+                "sm_occupancy" => {
+                    next.sm_occupancy = if v.is_null() {
+                        None
+                    } else if !gpm {
+                        return Err(invalid(
+                            field,
+                            v,
+                            "this preset's GPU has no GPM (A100 and older): it reports no SM occupancy to force",
+                        ));
                     } else {
                         Some(unit_interval(field, v)?)
                     }
@@ -166,30 +184,63 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    impl Faults {
+        /// `apply` on a GPU with GPM.
+        fn apply_t(&self, body: &Value) -> Result<Faults, ControlError> {
+            self.apply(body, true)
+        }
+    }
+
+    #[test]
+    fn sm_occupancy_is_forced_only_where_the_gpu_has_gpm() {
+        let f = Faults::default()
+            .apply(&json!({"sm_occupancy": 0.97}), true)
+            .unwrap();
+        assert_eq!(f.sm_occupancy, Some(0.97));
+        assert_eq!(
+            f.apply(&json!({"sm_occupancy": null}), true)
+                .unwrap()
+                .sm_occupancy,
+            None
+        );
+        let e = Faults::default()
+            .apply(&json!({"sm_occupancy": 0.97}), false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("sm_occupancy") && e.contains("0.97") && e.contains("GPM"),
+            "{e}"
+        );
+        // Clearing is always allowed.
+        assert!(Faults::default()
+            .apply(&json!({"sm_occupancy": null}), false)
+            .is_ok());
+    }
+
     #[test]
     fn partial_updates_apply() {
         let f = Faults::default()
-            .apply(&json!({"slowdown": 2.5, "error_rate": 0.5, "queue": 7}))
+            .apply_t(&json!({"slowdown": 2.5, "error_rate": 0.5, "queue": 7}))
             .unwrap();
         assert_eq!(f.slowdown, 2.5);
         assert_eq!(f.error_rate, 0.5);
         assert_eq!(f.queue, Some(7));
         let f = f
-            .apply(&json!({"queue": null, "xid": 79, "ecc_errors": 2}))
+            .apply_t(&json!({"queue": null, "xid": 79, "ecc_errors": 2}))
             .unwrap();
         assert_eq!(f.queue, None);
         assert_eq!(f.slowdown, 2.5);
         assert_eq!((f.xid_errors, f.last_xid, f.ecc_errors), (1, Some(79), 2));
-        let f = f.apply(&json!({"xid": 48})).unwrap();
+        let f = f.apply_t(&json!({"xid": 48})).unwrap();
         assert_eq!((f.xid_errors, f.last_xid), (2, Some(48)));
     }
 
     #[test]
     fn reset_clears_then_applies_the_rest() {
         let f = Faults::default()
-            .apply(&json!({"hang": true, "freeze": true, "xid": 1}))
+            .apply_t(&json!({"hang": true, "freeze": true, "xid": 1}))
             .unwrap();
-        let f = f.apply(&json!({"reset": true, "slowdown": 3})).unwrap();
+        let f = f.apply_t(&json!({"reset": true, "slowdown": 3})).unwrap();
         assert_eq!(
             f,
             Faults {
@@ -209,16 +260,17 @@ mod tests {
             (json!({"hang": "yes"}), "hang", "\"yes\""),
             (json!({"freeze": 1}), "freeze", "1"),
             (json!({"gpu_utilization": -0.1}), "gpu_utilization", "-0.1"),
+            (json!({"sm_occupancy": 1.5}), "sm_occupancy", "1.5"),
             (json!({"queue": -1}), "queue", "-1"),
             (json!({"throttle": 1}), "throttle", "1"),
             (json!({"xid": "x"}), "xid", "\"x\""),
             (json!({"reset": 1}), "reset", "1"),
         ] {
-            let e = base.apply(&body).unwrap_err().to_string();
+            let e = base.apply_t(&body).unwrap_err().to_string();
             assert!(e.contains(field) && e.contains(value), "{e}");
         }
         // all-or-nothing: a valid field next to an invalid one is not applied
-        assert!(base.apply(&json!({"slowdown": 2, "nope": 1})).is_err());
-        assert!(base.apply(&json!([1])).is_err());
+        assert!(base.apply_t(&json!({"slowdown": 2, "nope": 1})).is_err());
+        assert!(base.apply_t(&json!([1])).is_err());
     }
 }

@@ -44,6 +44,7 @@ pub fn closed_loop(
                 id,
                 prompt_tokens: input_tokens,
                 max_tokens: output_tokens.max(1),
+                token_ids: Vec::new(),
             },
             now,
         );

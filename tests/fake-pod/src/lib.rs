@@ -5,6 +5,8 @@ pub mod config;
 pub mod faults;
 pub mod fit;
 pub mod gpu;
+pub mod kv_cache;
+pub mod kv_events;
 pub mod metrics;
 pub mod model;
 pub mod openai;

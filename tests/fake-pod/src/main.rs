@@ -8,6 +8,7 @@ use anyhow::Context;
 use clap::Parser;
 
 use ai_lb_fake_pod::config::{hostname, Cli, PodConfig};
+use ai_lb_fake_pod::kv_events;
 use ai_lb_fake_pod::server::{self, AppState};
 
 /// How long open requests may drain after a shutdown signal.
@@ -32,6 +33,17 @@ async fn main() -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot bind --listen {listen}"))?;
     let addr = listener.local_addr()?;
+    // KV events first: when the http line is out, everything is bound.
+    if let Some(ev) = state.config().kv_events.clone() {
+        let (sink, bound) = kv_events::spawn(&ev).await?;
+        state.attach_kv_events(sink);
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "LISTENING kv-events {}", bound.endpoint)?;
+        if let Some(r) = &bound.replay_endpoint {
+            writeln!(out, "LISTENING kv-events-replay {r}")?;
+        }
+        out.flush()?;
+    }
     {
         let mut out = std::io::stdout().lock();
         writeln!(out, "LISTENING http {addr}")?;

@@ -6,6 +6,8 @@
 
 use std::fmt::Write;
 
+use crate::kv_cache::CacheStats;
+
 /// vLLM's `vllm:time_to_first_token_seconds` buckets.
 pub const TTFT_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -21,9 +23,6 @@ pub const E2E_BUCKETS: &[f64] = &[
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
     480.0, 960.0, 1920.0, 7680.0,
 ];
-
-/// Tokens per KV-cache block, vLLM's default `--block-size` on CUDA.
-pub const KV_BLOCK_SIZE: u64 = 16;
 
 /// A cumulative Prometheus histogram.
 #[derive(Debug, Clone)]
@@ -102,9 +101,14 @@ pub struct Gauges {
     pub waiting: u64,
     pub running: u64,
     pub kv_cache_usage: f64,
-    /// KV-cache capacity in tokens; shown as `num_gpu_blocks` = this / [`KV_BLOCK_SIZE`]
-    /// (floor, as vLLM allocates whole blocks).
-    pub kv_cache_tokens: u64,
+    /// Tokens per block (`--block-size`).
+    pub block_size: u32,
+    /// Blocks in the cache (`--kv-cache-tokens / --block-size`, floor).
+    pub num_gpu_blocks: u32,
+    /// `--prefix-caching`.
+    pub prefix_caching: bool,
+    /// Prefix-cache counters, in tokens.
+    pub prefix_cache: CacheStats,
 }
 
 /// Why a request finished, as vLLM labels `finished_reason`.
@@ -174,10 +178,12 @@ impl Metrics {
         // vLLM's labels are the CacheConfig fields (str() of each, sorted as prometheus_client
         // prints them); no model_name. Memory used is 0.9 of total in /sim/gpu, hence 0.9.
         let cache_config = format!(
-            "block_size=\"{KV_BLOCK_SIZE}\",cache_dtype=\"auto\",enable_prefix_caching=\"False\",\
+            "block_size=\"{}\",cache_dtype=\"auto\",enable_prefix_caching=\"{}\",\
              gpu_memory_utilization=\"0.9\",num_cpu_blocks=\"None\",num_gpu_blocks=\"{}\",\
              num_gpu_blocks_override=\"None\",sliding_window=\"None\"",
-            g.kv_cache_tokens / KV_BLOCK_SIZE
+            g.block_size,
+            if g.prefix_caching { "True" } else { "False" },
+            g.num_gpu_blocks
         );
         gauge(
             &mut o,
@@ -206,6 +212,25 @@ impl Metrics {
             "KV-cache usage. 1 means 100 percent usage.",
             &labels,
             g.kv_cache_usage,
+        );
+        gauge(
+            &mut o,
+            "vllm:gpu_cache_usage_perc",
+            "GPU KV-cache usage. 1 means 100 percent usage.DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
+            &labels,
+            g.kv_cache_usage,
+        );
+        counter(
+            &mut o,
+            "vllm:prefix_cache_queries_total",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            &[(labels.clone(), g.prefix_cache.queries)],
+        );
+        counter(
+            &mut o,
+            "vllm:prefix_cache_hits_total",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            &[(labels.clone(), g.prefix_cache.hits)],
         );
         counter(
             &mut o,
@@ -308,7 +333,14 @@ mod tests {
                 waiting: 3,
                 running: 2,
                 kv_cache_usage: 0.5,
-                kv_cache_tokens: 1000,
+                block_size: 16,
+                num_gpu_blocks: 62,
+                prefix_caching: true,
+                prefix_cache: CacheStats {
+                    queries: 300,
+                    hits: 288,
+                    evictions: 0,
+                },
             },
         );
         let l = "model_name=\"meta-llama/Llama-3.1-8B-Instruct\"";
@@ -316,6 +348,10 @@ mod tests {
             format!("vllm:num_requests_waiting{{{l}}} 3.0"),
             format!("vllm:num_requests_running{{{l}}} 2.0"),
             format!("vllm:kv_cache_usage_perc{{{l}}} 0.5"),
+            format!("vllm:gpu_cache_usage_perc{{{l}}} 0.5"),
+            format!("vllm:prefix_cache_queries_total{{{l}}} 300.0"),
+            format!("vllm:prefix_cache_hits_total{{{l}}} 288.0"),
+            "# TYPE vllm:prefix_cache_hits_total counter".to_string(),
             format!("vllm:prompt_tokens_total{{{l}}} 10.0"),
             format!("vllm:request_success_total{{finished_reason=\"error\",{l}}} 1.0"),
             format!("vllm:time_to_first_token_seconds_count{{{l}}} 0.0"),
@@ -334,8 +370,10 @@ mod tests {
                 waiting: 0,
                 running: 0,
                 kv_cache_usage: 0.0,
-                // 62.5 blocks of 16: vLLM states whole blocks only.
-                kv_cache_tokens: 1000,
+                block_size: 16,
+                num_gpu_blocks: 62,
+                prefix_caching: false,
+                prefix_cache: CacheStats::default(),
             },
         );
         let info: Vec<&str> = text

@@ -4,10 +4,20 @@
 //!
 //! Iteration time = (a + b·decodes + p·prefill_tokens) × slowdown × time_scale, the affine
 //! step-time model used by LLM-serving simulators (Vidur, LLMServingSim); the constants are
-//! fitted per preset in `config.rs` and README.md. All times are seconds on the caller's
-//! clock (the server uses wall-clock seconds since start, already scaled by `time_scale`).
+//! fitted per preset in `config.rs` and README.md. `prefill_tokens` counts only tokens not
+//! found in the prefix cache (`kv_cache.rs`, vLLM V1's automatic prefix caching). All times
+//! are seconds on the caller's clock (the server uses wall-clock seconds since start, already
+//! scaled by `time_scale`).
+//!
+//! KV admission is vLLM's without preemption: a request is admitted only when the blocks it
+//! may ever need (prompt + max_tokens, in whole blocks) minus the cached blocks it hits fit in
+//! the free blocks (never-used ones plus the evictable LRU) left after every running request's
+//! outstanding reservation. Blocks are then allocated as tokens are scheduled, as vLLM's
+//! `allocate_slots` does, so eviction happens when a block is really needed.
 
 use std::collections::VecDeque;
+
+use crate::kv_cache::{block_hashes, BlockId, BlockPool, CacheParams, CacheStats, KvEvent};
 
 /// Step-time and capacity parameters of one engine (already validated by `config.rs`).
 #[derive(Debug, Clone, PartialEq)]
@@ -28,14 +38,45 @@ pub struct EngineParams {
     pub max_batched_tokens: u32,
     /// Multiplies every simulated duration (0.1 = ten times faster).
     pub time_scale: f64,
+    /// Block size, prefix caching on or off, and the key chain's seed.
+    pub cache: CacheParams,
+}
+
+impl EngineParams {
+    /// Blocks in the KV cache: `kv_cache_tokens / block_size`, floor (vLLM allocates whole
+    /// blocks; `vllm:cache_config_info`'s `num_gpu_blocks`).
+    pub fn num_blocks(&self) -> u32 {
+        u32::try_from(self.kv_cache_tokens / u64::from(self.cache.block_size.max(1)))
+            .unwrap_or(u32::MAX)
+    }
+
+    /// Whole blocks holding `tokens` tokens.
+    pub fn blocks_for(&self, tokens: u64) -> u64 {
+        tokens.div_ceil(u64::from(self.cache.block_size.max(1)))
+    }
+
+    /// Whether a request of `prompt` + `max_tokens` tokens can ever fit the cache.
+    pub fn fits(&self, prompt: u32, max_tokens: u32) -> bool {
+        self.blocks_for(u64::from(prompt.max(1)) + u64::from(max_tokens))
+            <= u64::from(self.num_blocks())
+    }
+
+    /// The capacity in tokens as whole blocks (what `fits` compares against).
+    pub fn capacity_tokens(&self) -> u64 {
+        u64::from(self.num_blocks()) * u64::from(self.cache.block_size)
+    }
 }
 
 /// One request as the engine sees it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NewRequest {
     pub id: u64,
     pub prompt_tokens: u32,
     pub max_tokens: u32,
+    /// The prompt's token ids followed by the ids it will generate (`ai-lb-prefix` ids), used
+    /// as the keys of the prefix cache. May be shorter than prompt + output, or empty (a
+    /// random prompt): positions without an id are never cached nor hit.
+    pub token_ids: Vec<u32>,
 }
 
 /// Why a request cannot be accepted at all.
@@ -82,12 +123,19 @@ struct Seq {
     chunk: u32,
     /// Whether it decodes one token in the current iteration.
     decoding: bool,
+    /// Prompt then output token ids (may be shorter, or empty).
+    token_ids: Vec<u32>,
+    /// Keys of every full block of `token_ids` (empty without prefix caching).
+    hashes: Vec<u64>,
+    /// Physical blocks held, in token order.
+    blocks: Vec<BlockId>,
+    /// Leading blocks of `blocks` that are keyed (hit or cached by this request).
+    num_cached: usize,
+    /// Blocks reserved at admission and not allocated yet.
+    reserved: u32,
 }
 
 impl Seq {
-    fn kv_need(&self) -> u64 {
-        u64::from(self.prompt) + u64::from(self.max_tokens)
-    }
     fn kv_held(&self) -> u64 {
         u64::from(self.prefilled) + u64::from(self.generated)
     }
@@ -102,12 +150,33 @@ struct Iteration {
     occupancy: f64,
 }
 
+impl Iteration {
+    fn shape(&self) -> StepShape {
+        StepShape {
+            decodes: self.decodes,
+            prefill_tokens: self.prefill_tokens,
+            occupancy: self.occupancy,
+        }
+    }
+}
+
+/// What one iteration (batch step) ran: what the GPU signals are modelled from.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepShape {
+    /// Sequences that decoded one token.
+    pub decodes: u32,
+    /// Prompt tokens computed (prefilled).
+    pub prefill_tokens: u32,
+    /// Running sequences / max_num_seqs when it started.
+    pub occupancy: f64,
+}
+
 /// Busy interval kept for the utilisation window.
 #[derive(Debug, Clone, Copy)]
 struct Busy {
     start: f64,
     end: f64,
-    occupancy: f64,
+    shape: StepShape,
 }
 
 /// Snapshot of the engine for gauges.
@@ -116,7 +185,17 @@ pub struct EngineStats {
     pub waiting: usize,
     pub running: usize,
     pub kv_tokens_held: u64,
+    /// Blocks in use by running requests / all blocks (vLLM's `kv_cache_usage_perc`).
     pub kv_usage: f64,
+    /// Blocks referenced by running requests.
+    pub kv_blocks_used: u32,
+    /// Keyed blocks, in use or free in the LRU.
+    pub kv_blocks_cached: u32,
+    /// Free keyed blocks in the LRU (evictable).
+    pub kv_blocks_evictable: u32,
+    pub num_blocks: u32,
+    /// Prefix-cache counters, in tokens.
+    pub cache: CacheStats,
 }
 
 /// Length of the utilisation window in the caller's seconds.
@@ -133,13 +212,20 @@ pub struct Engine {
     running: Vec<Seq>,
     current: Option<Iteration>,
     last_end: f64,
-    kv_reserved: u64,
+    /// Blocks reserved by running requests and not allocated yet.
+    reserved: u32,
+    pool: BlockPool,
     busy: VecDeque<Busy>,
     iterations: u64,
 }
 
 impl Engine {
     pub fn new(params: EngineParams) -> Self {
+        let pool = BlockPool::new(
+            params.num_blocks(),
+            params.cache.block_size,
+            params.cache.prefix_caching,
+        );
         Self {
             params,
             slowdown: 1.0,
@@ -148,10 +234,27 @@ impl Engine {
             running: Vec::new(),
             current: None,
             last_end: 0.0,
-            kv_reserved: 0,
+            reserved: 0,
+            pool,
             busy: VecDeque::new(),
             iterations: 0,
         }
+    }
+
+    /// Starts recording KV-cache events (see [`Engine::take_kv_events`]).
+    pub fn enable_kv_events(&mut self) {
+        self.pool.enable_events();
+    }
+
+    /// Moves the KV-cache events recorded since the last call to `out`, oldest first.
+    pub fn take_kv_events(&mut self, out: &mut Vec<KvEvent>) {
+        self.pool.take_events(out);
+    }
+
+    /// Drops every cached key (vLLM `reset_prefix_cache`); refused (false) while a request
+    /// holds blocks, as vLLM refuses.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        self.pool.reset()
     }
 
     pub fn params(&self) -> &EngineParams {
@@ -183,14 +286,22 @@ impl Engine {
         if req.max_tokens == 0 {
             return Err(SubmitError::ZeroMaxTokens(req.max_tokens));
         }
-        let need = u64::from(req.prompt_tokens.max(1)) + u64::from(req.max_tokens);
-        if need > self.params.kv_cache_tokens {
+        if !self.params.fits(req.prompt_tokens, req.max_tokens) {
             return Err(SubmitError::TooLong {
                 prompt: req.prompt_tokens,
                 max_tokens: req.max_tokens,
-                capacity: self.params.kv_cache_tokens,
+                capacity: self.params.capacity_tokens(),
             });
         }
+        let hashes = if self.params.cache.prefix_caching {
+            block_hashes(
+                self.params.cache.seed,
+                &req.token_ids,
+                self.params.cache.block_size,
+            )
+        } else {
+            Vec::new()
+        };
         let seq = Seq {
             id: req.id,
             prompt: req.prompt_tokens.max(1),
@@ -201,6 +312,11 @@ impl Engine {
             last_token_at: now,
             chunk: 0,
             decoding: false,
+            token_ids: req.token_ids,
+            hashes,
+            blocks: Vec::new(),
+            num_cached: 0,
+            reserved: 0,
         };
         let ready = now + self.params.overhead * self.params.time_scale;
         self.pending.push_back((ready, seq));
@@ -220,10 +336,16 @@ impl Engine {
         }
         if let Some(i) = self.running.iter().position(|s| s.id == id) {
             let s = self.running.swap_remove(i);
-            self.kv_reserved -= s.kv_need();
+            self.release(&s);
             return true;
         }
         false
+    }
+
+    /// Gives a finished or aborted request's blocks back (last first) and its reservation.
+    fn release(&mut self, s: &Seq) {
+        self.pool.free(&s.blocks);
+        self.reserved = self.reserved.saturating_sub(s.reserved);
     }
 
     /// Runs every iteration that ends at or before `now`, appending produced tokens to `out`
@@ -267,7 +389,6 @@ impl Engine {
 
     pub fn stats(&self) -> EngineStats {
         let held: u64 = self.running.iter().map(Seq::kv_held).sum();
-        let cap = self.params.kv_cache_tokens.max(1) as f64;
         EngineStats {
             // As vLLM V1 reports it: the scheduler's queue after its last step, i.e. requests
             // it could not admit. Requests still in the front end (HTTP, tokenisation, the
@@ -275,13 +396,38 @@ impl Engine {
             waiting: self.waiting.len(),
             running: self.running.len(),
             kv_tokens_held: held,
-            kv_usage: (held as f64 / cap).clamp(0.0, 1.0),
+            kv_usage: self.pool.usage(),
+            kv_blocks_used: self.pool.in_use(),
+            kv_blocks_cached: self.pool.cached_blocks(),
+            kv_blocks_evictable: self.pool.lru_len(),
+            num_blocks: self.pool.num_blocks(),
+            cache: self.pool.stats(),
         }
     }
 
     /// Busy fraction and mean batch occupancy (running / max_num_seqs, time-weighted over
     /// busy time) during `[now - UTILIZATION_WINDOW_S, now]`.
     pub fn busy_window(&mut self, now: f64) -> (f64, f64) {
+        let busy = self.window_mean(now, |_| 1.0);
+        let occ = self.window_mean(now, |s| s.occupancy);
+        let occupancy = if busy > 0.0 {
+            (occ / busy).clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
+        (busy.clamp(0.0, 1.0), occupancy)
+    }
+
+    /// Time average of `f(step)` over `[now - UTILIZATION_WINDOW_S, now]`, idle time counting
+    /// 0. `f = 1` gives the busy fraction, NVML's `utilization.gpu`.
+    pub fn window_mean(&mut self, now: f64, f: impl Fn(&StepShape) -> f64) -> f64 {
+        self.window(now).map(|(w, s)| w * f(&s)).sum()
+    }
+
+    /// The steps that overlap `[now - UTILIZATION_WINDOW_S, now]` (the running one up to `now`
+    /// included), each with its weight: overlap / window length. Idle time has no step, so
+    /// `Σ weight · f(step)` is the time average of `f` with idle counting 0.
+    pub fn window(&mut self, now: f64) -> impl Iterator<Item = (f64, StepShape)> + '_ {
         let from = now - UTILIZATION_WINDOW_S;
         while self.busy.front().is_some_and(|b| b.end < from) {
             self.busy.pop_front();
@@ -289,21 +435,16 @@ impl Engine {
         let current = self.current.map(|it| Busy {
             start: it.start,
             end: it.end,
-            occupancy: it.occupancy,
+            shape: it.shape(),
         });
-        let (mut busy, mut occ) = (0.0, 0.0);
-        for b in self.busy.iter().chain(current.iter()) {
-            let overlap = (b.end.min(now) - b.start.max(from)).max(0.0);
-            busy += overlap;
-            occ += overlap * b.occupancy;
-        }
-        let frac = (busy / UTILIZATION_WINDOW_S).clamp(0.0, 1.0);
-        let occupancy = if busy > 0.0 {
-            (occ / busy).clamp(0.0, 1.0)
-        } else {
-            0.0
-        };
-        (frac, occupancy)
+        self.busy
+            .iter()
+            .copied()
+            .chain(current)
+            .filter_map(move |b| {
+                let overlap = (b.end.min(now) - b.start.max(from)).max(0.0);
+                (overlap > 0.0).then_some((overlap / UTILIZATION_WINDOW_S, b.shape))
+            })
     }
 
     fn promote_pending(&mut self, t: f64) {
@@ -315,7 +456,8 @@ impl Engine {
     }
 
     /// Plans one iteration starting at `t`: decodes first, then continue partial prefills,
-    /// then admit waiting requests in FIFO order while seats, KV and budget last.
+    /// then admit waiting requests in FIFO order while seats, KV and budget last. A request
+    /// admitted with a prefix-cache hit starts prefilling after its cached blocks.
     fn start_iteration(&mut self, t: f64) {
         let mut budget = self.params.max_batched_tokens;
         let mut decodes = 0u32;
@@ -336,20 +478,54 @@ impl Engine {
                 prefill += s.chunk;
             }
         }
+        // Blocks for what the running requests compute in this step, and keys for the blocks
+        // it fills (vLLM caches a block when the step that fills it is scheduled).
+        let mut running = std::mem::take(&mut self.running);
+        for s in &mut running {
+            if s.chunk > 0 || s.decoding {
+                self.place(s);
+            }
+        }
+        self.running = running;
         while budget > 0 && self.running.len() < self.params.max_num_seqs {
             let Some(front) = self.waiting.front() else {
                 break;
             };
-            if self.kv_reserved + front.kv_need() > self.params.kv_cache_tokens {
+            let bs = self.params.cache.block_size.max(1);
+            // At least the last prompt token is computed (it gives the first token's logits):
+            // at most (prompt - 1) / block_size whole blocks can hit, as in vLLM's
+            // `get_computed_blocks` (max_cache_hit_length = num_tokens - 1).
+            let max_hit = ((front.prompt - 1) / bs) as usize;
+            let hit = self.pool.lookup(&front.hashes, max_hit);
+            let need = self
+                .params
+                .blocks_for(u64::from(front.prompt) + u64::from(front.max_tokens));
+            let new_blocks = u32::try_from(need)
+                .unwrap_or(u32::MAX)
+                .saturating_sub(hit.len() as u32);
+            let room = self
+                .pool
+                .free_capacity()
+                .saturating_sub(self.pool.free_among(&hit))
+                .saturating_sub(self.reserved);
+            if new_blocks > room {
                 break;
             }
             let Some(mut s) = self.waiting.pop_front() else {
                 break;
             };
-            self.kv_reserved += s.kv_need();
-            s.chunk = s.prompt.min(budget);
+            self.pool.touch(&hit);
+            let hit_tokens = hit.len() as u32 * bs;
+            self.pool.record_query(s.prompt, hit_tokens);
+            s.num_cached = hit.len();
+            s.blocks = hit;
+            s.reserved = new_blocks;
+            self.reserved += new_blocks;
+            s.prefilled = hit_tokens;
+            s.chunk = (s.prompt - s.prefilled).min(budget);
             budget -= s.chunk;
             prefill += s.chunk;
+            self.place(&mut s);
             self.running.push(s);
         }
         if decodes == 0 && prefill == 0 {
@@ -366,6 +542,41 @@ impl Engine {
         });
     }
 
+    /// Allocates the blocks `s` needs for the tokens computed in this step (from its
+    /// reservation) and keys those it fills. A decode step computes the last generated token
+    /// (its KV), so after it the request holds prompt + generated tokens.
+    fn place(&mut self, s: &mut Seq) {
+        let bs = self.params.cache.block_size.max(1) as usize;
+        let tokens = if s.decoding {
+            s.prompt as usize + s.generated as usize
+        } else {
+            (s.prefilled + s.chunk) as usize
+        };
+        let needed = tokens.div_ceil(bs);
+        while s.blocks.len() < needed {
+            match self.pool.allocate() {
+                Some(id) => {
+                    s.blocks.push(id);
+                    if s.reserved > 0 {
+                        s.reserved -= 1;
+                        self.reserved = self.reserved.saturating_sub(1);
+                    }
+                }
+                // Unreachable while reservations hold (admission checked the room).
+                None => break,
+            }
+        }
+        let full = (tokens / bs).min(s.hashes.len()).min(s.blocks.len());
+        if full > s.num_cached {
+            let from = s.num_cached;
+            let parent = from.checked_sub(1).and_then(|i| s.hashes.get(i)).copied();
+            let ids = s.token_ids.get(from * bs..full * bs).unwrap_or(&[]);
+            self.pool
+                .cache_blocks(&s.blocks[from..full], &s.hashes[from..full], parent, ids);
+            s.num_cached = full;
+        }
+    }
+
     fn complete(&mut self, it: Iteration, out: &mut Vec<TokenEvent>) {
         debug_assert!(it.decodes > 0 || it.prefill_tokens > 0);
         self.current = None;
@@ -374,7 +585,7 @@ impl Engine {
         self.busy.push_back(Busy {
             start: it.start,
             end: it.end,
-            occupancy: it.occupancy,
+            shape: it.shape(),
         });
         // Keep only the utilisation window, whether or not anyone reads it.
         let from = it.end - UTILIZATION_WINDOW_S;
@@ -409,7 +620,7 @@ impl Engine {
             s.last_token_at = it.end;
             if last {
                 let s = self.running.swap_remove(i);
-                self.kv_reserved -= s.kv_need();
+                self.release(&s);
             } else {
                 i += 1;
             }
@@ -431,7 +642,18 @@ mod tests {
             kv_cache_tokens: 10_000,
             max_batched_tokens: 1000,
             time_scale: 1.0,
+            cache: CacheParams {
+                block_size: 16,
+                prefix_caching: true,
+                seed: ai_lb_prefix::model_seed("m"),
+            },
         }
+    }
+
+    /// Idle engines hold no block and no reservation.
+    fn assert_idle(e: &Engine) {
+        assert_eq!(e.reserved, 0);
+        assert_eq!(e.pool.in_use(), 0);
     }
 
     fn req(id: u64, prompt: u32, max_tokens: u32) -> NewRequest {
@@ -439,6 +661,7 @@ mod tests {
             id,
             prompt_tokens: prompt,
             max_tokens,
+            token_ids: Vec::new(),
         }
     }
 
@@ -487,7 +710,7 @@ mod tests {
             vec![0, 1, 2]
         );
         assert_eq!(e.stats().running, 0);
-        assert_eq!(e.kv_reserved, 0);
+        assert_idle(&e);
     }
 
     #[test]
@@ -565,6 +788,8 @@ mod tests {
     #[test]
     fn kv_cache_full_queues_requests() {
         let mut p = params();
+        // One-token blocks: the reservation is exactly prompt + max_tokens tokens.
+        p.cache.block_size = 1;
         p.kv_cache_tokens = 300;
         p.max_num_seqs = 100;
         let mut e = Engine::new(p);
@@ -579,7 +804,7 @@ mod tests {
         let r3_first = ev.iter().find(|t| t.id == 3).unwrap().at;
         let r2_last = ev.iter().find(|t| t.id == 2 && t.last).unwrap().at;
         assert!(r3_first > r2_last);
-        assert_eq!(e.kv_reserved, 0);
+        assert_idle(&e);
     }
 
     #[test]
@@ -598,19 +823,213 @@ mod tests {
     }
 
     #[test]
-    fn kv_usage_counts_held_tokens() {
+    fn kv_usage_counts_blocks_in_use() {
         let mut p = params();
-        p.kv_cache_tokens = 1000;
+        p.kv_cache_tokens = 1000; // 62 blocks of 16
         let mut e = Engine::new(p);
         e.submit(req(1, 100, 10), 0.0).unwrap();
         let mut out = Vec::new();
         e.advance_to(0.0, &mut out);
-        assert_eq!(e.stats().kv_tokens_held, 0);
+        // Blocks are allocated when the step that computes them is scheduled: 100 tokens, 7.
+        assert_eq!(e.stats().kv_blocks_used, 7);
+        assert!(close(e.stats().kv_usage, 7.0 / 62.0));
         let t = e.next_wake().unwrap();
         e.advance_to(t, &mut out);
-        // prompt prefilled + first token
         assert_eq!(e.stats().kv_tokens_held, 101);
-        assert!(close(e.stats().kv_usage, 0.101));
+        run(&mut e);
+        assert_eq!(e.stats().kv_usage, 0.0);
+        assert_idle(&e);
+    }
+
+    /// A request whose token ids are `ids` (prompt = the first `prompt` of them).
+    fn req_ids(id: u64, ids: &[u32], prompt: u32) -> NewRequest {
+        NewRequest {
+            id,
+            prompt_tokens: prompt,
+            max_tokens: ids.len() as u32 - prompt,
+            token_ids: ids.to_vec(),
+        }
+    }
+
+    /// Runs one request alone to completion; its first token's time since arrival (TTFT).
+    fn ttft_of(e: &mut Engine, r: NewRequest) -> f64 {
+        let t0 = e.last_end + 1.0;
+        let id = r.id;
+        e.submit(r, t0).unwrap();
+        let mut out = Vec::new();
+        e.advance_to(t0, &mut out);
+        while let Some(t) = e.next_wake() {
+            e.advance_to(t, &mut out);
+        }
+        out.iter()
+            .find(|ev| ev.id == id && ev.index == 0)
+            .unwrap()
+            .since_arrival
+    }
+
+    #[test]
+    fn a_repeated_prompt_hits_whole_blocks_and_prefills_only_the_rest() {
+        let mut e = Engine::new(params());
+        let ids: Vec<u32> = (1..=304).collect(); // 300 prompt + 4 output tokens
+        let cold = ttft_of(&mut e, req_ids(1, &ids, 300));
+        assert_eq!(
+            e.stats().cache,
+            CacheStats {
+                queries: 300,
+                hits: 0,
+                evictions: 0
+            }
+        );
+        let warm = ttft_of(&mut e, req_ids(2, &ids, 300));
+        // 300 prompt tokens: (300 - 1) / 16 = 18 whole blocks hit, in tokens.
+        assert_eq!(e.stats().cache.hits, 288);
+        assert_eq!(e.stats().cache.queries, 600);
+        // Only the 12 uncached tokens are prefilled: a + 12 p instead of a + 300 p.
+        assert!(close(cold, 0.004 + 300.0 * 0.00001), "{cold}");
+        assert!(close(warm, 0.004 + 12.0 * 0.00001), "{warm}");
+        assert!(warm < cold);
+    }
+
+    #[test]
+    fn a_full_hit_still_recomputes_the_last_block() {
+        let mut e = Engine::new(params());
+        let ids: Vec<u32> = (1..=33).collect(); // prompt of exactly 2 blocks + 1 output
+        ttft_of(&mut e, req_ids(1, &ids, 32));
+        let warm = ttft_of(&mut e, req_ids(2, &ids, 32));
+        // Both blocks are cached, but the last prompt token must be computed: vLLM's hit is
+        // block aligned, so the whole last block is prefilled again.
+        assert_eq!(e.stats().cache.hits, 16);
+        assert!(close(warm, 0.004 + 16.0 * 0.00001), "{warm}");
+        // A prompt shorter than a block never hits.
+        let short: Vec<u32> = (1..=9).collect();
+        ttft_of(&mut e, req_ids(3, &short, 8));
+        ttft_of(&mut e, req_ids(4, &short, 8));
+        assert_eq!(e.stats().cache.hits, 16);
+    }
+
+    #[test]
+    fn a_second_turn_hits_the_first_turns_prompt_and_answer() {
+        use ai_lb_prefix::chat_prompt_into;
+        let mut e = Engine::new(params());
+        let mut turn1 = Vec::new();
+        chat_prompt_into(
+            [("user", &"tell me a story about a cat. ".repeat(8)[..])],
+            &mut turn1,
+        );
+        let answer: Vec<u32> = {
+            let mut a = Vec::new();
+            ai_lb_prefix::tokenize_into(&" the cat sat on the mat and".repeat(6), &mut a);
+            a
+        };
+        let mut ids1 = turn1.clone();
+        ids1.extend(&answer);
+        ttft_of(&mut e, req_ids(1, &ids1, turn1.len() as u32));
+        // The next prompt resends the answer as the assistant message.
+        let text: String = {
+            let mut s = String::new();
+            ai_lb_prefix::detokenize_into(&answer, &mut s);
+            s
+        };
+        let mut turn2 = Vec::new();
+        chat_prompt_into(
+            [
+                ("user", &"tell me a story about a cat. ".repeat(8)[..]),
+                ("assistant", &text[..]),
+                ("user", "and then?"),
+            ],
+            &mut turn2,
+        );
+        assert!(turn2.starts_with(&ids1));
+        let before = e.stats().cache.hits;
+        ttft_of(
+            &mut e,
+            req_ids(2, &[turn2.clone(), vec![1]].concat(), turn2.len() as u32),
+        );
+        let hit = e.stats().cache.hits - before;
+        // The answer's last token never had its KV computed, so the cached run is
+        // prompt + answer - 1 tokens, in whole blocks.
+        let cached = (ids1.len() as u64 - 1) / 16 * 16;
+        assert_eq!(hit, cached);
+        assert!(
+            hit > turn1.len() as u64,
+            "the answer's blocks hit too: {hit}"
+        );
+    }
+
+    #[test]
+    fn shared_blocks_are_held_once_and_freed_to_the_lru() {
+        let mut e = Engine::new(params());
+        let ids: Vec<u32> = (1..=200).collect();
+        ttft_of(&mut e, req_ids(1, &ids, 160));
+        let cached = e.stats().kv_blocks_cached;
+        assert!(cached >= 10, "{cached}");
+        assert_eq!(e.stats().kv_blocks_used, 0);
+        assert_eq!(e.stats().kv_blocks_evictable, cached);
+        // Two requests with the same prompt run together: they share the hit blocks.
+        let t0 = e.last_end + 1.0;
+        e.submit(req_ids(2, &ids, 160), t0).unwrap();
+        e.submit(req_ids(3, &ids, 160), t0).unwrap();
+        let mut out = Vec::new();
+        e.advance_to(t0, &mut out);
+        let used = e.stats().kv_blocks_used;
+        // 9 shared prompt blocks ((160 - 1) / 16), then each its own 10th block.
+        assert_eq!(used, 9 + 2, "shared blocks counted once");
+        run(&mut e);
+        assert_idle(&e);
+    }
+
+    #[test]
+    fn without_prefix_caching_nothing_hits() {
+        let mut p = params();
+        p.cache.prefix_caching = false;
+        let mut e = Engine::new(p);
+        e.enable_kv_events();
+        let ids: Vec<u32> = (1..=101).collect();
+        let cold = ttft_of(&mut e, req_ids(1, &ids, 100));
+        let again = ttft_of(&mut e, req_ids(2, &ids, 100));
+        assert!(close(cold, again));
+        assert_eq!(e.stats().cache.hits, 0);
+        assert_eq!(e.stats().kv_blocks_cached, 0);
+        let mut ev = Vec::new();
+        e.take_kv_events(&mut ev);
+        assert!(ev.is_empty());
+    }
+
+    #[test]
+    fn kv_events_follow_the_chain_and_eviction() {
+        let mut p = params();
+        p.kv_cache_tokens = 4 * 16; // 4 blocks
+        let mut e = Engine::new(p);
+        e.enable_kv_events();
+        let a: Vec<u32> = (1..=33).collect(); // 32-token prompt + 1 output
+        ttft_of(&mut e, req_ids(1, &a, 32));
+        let mut ev = Vec::new();
+        e.take_kv_events(&mut ev);
+        let ha = block_hashes(ai_lb_prefix::model_seed("m"), &a, 16);
+        assert_eq!(
+            ev,
+            vec![KvEvent::BlockStored {
+                block_hashes: ha[..2].to_vec(),
+                parent_block_hash: None,
+                token_ids: a[..32].to_vec(),
+                block_size: 16,
+            }]
+        );
+        // Another 3-block request: the two never-used blocks, then the LRU's oldest (a's
+        // tail, freed first) is evicted; a's head stays cached.
+        let b: Vec<u32> = (100..149).collect(); // 48 + 1
+        ttft_of(&mut e, req_ids(2, &b, 48));
+        ev.clear();
+        e.take_kv_events(&mut ev);
+        assert!(
+            ev.contains(&KvEvent::BlockRemoved {
+                block_hashes: vec![ha[1]]
+            }),
+            "{ev:?}"
+        );
+        assert!(!ev.iter().any(
+            |x| matches!(x, KvEvent::BlockRemoved { block_hashes } if block_hashes.contains(&ha[0]))
+        ));
     }
 
     #[test]
@@ -647,7 +1066,7 @@ mod tests {
         e.advance_to(0.0, &mut out);
         assert!(e.abort(1));
         assert!(!e.abort(1));
-        assert_eq!(e.kv_reserved, 0);
+        assert_idle(&e);
         assert_eq!(e.stats().running, 0);
         // the in-flight iteration ends without producing anything for the aborted request
         let ev = run(&mut e);
@@ -715,7 +1134,7 @@ mod tests {
                         if w > *t { break; }
                         e.advance_to(w, &mut out);
                         prop_assert!(e.stats().running <= seats);
-                        prop_assert!(e.kv_reserved <= 8_000);
+                        prop_assert!(e.pool.in_use() + e.reserved <= e.params.num_blocks());
                     }
                     e.advance_to(*t, &mut out);
                     e.submit(req(*id, *pr, *mt), *t).unwrap();
@@ -724,7 +1143,7 @@ mod tests {
                 while let Some(w) = e.next_wake() {
                     e.advance_to(w, &mut out);
                     prop_assert!(e.stats().running <= seats);
-                    prop_assert!(e.kv_reserved <= 8_000);
+                    prop_assert!(e.pool.in_use() + e.reserved <= e.params.num_blocks());
                 }
                 for (_, id, _, mt) in &arrivals {
                     let idx: Vec<u32> = out.iter().filter(|ev| ev.id == *id).map(|ev| ev.index).collect();
@@ -732,7 +1151,7 @@ mod tests {
                 }
                 prop_assert!(out.windows(2).all(|w| w[0].at <= w[1].at));
                 prop_assert_eq!(e.stats().running + e.stats().waiting, 0);
-                prop_assert_eq!(e.kv_reserved, 0);
+                prop_assert_eq!(e.reserved + e.pool.in_use(), 0);
             }
         }
     }

@@ -1,6 +1,7 @@
 //! Decides how OpenAI-compatible requests are read and answered: request parsing and
-//! validation, the prompt-token estimate (ceil(chars / 4) of the prompt text), seeded generated
-//! text, and the JSON bodies of responses, SSE chunks and errors (vLLM's shapes).
+//! validation, the prompt's token ids (the fake model's tokenizer and chat template from
+//! `ai-lb-prefix`), seeded generated tokens (4-byte ASCII pieces, so an answer re-tokenises to
+//! the same ids), and the JSON bodies of responses, SSE chunks and errors (vLLM's shapes).
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -44,7 +45,6 @@ struct ChatRequest {
 
 #[derive(Debug, Deserialize)]
 struct ChatMessage {
-    #[allow(dead_code)]
     role: String,
     #[serde(default)]
     content: Option<Content>,
@@ -93,6 +93,10 @@ pub struct GenRequest {
     pub model: Option<String>,
     /// Prompt text (messages' contents joined by '\n'), used to seed the generated text.
     pub prompt_text: String,
+    /// The prompt's token ids: the chat template of the messages, the tokens of a completion
+    /// prompt, or a completion's token-id array as given.
+    pub prompt_ids: Vec<u32>,
+    /// `prompt_ids.len()`, at least 1 (an empty prompt still occupies one position).
     pub prompt_tokens: u32,
     pub max_tokens: u32,
     pub stream: bool,
@@ -159,10 +163,16 @@ impl ApiError {
     }
 }
 
-/// Prompt-token estimate: ceil(characters / 4), at least 1.
-pub fn estimate_tokens(text: &str) -> u32 {
-    let chars = text.chars().count() as u64;
-    u32::try_from(chars.div_ceil(4).max(1)).unwrap_or(u32::MAX)
+/// Prompt tokens billed for `ids`: their number, at least 1.
+pub fn count_prompt(ids: &[u32]) -> u32 {
+    u32::try_from(ids.len()).unwrap_or(u32::MAX).max(1)
+}
+
+/// Token ids of a completion prompt string (no chat template).
+pub fn completion_ids(text: &str) -> Vec<u32> {
+    let mut ids = Vec::with_capacity(ai_lb_prefix::count_tokens(text));
+    ai_lb_prefix::tokenize_into(text, &mut ids);
+    ids
 }
 
 fn check_n(n: Option<u32>) -> Result<(), ApiError> {
@@ -201,21 +211,16 @@ pub fn parse(kind: Kind, body: &[u8]) -> Result<GenRequest, ApiError> {
                     Some("messages"),
                 ));
             }
-            let mut text = String::new();
-            for (i, m) in r.messages.iter().enumerate() {
-                if i > 0 {
-                    text.push('\n');
-                }
-                match &m.content {
-                    Some(Content::Text(t)) => text.push_str(t),
-                    Some(Content::Parts(parts)) => {
-                        for p in parts {
-                            text.push_str(p.text.as_deref().unwrap_or(""));
-                        }
-                    }
-                    None => {}
-                }
-            }
+            let contents: Vec<String> = r.messages.iter().map(message_text).collect();
+            let mut ids = Vec::new();
+            ai_lb_prefix::chat_prompt_into(
+                r.messages
+                    .iter()
+                    .zip(&contents)
+                    .map(|(m, c)| (m.role.as_str(), c.as_str())),
+                &mut ids,
+            );
+            let text = contents.join("\n");
             let (mt, field) = match r.max_completion_tokens {
                 Some(v) => (Some(v), "max_completion_tokens"),
                 None => (r.max_tokens, "max_tokens"),
@@ -223,7 +228,8 @@ pub fn parse(kind: Kind, body: &[u8]) -> Result<GenRequest, ApiError> {
             Ok(GenRequest {
                 kind,
                 model: r.model,
-                prompt_tokens: estimate_tokens(&text),
+                prompt_tokens: count_prompt(&ids),
+                prompt_ids: ids,
                 prompt_text: text,
                 max_tokens: max_tokens(mt, field)?,
                 stream: r.stream.unwrap_or(false),
@@ -233,31 +239,31 @@ pub fn parse(kind: Kind, body: &[u8]) -> Result<GenRequest, ApiError> {
         Kind::Completion => {
             let r: CompletionRequest = serde_json::from_slice(body).map_err(invalid)?;
             check_n(r.n)?;
-            let (text, tokens) = match r.prompt {
+            let (text, ids) = match r.prompt {
                 Prompt::Text(t) => {
-                    let n = estimate_tokens(&t);
-                    (t, n)
+                    let ids = completion_ids(&t);
+                    (t, ids)
                 }
                 Prompt::Texts(ts) => {
                     let t = ts.join("\n");
-                    let n = estimate_tokens(&t);
-                    (t, n)
+                    let ids = completion_ids(&t);
+                    (t, ids)
                 }
                 Prompt::Tokens(ids) => {
-                    let n = u32::try_from(ids.len()).unwrap_or(u32::MAX).max(1);
                     let t = ids
                         .iter()
                         .map(|i| i.to_string())
                         .collect::<Vec<_>>()
                         .join(" ");
-                    (t, n)
+                    (t, ids)
                 }
             };
             Ok(GenRequest {
                 kind,
                 model: r.model,
                 prompt_text: text,
-                prompt_tokens: tokens,
+                prompt_tokens: count_prompt(&ids),
+                prompt_ids: ids,
                 max_tokens: max_tokens(r.max_tokens, "max_tokens")?,
                 stream: r.stream.unwrap_or(false),
                 include_usage: r.stream_options.and_then(|o| o.include_usage) == Some(true),
@@ -266,77 +272,35 @@ pub fn parse(kind: Kind, body: &[u8]) -> Result<GenRequest, ApiError> {
     }
 }
 
+/// The text of a chat message: its string content, or its parts' texts concatenated.
+fn message_text(m: &ChatMessage) -> String {
+    match &m.content {
+        Some(Content::Text(t)) => t.clone(),
+        Some(Content::Parts(parts)) => parts.iter().filter_map(|p| p.text.as_deref()).collect(),
+        None => String::new(),
+    }
+}
+
+/// Words of the generated text. With its leading space each is 4 or 8 bytes, i.e. one or two
+/// 4-byte tokens, so the text cuts back into exactly the generated tokens.
 const WORDS: &[&str] = &[
-    "the",
-    "model",
-    "token",
-    "batch",
-    "cache",
-    "router",
-    "latency",
-    "pod",
-    "GPU",
-    "request",
-    "stream",
-    "queue",
-    "kernel",
-    "memory",
-    "prefill",
-    "decode",
-    "signal",
-    "score",
-    "weight",
-    "envoy",
-    "cluster",
-    "host",
-    "load",
-    "balance",
-    "fast",
-    "slow",
-    "warm",
-    "cold",
-    "simulated",
-    "answer",
-    "is",
-    "a",
-    "of",
-    "to",
-    "and",
-    "in",
-    "that",
-    "for",
-    "with",
-    "on",
-    "as",
-    "it",
-    "by",
-    "this",
-    "from",
-    "at",
-    "we",
-    "can",
-    "will",
-    "each",
-    "more",
-    "than",
-    "when",
-    "which",
-    "time",
-    "first",
-    "next",
-    "last",
-    "every",
-    "metric",
-    "value",
-    "tensor",
-    "layer",
-    "vector",
+    "the", "and", "for", "are", "but", "not", "all", "can", "was", "one", "our", "out", "day",
+    "get", "has", "how", "new", "now", "old", "see", "two", "way", "who", "did", "its", "let",
+    "put", "say", "too", "use", "cat", "sat", "mat", "run", "set", "key", "map", "log", "bit",
+    "net", "api", "box", "pod", "gpu", "hot", "low", "top", "end", "latency", "prefill", "cluster",
+    "request", "balance", "decoder", "kernels", "tensors", "routing", "streams", "signals",
+    "weights", "batches", "caching", "serving", "replica", "backend", "metrics", "network",
+    "compute",
 ];
 
-/// Seeded generator of the output text: the same seed and request give the same text.
+/// Seeded generator of the output tokens: the same seed and request give the same tokens.
+/// Every token is a 4-byte ASCII piece (`" the"`, `" lat"`, `"ency"`): words from [`WORDS`]
+/// with a leading space, cut into 4-byte pieces.
 #[derive(Debug)]
 pub struct TextGen {
     rng: ChaCha8Rng,
+    /// Pieces of the current word not emitted yet.
+    pending: Vec<u32>,
 }
 
 impl TextGen {
@@ -344,18 +308,40 @@ impl TextGen {
         let h = fnv1a(req.prompt_text.as_bytes()) ^ u64::from(req.max_tokens).rotate_left(32);
         Self {
             rng: ChaCha8Rng::seed_from_u64(seed ^ h),
+            pending: Vec::new(),
         }
     }
 
-    /// The next token's text (a word with a leading space, except the first).
-    pub fn token(&mut self, index: u32) -> String {
-        let w = WORDS[self.rng.random_range(0..WORDS.len())];
-        if index == 0 {
-            w.to_string()
-        } else {
-            format!(" {w}")
+    /// The next token's id (a 4-byte ASCII piece of the `ai-lb-prefix` tokenizer).
+    pub fn next_id(&mut self) -> u32 {
+        if self.pending.is_empty() {
+            let w = WORDS[self.rng.random_range(0..WORDS.len())];
+            let mut ids = Vec::with_capacity(2);
+            ai_lb_prefix::tokenize_into(&format!(" {w}"), &mut ids);
+            // Reversed, so `pop` yields them in order.
+            self.pending = ids.into_iter().rev().collect();
         }
+        self.pending.pop().unwrap_or(0)
     }
+
+    /// The ids of the next `n` tokens.
+    pub fn ids(&mut self, n: u32) -> Vec<u32> {
+        (0..n).map(|_| self.next_id()).collect()
+    }
+}
+
+/// The text of one generated token id.
+pub fn token_text(id: u32) -> String {
+    let mut s = String::with_capacity(4);
+    ai_lb_prefix::detokenize_into(&[id], &mut s);
+    s
+}
+
+/// The text of generated token ids.
+pub fn tokens_text(ids: &[u32]) -> String {
+    let mut s = String::with_capacity(ids.len() * 4);
+    ai_lb_prefix::detokenize_into(ids, &mut s);
+    s
 }
 
 /// `usage` block.
@@ -485,11 +471,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn token_estimate_is_ceil_chars_over_four() {
-        assert_eq!(estimate_tokens(""), 1);
-        assert_eq!(estimate_tokens("abcd"), 1);
-        assert_eq!(estimate_tokens("abcde"), 2);
-        assert_eq!(estimate_tokens("ééééé"), 2);
+    fn prompt_counts_follow_the_fake_tokenizer() {
+        for (prompt, n) in [("", 1), ("abcd", 1), ("abcde", 2), ("ééééé", 5)] {
+            let body = serde_json::json!({ "prompt": prompt }).to_string();
+            let r = parse(Kind::Completion, body.as_bytes()).unwrap();
+            assert_eq!(r.prompt_tokens, n, "{prompt:?}");
+            assert_eq!(r.prompt_ids, completion_ids(prompt));
+        }
     }
 
     #[test]
@@ -499,7 +487,11 @@ mod tests {
             "max_tokens":7,"stream":true,"stream_options":{"include_usage":true},"temperature":0.2}"#;
         let r = parse(Kind::Chat, body).unwrap();
         assert_eq!(r.prompt_text, "abcd\nefgh");
-        assert_eq!(r.prompt_tokens, 3);
+        // system role, "abcd", user role, "efgh", generation prompt
+        let mut ids = Vec::new();
+        ai_lb_prefix::chat_prompt_into([("system", "abcd"), ("user", "efgh")], &mut ids);
+        assert_eq!(r.prompt_ids, ids);
+        assert_eq!(r.prompt_tokens, 5);
         assert_eq!(r.max_tokens, 7);
         assert!(r.stream && r.include_usage);
         assert_eq!(r.model.as_deref(), Some("m"));
@@ -518,6 +510,7 @@ mod tests {
         assert!(!r.stream);
         let r = parse(Kind::Completion, br#"{"prompt":[1,2,3,4,5]}"#).unwrap();
         assert_eq!(r.prompt_tokens, 5);
+        assert_eq!(r.prompt_ids, vec![1, 2, 3, 4, 5]);
     }
 
     #[test]
@@ -549,12 +542,20 @@ mod tests {
     #[test]
     fn text_is_deterministic_per_seed_and_request() {
         let r = parse(Kind::Completion, br#"{"prompt":"hello","max_tokens":8}"#).unwrap();
-        let gen = |seed| {
-            let mut g = TextGen::new(seed, &r);
-            (0..8).map(|i| g.token(i)).collect::<String>()
-        };
+        let gen = |seed| TextGen::new(seed, &r).ids(8);
         assert_eq!(gen(1), gen(1));
         assert_ne!(gen(1), gen(2));
+    }
+
+    #[test]
+    fn generated_tokens_are_4_byte_pieces_that_retokenise_to_themselves() {
+        let r = parse(Kind::Completion, br#"{"prompt":"hello","max_tokens":300}"#).unwrap();
+        let ids = TextGen::new(3, &r).ids(300);
+        assert!(ids.iter().all(|id| token_text(*id).len() == 4), "{ids:?}");
+        let text = tokens_text(&ids);
+        assert_eq!(text.len(), 1200);
+        assert_eq!(completion_ids(&text), ids);
+        assert!(text.starts_with(' '), "{text}");
     }
 
     #[test]

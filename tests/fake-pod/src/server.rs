@@ -21,9 +21,12 @@ use tokio::sync::{mpsc, watch, Notify};
 use crate::config::PodConfig;
 use crate::faults::Faults;
 use crate::gpu;
+use crate::kv_cache::KvEvent;
+use crate::kv_events::{EventSink, PublisherStats};
 use crate::metrics::{FinishReason, Gauges, Metrics};
 use crate::model::{Engine, NewRequest, TokenEvent};
 use crate::openai::{self, ApiError, GenRequest, Kind, ResponseMeta, TextGen, Usage};
+use crate::openai::{token_text, tokens_text};
 
 /// Shared state of one pod.
 #[derive(Debug)]
@@ -50,6 +53,9 @@ struct Inner {
     next_id: u64,
     hung: u64,
     events: Vec<TokenEvent>,
+    /// Where KV-cache events go, when published.
+    kv_sink: Option<EventSink>,
+    kv_events: Vec<KvEvent>,
 }
 
 #[derive(Debug)]
@@ -82,6 +88,8 @@ impl AppState {
             next_id: 0,
             hung: 0,
             events: Vec::new(),
+            kv_sink: None,
+            kv_events: Vec::new(),
         };
         Ok(Arc::new(Self {
             cfg,
@@ -107,6 +115,14 @@ impl AppState {
     /// Seconds since start: the engine model's clock.
     fn now(&self) -> f64 {
         self.start.elapsed().as_secs_f64()
+    }
+
+    /// Publishes the engine's KV-cache events through `sink` from now on (one batch per
+    /// engine step that changed the cache).
+    pub fn attach_kv_events(&self, sink: EventSink) {
+        let mut g = self.lock();
+        g.engine.enable_kv_events();
+        g.kv_sink = Some(sink);
     }
 
     /// Releases hung requests (answered 503) before a graceful shutdown.
@@ -144,6 +160,26 @@ impl Inner {
             }
         }
         self.events = events;
+        self.flush_kv_events();
+    }
+
+    /// Hands the KV-cache events of the steps just run to the publisher as one batch.
+    fn flush_kv_events(&mut self) {
+        let Some(sink) = self.kv_sink.as_mut() else {
+            return;
+        };
+        self.engine.take_kv_events(&mut self.kv_events);
+        if !self.kv_events.is_empty() {
+            sink.send(std::mem::take(&mut self.kv_events));
+        }
+    }
+
+    /// vLLM's `reset_prefix_cache`: drops every cached block; refused while a request holds
+    /// blocks. The `AllBlocksCleared` event goes out with the next batch.
+    fn reset_prefix_cache(&mut self) -> bool {
+        let ok = self.engine.reset_prefix_cache();
+        self.flush_kv_events();
+        ok
     }
 
     fn abort(&mut self, id: u64) {
@@ -151,6 +187,7 @@ impl Inner {
         if self.engine.abort(id) {
             self.metrics.finished(FinishReason::Abort);
         }
+        self.flush_kv_events();
     }
 }
 
@@ -188,6 +225,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(healthz))
         .route("/metrics", get(metrics))
         .route("/sim/gpu", get(sim_gpu))
+        .route("/sim/cache", get(sim_cache))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/control", get(get_control).post(post_control))
         .layer(middleware::from_fn_with_state(state.clone(), tag_pod))
         .with_state(state)
@@ -221,7 +260,7 @@ pub async fn serve(
 
 async fn tag_pod(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let path = req.uri().path();
-    if path != "/sim/gpu" && path != "/control" {
+    if !path.starts_with("/sim/") && path != "/control" {
         if let Err(res) = wait_while_frozen(&st).await {
             return res;
         }
@@ -289,12 +328,15 @@ async fn generate(st: Arc<AppState>, kind: Kind, body: Bytes) -> Response {
             return error_response(&ApiError::not_found_model(m));
         }
     }
-    let need = u64::from(req.prompt_tokens) + u64::from(req.max_tokens);
-    if need > st.cfg.engine.kv_cache_tokens {
+    if !st.cfg.engine.fits(req.prompt_tokens, req.max_tokens) {
         return error_response(&ApiError::bad_request(
             format!(
-                "prompt ({} tokens) + max_tokens ({}) exceeds the KV cache capacity of {} tokens",
-                req.prompt_tokens, req.max_tokens, st.cfg.engine.kv_cache_tokens
+                "prompt ({} tokens) + max_tokens ({}) exceeds the KV cache capacity of {} tokens ({} blocks of {})",
+                req.prompt_tokens,
+                req.max_tokens,
+                st.cfg.engine.capacity_tokens(),
+                st.cfg.engine.num_blocks(),
+                st.cfg.engine.cache.block_size
             ),
             Some("max_tokens"),
         ));
@@ -310,6 +352,12 @@ async fn generate(st: Arc<AppState>, kind: Kind, body: Bytes) -> Response {
     if let Err(resp) = wait_while_hung(&st).await {
         return resp;
     }
+    // The whole output is drawn up front (seeded by the request, so the same whatever the
+    // timing): the engine needs its token ids to cache the answer's KV blocks.
+    let output = TextGen::new(st.cfg.seed, &req).ids(req.max_tokens);
+    let mut token_ids = Vec::with_capacity(req.prompt_ids.len() + output.len());
+    token_ids.extend_from_slice(&req.prompt_ids);
+    token_ids.extend_from_slice(&output);
     let (tx, rx) = mpsc::unbounded_channel();
     let id = {
         let mut g = st.lock();
@@ -321,6 +369,7 @@ async fn generate(st: Arc<AppState>, kind: Kind, body: Bytes) -> Response {
                 id,
                 prompt_tokens: req.prompt_tokens,
                 max_tokens: req.max_tokens,
+                token_ids,
             },
             now,
         );
@@ -351,16 +400,15 @@ async fn generate(st: Arc<AppState>, kind: Kind, body: Bytes) -> Response {
             .unwrap_or(0),
         st.cfg.model.clone(),
     );
-    let gen = TextGen::new(st.cfg.seed, &req);
     let guard = RequestGuard {
         state: st.clone(),
         id,
         done: false,
     };
     if req.stream {
-        stream_response(req, meta, gen, rx, guard)
+        stream_response(req, meta, output, rx, guard)
     } else {
-        full_response(req, meta, gen, rx, guard).await
+        full_response(req, meta, output, rx, guard).await
     }
 }
 
@@ -411,7 +459,7 @@ async fn wait_while_hung(st: &Arc<AppState>) -> Result<(), Response> {
 async fn full_response(
     req: GenRequest,
     meta: ResponseMeta,
-    mut gen: TextGen,
+    output: Vec<u32>,
     mut rx: mpsc::UnboundedReceiver<TokenEvent>,
     mut guard: RequestGuard,
 ) -> Response {
@@ -426,10 +474,7 @@ async fn full_response(
         return error_response(&ApiError::unavailable("engine stopped"));
     }
     let produced = req.max_tokens;
-    let mut text = String::with_capacity(produced as usize * 8);
-    for i in 0..produced {
-        text.push_str(&gen.token(i));
-    }
+    let text = tokens_text(&output);
     json_response(
         StatusCode::OK,
         meta.full(&text, Usage::new(req.prompt_tokens, produced)),
@@ -446,7 +491,7 @@ enum Phase {
 struct StreamCtx {
     req: GenRequest,
     meta: ResponseMeta,
-    gen: TextGen,
+    output: Vec<u32>,
     rx: mpsc::UnboundedReceiver<TokenEvent>,
     guard: RequestGuard,
     phase: Phase,
@@ -460,14 +505,14 @@ fn sse(data: &str) -> Result<Bytes, std::io::Error> {
 fn stream_response(
     req: GenRequest,
     meta: ResponseMeta,
-    gen: TextGen,
+    output: Vec<u32>,
     rx: mpsc::UnboundedReceiver<TokenEvent>,
     guard: RequestGuard,
 ) -> Response {
     let ctx = StreamCtx {
         req,
         meta,
-        gen,
+        output,
         rx,
         guard,
         phase: Phase::Tokens,
@@ -477,7 +522,8 @@ fn stream_response(
         match c.phase {
             Phase::Tokens => {
                 let ev = c.rx.recv().await?;
-                let tok = c.gen.token(ev.index);
+                let id = c.output.get(ev.index as usize).copied().unwrap_or(0);
+                let tok = token_text(id);
                 c.produced += 1;
                 let data = c.meta.chunk(&tok, ev.index == 0, ev.last);
                 if ev.last {
@@ -549,7 +595,10 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
                 waiting,
                 running: s.running as u64,
                 kv_cache_usage: s.kv_usage,
-                kv_cache_tokens: st.cfg.engine.kv_cache_tokens,
+                block_size: st.cfg.engine.cache.block_size,
+                num_gpu_blocks: s.num_blocks,
+                prefix_caching: st.cfg.engine.cache.prefix_caching,
+                prefix_cache: s.cache,
             },
         )
     };
@@ -568,12 +617,13 @@ async fn sim_gpu(State(st): State<Arc<AppState>>) -> Response {
     let report = {
         let mut g = st.lock();
         let now = st.now();
-        let (busy, occupancy) = g.engine.busy_window(now);
+        let signals = gpu::WindowSignals::of(&mut g.engine, now);
         gpu::report(
             &st.cfg.spec,
             &st.cfg.pod_name,
             st.cfg.num_gpus,
-            gpu::utilization(busy, occupancy),
+            &signals,
+            st.cfg.gpu_util_model,
             &g.faults,
         )
     };
@@ -581,6 +631,53 @@ async fn sim_gpu(State(st): State<Arc<AppState>>) -> Response {
         Ok(body) => json_response(StatusCode::OK, body),
         Err(e) => error_response(&ApiError::unavailable(e.to_string())),
     }
+}
+
+/// `/sim/cache`: the prefix cache's blocks and counters, and the KV-event publisher's.
+/// `POST /reset_prefix_cache` (vLLM's development endpoint): empties the prefix cache; 409
+/// while a running request holds blocks (vLLM refuses then too), so a benchmark can start each
+/// policy from a cold cache.
+async fn reset_prefix_cache(State(st): State<Arc<AppState>>) -> Response {
+    let ok = st.lock().reset_prefix_cache();
+    if ok {
+        json_response(StatusCode::OK, r#"{"reset":true}"#.to_string())
+    } else {
+        json_response(
+            StatusCode::CONFLICT,
+            r#"{"reset":false,"reason":"a running request holds KV blocks"}"#.to_string(),
+        )
+    }
+}
+
+async fn sim_cache(State(st): State<Arc<AppState>>) -> Response {
+    let body = {
+        let g = st.lock();
+        let s = g.engine.stats();
+        let publisher = g.kv_sink.as_ref().map(|k| publisher_json(k.stats()));
+        serde_json::json!({
+            "block_size": st.cfg.engine.cache.block_size,
+            "prefix_caching": st.cfg.engine.cache.prefix_caching,
+            "num_blocks": s.num_blocks,
+            "blocks_used": s.kv_blocks_used,
+            "blocks_cached": s.kv_blocks_cached,
+            "blocks_evictable": s.kv_blocks_evictable,
+            "prefix_cache_queries_tokens": s.cache.queries,
+            "prefix_cache_hits_tokens": s.cache.hits,
+            "evictions": s.cache.evictions,
+            "kv_events": publisher,
+        })
+    };
+    json_response(StatusCode::OK, body.to_string())
+}
+
+fn publisher_json(p: &PublisherStats) -> serde_json::Value {
+    use std::sync::atomic::Ordering::Relaxed;
+    serde_json::json!({
+        "batches_published": p.batches_published.load(Relaxed),
+        "batches_dropped": p.batches_dropped.load(Relaxed),
+        "events_published": p.events_published.load(Relaxed),
+        "replay_requests": p.replay_requests.load(Relaxed),
+    })
 }
 
 fn faults_body(f: &Faults) -> String {
@@ -604,7 +701,7 @@ async fn post_control(State(st): State<Arc<AppState>>, body: Bytes) -> Response 
     };
     let faults = {
         let mut g = st.lock();
-        match g.faults.apply(&value) {
+        match g.faults.apply(&value, st.cfg.spec.gpm) {
             Ok(f) => {
                 g.engine.set_slowdown(f.slowdown);
                 g.faults = f.clone();

@@ -16,6 +16,8 @@ struct Pod {
     child: Child,
     base: String,
     http: reqwest::Client,
+    /// `tcp://...` of the KV-event PUB socket, with --kv-events-endpoint.
+    kv_events: Option<String>,
 }
 
 impl Pod {
@@ -34,18 +36,30 @@ impl Pod {
             .expect("spawn fake pod");
         let stdout = child.stdout.take().unwrap();
         let mut lines = BufReader::new(stdout).lines();
-        let line = timeout(Duration::from_secs(20), lines.next_line())
-            .await
-            .expect("LISTENING line within 20 s")
-            .unwrap()
-            .expect("a stdout line");
-        let addr = line
-            .strip_prefix("LISTENING http ")
-            .unwrap_or_else(|| panic!("unexpected first line {line:?}"));
+        let mut kv_events = None;
+        let addr = loop {
+            let line = timeout(Duration::from_secs(20), lines.next_line())
+                .await
+                .expect("LISTENING line within 20 s")
+                .unwrap()
+                .expect("a stdout line");
+            if let Some(ep) = line.strip_prefix("LISTENING kv-events ") {
+                kv_events = Some(ep.to_string());
+                continue;
+            }
+            if line.starts_with("LISTENING kv-events-replay ") {
+                continue;
+            }
+            break line
+                .strip_prefix("LISTENING http ")
+                .unwrap_or_else(|| panic!("unexpected line {line:?}"))
+                .to_string();
+        };
         Pod {
             child,
             base: format!("http://{addr}"),
             http: reqwest::Client::new(),
+            kv_events,
         }
     }
 
@@ -130,14 +144,16 @@ async fn non_streaming_usage_header_and_models() {
     assert_eq!(r.headers()["x-fake-pod"], "pod-a");
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["object"], "chat.completion");
-    // ceil(9 / 4) = 3 prompt tokens
+    // user role + "abcd" "efgh" "i" + generation prompt = 5 prompt tokens
     assert_eq!(
         v["usage"],
-        json!({"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10})
+        json!({"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12})
     );
     assert_eq!(v["choices"][0]["finish_reason"], "length");
+    // 7 generated tokens of 4 ASCII bytes each, which re-tokenise to 7 tokens
     let text = v["choices"][0]["message"]["content"].as_str().unwrap();
-    assert_eq!(text.split(' ').count(), 7, "{text}");
+    assert_eq!(text.len(), 28, "{text:?}");
+    assert_eq!(ai_lb_prefix::count_tokens(text), 7, "{text:?}");
 
     let r = pod
         .post("/v1/completions", json!({"prompt": [1, 2, 3, 4, 5]}))
@@ -152,6 +168,42 @@ async fn non_streaming_usage_header_and_models() {
     let h = pod.http.get(pod.url("/healthz")).send().await.unwrap();
     assert_eq!(h.status(), 200);
     assert_eq!(h.headers()["x-fake-pod"], "pod-a");
+}
+
+/// The answer of turn 1, sent back as the assistant message of turn 2, re-tokenises to the
+/// generated tokens: turn 2's prompt = turn 1's prompt + the answer + user role + question +
+/// generation prompt.
+#[tokio::test]
+async fn an_answer_sent_back_retokenises_to_the_generated_tokens() {
+    let pod = Pod::start(&[]).await;
+    let turn1 = json!({"model": MODEL, "max_tokens": 9, "messages": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]});
+    let v: Value = pod
+        .post("/v1/chat/completions", turn1.clone())
+        .await
+        .json()
+        .await
+        .unwrap();
+    let answer = v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let p1 = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(p1, 1 + 2 + 1 + 3 + 1);
+    let mut turn2 = turn1;
+    let msgs = turn2["messages"].as_array_mut().unwrap();
+    msgs.push(json!({"role": "assistant", "content": answer}));
+    msgs.push(json!({"role": "user", "content": "and then?"}));
+    let v: Value = pod
+        .post("/v1/chat/completions", turn2)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        v["usage"]["prompt_tokens"].as_u64().unwrap(),
+        p1 + 9 + 1 + 3 + 1
+    );
 }
 
 #[tokio::test]
@@ -187,7 +239,7 @@ async fn streaming_sends_one_chunk_per_token_then_usage_and_done() {
     assert_eq!(chunks[11]["choices"][0]["finish_reason"], "length");
     assert_eq!(
         chunks[12]["usage"],
-        json!({"prompt_tokens": 3, "completion_tokens": 12, "total_tokens": 15})
+        json!({"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17})
     );
 
     // completions without include_usage: tokens then [DONE], no usage chunk
@@ -211,6 +263,9 @@ async fn metrics_use_vllm_names_and_histograms_grow() {
         "vllm:num_requests_waiting",
         "vllm:num_requests_running",
         "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
         "vllm:prompt_tokens_total",
         "vllm:generation_tokens_total",
         "vllm:time_to_first_token_seconds_count",
@@ -232,8 +287,13 @@ async fn metrics_use_vllm_names_and_histograms_grow() {
     assert_eq!(count("vllm:time_to_first_token_seconds_count"), 3.0);
     assert_eq!(count("vllm:e2e_request_latency_seconds_count"), 3.0);
     assert_eq!(count("vllm:inter_token_latency_seconds_count"), 12.0);
-    assert_eq!(count("vllm:prompt_tokens_total"), 3.0);
+    // user role + "abcd" + generation prompt, three times
+    assert_eq!(count("vllm:prompt_tokens_total"), 9.0);
     assert_eq!(count("vllm:generation_tokens_total"), 15.0);
+    // Queried in prompt tokens; a 3-token prompt has no full block, so nothing hits.
+    assert_eq!(count("vllm:prefix_cache_queries_total"), 9.0);
+    assert_eq!(count("vllm:prefix_cache_hits_total"), 0.0);
+    assert!(after.contains("# TYPE vllm:prefix_cache_hits_total counter"));
     assert!(count("vllm:time_to_first_token_seconds_sum") > 0.0);
     let ok =
         format!("vllm:request_success_total{{finished_reason=\"length\",model_name=\"{MODEL}\"}}");
@@ -254,11 +314,259 @@ async fn kv_capacity_is_stated_as_vllm_cache_config_info() {
     assert!(line.contains("block_size=\"16\""), "{line}");
     assert!(line.contains("num_gpu_blocks=\"25000\""), "{line}");
     assert!(line.contains("cache_dtype=\"auto\""), "{line}");
+    assert!(line.contains("enable_prefix_caching=\"True\""), "{line}");
     assert!(line.ends_with("} 1.0"), "{line}");
     // --kv-cache-tokens 1000: 62 whole blocks (992 tokens), as vLLM rounds down.
     let pod = Pod::start(&["--kv-cache-tokens", "1000"]).await;
     let line = info(&pod.metrics().await);
     assert!(line.contains("num_gpu_blocks=\"62\""), "{line}");
+    // --block-size 32 and no prefix caching: 31 blocks of 32.
+    let pod = Pod::start(&[
+        "--kv-cache-tokens",
+        "1000",
+        "--block-size",
+        "32",
+        "--prefix-caching",
+        "false",
+    ])
+    .await;
+    let line = info(&pod.metrics().await);
+    assert!(line.contains("block_size=\"32\""), "{line}");
+    assert!(line.contains("num_gpu_blocks=\"31\""), "{line}");
+    assert!(line.contains("enable_prefix_caching=\"False\""), "{line}");
+}
+
+/// A completion request for `prompt` (tokenised as is: 4 ASCII bytes a token).
+fn completion(prompt: &str, max_tokens: u32) -> Value {
+    json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens})
+}
+
+#[tokio::test]
+async fn a_repeated_prompt_hits_the_prefix_cache() {
+    let hits = |text: &str| sample(text, &series("vllm:prefix_cache_hits_total"));
+    let prompt = "0123456789abcdef".repeat(75); // 300 tokens
+    for caching in ["true", "false"] {
+        let pod = Pod::start(&["--prefix-caching", caching]).await;
+        for _ in 0..2 {
+            let r = pod.post("/v1/completions", completion(&prompt, 4)).await;
+            assert_eq!(r.status(), 200);
+        }
+        let m = pod.metrics().await;
+        assert_eq!(
+            sample(&m, &series("vllm:prefix_cache_queries_total")),
+            600.0
+        );
+        let cache = pod.get_json("/sim/cache").await;
+        if caching == "true" {
+            // (300 - 1) / 16 = 18 whole blocks of the second request's prompt.
+            assert_eq!(hits(&m), 288.0);
+            assert_eq!(cache["prefix_cache_hits_tokens"], 288);
+            assert!(cache["blocks_cached"].as_u64().unwrap() >= 18, "{cache}");
+        } else {
+            assert_eq!(hits(&m), 0.0);
+            assert_eq!(cache["blocks_cached"], 0);
+        }
+        assert_eq!(cache["prefix_cache_queries_tokens"], 600);
+        assert_eq!(cache["blocks_used"], 0, "{cache}");
+        assert_eq!(cache["num_blocks"], 25_000);
+        assert_eq!(cache["kv_events"], Value::Null);
+        assert_eq!(sample(&m, &series("vllm:kv_cache_usage_perc")), 0.0);
+        // vLLM's POST /reset_prefix_cache empties it (nothing running holds blocks).
+        let r = pod.post("/reset_prefix_cache", json!({})).await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(pod.get_json("/sim/cache").await["blocks_cached"], 0);
+        let r = pod.post("/v1/completions", completion(&prompt, 4)).await;
+        assert_eq!(r.status(), 200);
+        let m = pod.metrics().await;
+        let again = if caching == "true" { 288.0 } else { 0.0 };
+        assert_eq!(hits(&m), again, "no new hit after the reset");
+    }
+}
+
+/// One decoded KV event: (tag, block hashes, parent, token ids).
+type Ev = (String, Vec<u64>, Option<u64>, Vec<u32>);
+
+/// Decodes a batch `[ts, [event...], rank]` of array-like events.
+fn decode_batch(payload: &[u8]) -> Vec<Ev> {
+    use rmpv::Value as V;
+    let v = rmpv::decode::read_value(&mut &payload[..]).unwrap();
+    let batch = v.as_array().unwrap();
+    assert_eq!(batch.len(), 3, "[ts, events, data_parallel_rank]");
+    assert!(
+        batch[0].as_f64().unwrap() > 1.0e9,
+        "ts is wall-clock seconds"
+    );
+    assert_eq!(batch[2].as_u64(), Some(0));
+    let ints = |v: &V| -> Vec<u64> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect()
+    };
+    batch[1]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            let e = e.as_array().unwrap();
+            let tag = e[0].as_str().unwrap().to_string();
+            match tag.as_str() {
+                "BlockStored" => {
+                    assert_eq!(e.len(), 7);
+                    assert_eq!(e[4].as_u64(), Some(16));
+                    assert!(e[5].is_nil());
+                    assert_eq!(e[6].as_str(), Some("GPU"));
+                    let tokens = ints(&e[3]).into_iter().map(|t| t as u32).collect();
+                    (tag, ints(&e[1]), e[2].as_u64(), tokens)
+                }
+                "BlockRemoved" => (tag, ints(&e[1]), None, vec![]),
+                _ => (tag, vec![], None, vec![]),
+            }
+        })
+        .collect()
+}
+
+/// Batches received so far, in sequence order.
+struct Stream {
+    rx: tokio::sync::mpsc::UnboundedReceiver<(u64, Vec<Ev>)>,
+    seen: Vec<Ev>,
+    last: Option<u64>,
+}
+
+impl Stream {
+    /// Receives batches until `done(seen)` holds (10 s at most per batch), checking that
+    /// sequence numbers follow each other.
+    async fn until(&mut self, done: impl Fn(&Vec<Ev>) -> bool) {
+        while !done(&self.seen) {
+            let (seq, evs) = timeout(Duration::from_secs(10), self.rx.recv())
+                .await
+                .expect("a batch within 10 s")
+                .expect("subscriber alive");
+            if let Some(l) = self.last {
+                assert_eq!(seq, l + 1, "sequence numbers follow each other");
+            }
+            self.last = Some(seq);
+            self.seen.extend(evs);
+        }
+    }
+}
+
+#[tokio::test]
+async fn kv_events_stream_stores_chains_and_removals_over_zeromq() {
+    use zeromq::{Socket, SocketRecv};
+    let pod = Pod::start(&[
+        "--kv-events-endpoint",
+        "tcp://127.0.0.1:0",
+        "--kv-events-topic",
+        "kv@pod",
+        "--kv-cache-tokens",
+        "640",
+    ])
+    .await;
+    let endpoint = pod.kv_events.clone().expect("LISTENING kv-events line");
+    let mut sub = zeromq::SubSocket::new();
+    sub.connect(&endpoint).await.unwrap();
+    sub.subscribe("kv@").await.unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<(u64, Vec<Ev>)>();
+    tokio::spawn(async move {
+        while let Ok(m) = sub.recv().await {
+            let f = m.into_vec();
+            assert_eq!(f.len(), 3, "topic, sequence, payload");
+            assert_eq!(f[0].as_ref(), b"kv@pod");
+            let seq = u64::from_be_bytes(f[1].as_ref().try_into().unwrap());
+            if tx.send((seq, decode_batch(&f[2]))).is_err() {
+                return;
+            }
+        }
+    });
+    // A subscription reaches the publisher asynchronously (ZeroMQ's slow joiner): send
+    // one-block probes until a batch arrives.
+    let mut st = Stream {
+        rx,
+        seen: Vec::new(),
+        last: None,
+    };
+    for i in 0.. {
+        assert!(i < 500, "no KV event received");
+        let r = pod
+            .post(
+                "/v1/completions",
+                completion(&format!("probe {i:04} ").repeat(8), 1),
+            )
+            .await;
+        assert_eq!(r.status(), 200);
+        if let Ok((seq, evs)) = st.rx.try_recv() {
+            st.last = Some(seq);
+            st.seen.extend(evs);
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    let seed = ai_lb_prefix::model_seed(MODEL);
+    let text_a = "the quick brown fox jumps over a lazy dog. ".repeat(5); // 215 chars: 54 tokens
+    let mut ids_a = Vec::new();
+    ai_lb_prefix::tokenize_into(&text_a, &mut ids_a);
+    let mut keys_a = Vec::new();
+    ai_lb_prefix::block_keys_into(seed, &ids_a, 16, usize::MAX, &mut keys_a);
+    assert_eq!(keys_a.len(), 3);
+    assert_eq!(
+        pod.post("/v1/completions", completion(&text_a, 3))
+            .await
+            .status(),
+        200
+    );
+    let stored_a = (
+        "BlockStored".to_string(),
+        keys_a.clone(),
+        None,
+        ids_a[..48].to_vec(),
+    );
+    st.until(|seen| seen.contains(&stored_a)).await;
+    // The same prompt continued: its first 3 blocks hit, the 4th is stored on the chain.
+    let text_b = format!("{text_a} and then it ran away, far far away from here.");
+    let mut ids_b = Vec::new();
+    ai_lb_prefix::tokenize_into(&text_b, &mut ids_b);
+    let mut keys_b = Vec::new();
+    ai_lb_prefix::block_keys_into(seed, &ids_b, 16, usize::MAX, &mut keys_b);
+    assert_eq!(keys_b[..3], keys_a[..]);
+    assert_eq!(
+        pod.post("/v1/completions", completion(&text_b, 3))
+            .await
+            .status(),
+        200
+    );
+    let stored_b = (
+        "BlockStored".to_string(),
+        keys_b[3..4].to_vec(),
+        Some(keys_a[2]),
+        ids_b[48..64].to_vec(),
+    );
+    st.until(|seen| seen.contains(&stored_b)).await;
+    // 40 blocks: other prompts push A's blocks out of the LRU.
+    for i in 0..8 {
+        let filler = format!("filler {i:03} ").repeat(50); // 600 chars: 150 tokens
+        assert_eq!(
+            pod.post("/v1/completions", completion(&filler, 1))
+                .await
+                .status(),
+            200
+        );
+    }
+    let removed = |seen: &Vec<Ev>| -> Vec<u64> {
+        seen.iter()
+            .filter(|e| e.0 == "BlockRemoved")
+            .flat_map(|e| e.1.clone())
+            .collect()
+    };
+    st.until(|seen| keys_b[..4].iter().all(|k| removed(seen).contains(k)))
+        .await;
+    let cache = pod.get_json("/sim/cache").await;
+    assert!(
+        cache["kv_events"]["batches_published"].as_u64().unwrap() > 0,
+        "{cache}"
+    );
+    assert_eq!(cache["kv_events"]["batches_dropped"], 0, "{cache}");
 }
 
 #[tokio::test]
@@ -328,6 +636,48 @@ async fn control_injects_faults() {
     let g = pod.get_json("/sim/gpu").await;
     assert_eq!(g["gpus"][0]["last_xid"], Value::Null);
     assert_eq!(g["gpus"][0]["throttle_reasons"], 0);
+}
+
+/// `/sim/gpu` reads NVML's saturated utilisation while one sequence decodes, GPM fields on
+/// the Hopper preset (numbers) and `null` on the A100 one.
+#[tokio::test]
+async fn sim_gpu_reports_nvml_utilization_and_gpm_fields() {
+    const GPM: [&str; 4] = [
+        "sm_occupancy",
+        "sm_utilization",
+        "tensor_activity",
+        "dram_activity",
+    ];
+    let h100 = Pod::start(&["--time-scale", "1"]).await;
+    let idle = h100.get_json("/sim/gpu").await;
+    for f in GPM {
+        assert_eq!(idle["gpus"][0][f], 0.0, "{f}");
+    }
+    assert_eq!(idle["gpus"][0]["utilization"], 0.0);
+    let (http, url) = (h100.http.clone(), h100.url("/v1/chat/completions"));
+    let one = tokio::spawn(async move { http.post(url).json(&chat("x", 100_000)).send().await });
+    // after ~1 s of decoding the whole window is busy
+    eventually("NVML utilisation saturated by one sequence", || async {
+        let g = h100.get_json("/sim/gpu").await;
+        g["gpus"][0]["utilization"].as_f64().unwrap() > 0.99
+    })
+    .await;
+    let g = h100.get_json("/sim/gpu").await;
+    assert!(g["gpus"][0]["sm_occupancy"].as_f64().unwrap() < 0.1, "{g}");
+    assert!(g["gpus"][0]["dram_activity"].as_f64().unwrap() > 0.5, "{g}");
+    one.abort();
+
+    let a100 = Pod::start(&["--preset", "a100-8b"]).await;
+    let g = a100.get_json("/sim/gpu").await;
+    for f in GPM {
+        assert_eq!(g["gpus"][0][f], Value::Null, "{f}");
+    }
+    // the graded option is accepted (its formula is unit-tested in gpu.rs)
+    let graded = Pod::start(&["--gpu-util-model", "graded"]).await;
+    assert_eq!(
+        graded.get_json("/sim/gpu").await["gpus"][0]["utilization"],
+        0.0
+    );
 }
 
 #[tokio::test]
@@ -534,6 +884,36 @@ async fn invalid_flags_exit_nonzero_naming_flag_and_value() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--preset") && err.contains("tpu-v5"), "{err}");
+    let out = Command::new(BIN)
+        .args(["--listen", "127.0.0.1:0"])
+        .env("AI_LB_FAKE_POD_GPU_UTIL_MODEL", "busy")
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--gpu-util-model") && err.contains("busy"),
+        "{err}"
+    );
+    for (args, flag, value) in [
+        (&["--block-size", "24"][..], "--block-size", "24"),
+        (
+            &["--kv-events-endpoint", "localhost:5557"][..],
+            "--kv-events-endpoint",
+            "localhost:5557",
+        ),
+    ] {
+        let out = Command::new(BIN)
+            .args(["--listen", "127.0.0.1:0"])
+            .args(args)
+            .output()
+            .await
+            .unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(flag) && err.contains(value), "{err}");
+    }
 }
 
 #[tokio::test]

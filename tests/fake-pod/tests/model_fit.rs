@@ -16,6 +16,7 @@ fn params(preset: Preset) -> EngineParams {
         kv_cache_tokens: s.kv_cache_tokens,
         max_batched_tokens: s.max_batched_tokens,
         time_scale: 1.0,
+        cache: Default::default(),
     }
 }
 
@@ -59,4 +60,23 @@ fn a100_preset_is_slower_by_the_documented_ratio() {
     let itl_ratio = a.itl / h.itl;
     assert!((1.5..=2.0).contains(&itl_ratio), "ITL ratio {itl_ratio}");
     assert!(a.ttft > 1.8 * h.ttft, "TTFT {} vs {}", a.ttft, h.ttft);
+}
+
+#[test]
+fn l40s_preset_decodes_slowest_and_prefills_between_h100_and_a100() {
+    let h = closed_loop(params(Preset::H100_8b), 100, 5, 128, 128);
+    let a = closed_loop(params(Preset::A100_8b), 100, 5, 128, 128);
+    let l = closed_loop(params(Preset::L40s_8b), 100, 5, 128, 128);
+    let l1 = closed_loop(params(Preset::L40s_8b), 1, 5, 128, 128);
+    println!(
+        "l40s-8b c=1: TTFT {:.1} ms ITL {:.2} ms | c=100: TTFT {:.1} ms ITL {:.2} ms",
+        l1.ttft * 1e3,
+        l1.itl * 1e3,
+        l.ttft * 1e3,
+        l.itl * 1e3
+    );
+    let itl_ratio = l.itl / h.itl;
+    assert!((3.5..=4.2).contains(&itl_ratio), "ITL ratio {itl_ratio}");
+    assert!(l.itl > a.itl, "{} vs {}", l.itl, a.itl);
+    assert!(!Preset::L40s_8b.spec().gpm, "Ada has no GPM");
 }
