@@ -2,6 +2,7 @@
 //! YAML/TOML file; flags and env override the file), and the one place where those raw strings
 //! are validated into an [`AgentConfig`]. Every error names the flag and the offending value.
 
+use crate::kv_events::{KvEventsConfig, DEFAULT_BLOCK_TOKENS, DEFAULT_MAX_KEYS};
 use clap::Parser;
 use serde::Deserialize;
 use std::net::SocketAddr;
@@ -81,6 +82,11 @@ pub struct RawArgs {
     /// --sample-interval [default: 20ms, or --sample-interval when shorter].
     #[arg(long, env = "AI_LB_AGENT_GPU_SAMPLE_INTERVAL")]
     pub gpu_sample_interval: Option<String>,
+    /// How often NVML GPM activity (SM occupancy, SM, tensor and DRAM activity; Hopper and
+    /// later) is computed from two samples; between them the last values are reported
+    /// [default: 100ms].
+    #[arg(long, env = "AI_LB_AGENT_GPM_INTERVAL")]
+    pub gpm_interval: Option<String>,
     /// A sample that has waited this long on a source reports it failing, and keeps waiting up
     /// to the source timeout (500ms, or --sample-interval when longer). Filters cut a pod
     /// whose model server fails after it has answered once. A GPU read between full samples
@@ -116,6 +122,23 @@ pub struct RawArgs {
     /// A peer with no event for this long is STALE [default: 3s].
     #[arg(long, env = "AI_LB_AGENT_PEER_STALE_AFTER")]
     pub peer_stale_after: Option<String>,
+    /// The model server's KV-event PUB socket, `tcp://HOST:PORT` (vLLM
+    /// `--kv-events-config` endpoint); no prefix-cache summary if unset.
+    #[arg(long, env = "AI_LB_AGENT_KV_EVENTS_ENDPOINT")]
+    pub kv_events_endpoint: Option<String>,
+    /// Its replay socket, `tcp://HOST:PORT` (vLLM `replay_endpoint`), to fill sequence gaps.
+    #[arg(long, env = "AI_LB_AGENT_KV_EVENTS_REPLAY_ENDPOINT")]
+    pub kv_events_replay_endpoint: Option<String>,
+    /// Topic to subscribe to [default: empty, vLLM's default topic].
+    #[arg(long, env = "AI_LB_AGENT_KV_EVENTS_TOPIC")]
+    pub kv_events_topic: Option<String>,
+    /// Tokens per key block of the pushed summary; a multiple of the pod's KV block size
+    /// [default: 64].
+    #[arg(long, env = "AI_LB_AGENT_PREFIX_BLOCK_TOKENS")]
+    pub prefix_block_tokens: Option<String>,
+    /// Most keys in one summary; past it the most recently stored are kept [default: 4096].
+    #[arg(long, env = "AI_LB_AGENT_PREFIX_MAX_KEYS")]
+    pub prefix_max_keys: Option<String>,
 }
 
 /// The same keys in a config file (kebab-case, as the flags), all optional.
@@ -137,6 +160,7 @@ pub struct FileArgs {
     pub kv_capacity_tokens: Option<serde_yaml::Value>,
     pub sample_interval: Option<String>,
     pub gpu_sample_interval: Option<String>,
+    pub gpm_interval: Option<String>,
     pub source_stall_after: Option<String>,
     pub window: Option<String>,
     pub rate_window: Option<String>,
@@ -148,6 +172,11 @@ pub struct FileArgs {
     pub peers_dns: Option<String>,
     pub peers_refresh: Option<String>,
     pub peer_stale_after: Option<String>,
+    pub kv_events_endpoint: Option<String>,
+    pub kv_events_replay_endpoint: Option<String>,
+    pub kv_events_topic: Option<String>,
+    pub prefix_block_tokens: Option<serde_yaml::Value>,
+    pub prefix_max_keys: Option<serde_yaml::Value>,
 }
 
 impl RawArgs {
@@ -194,6 +223,7 @@ impl RawArgs {
         );
         fill(&mut self.sample_interval, file.sample_interval);
         fill(&mut self.gpu_sample_interval, file.gpu_sample_interval);
+        fill(&mut self.gpm_interval, file.gpm_interval);
         fill(&mut self.source_stall_after, file.source_stall_after);
         fill(&mut self.window, file.window);
         fill(&mut self.rate_window, file.rate_window);
@@ -206,6 +236,17 @@ impl RawArgs {
         fill(&mut self.peers_dns, file.peers_dns);
         fill(&mut self.peers_refresh, file.peers_refresh);
         fill(&mut self.peer_stale_after, file.peer_stale_after);
+        fill(&mut self.kv_events_endpoint, file.kv_events_endpoint);
+        fill(
+            &mut self.kv_events_replay_endpoint,
+            file.kv_events_replay_endpoint,
+        );
+        fill(&mut self.kv_events_topic, file.kv_events_topic);
+        fill(
+            &mut self.prefix_block_tokens,
+            file.prefix_block_tokens.map(text),
+        );
+        fill(&mut self.prefix_max_keys, file.prefix_max_keys.map(text));
         Ok(self)
     }
 }
@@ -280,6 +321,8 @@ pub struct AgentConfig {
     pub sample_interval: Duration,
     /// How often the local (GPU) sources are read; never longer than `sample_interval`.
     pub gpu_sample_interval: Duration,
+    /// How often GPM activity is recomputed from two samples (`--gpm-interval`).
+    pub gpm_interval: Duration,
     /// `--source-stall-after`; None: the sampler's default for the sample interval.
     pub source_stall_after: Option<Duration>,
     pub window: Duration,
@@ -295,6 +338,8 @@ pub struct AgentConfig {
     pub peers_dns: Option<String>,
     pub peers_refresh: Duration,
     pub peer_stale_after: Duration,
+    /// The KV-event subscription; `None`: no prefix-cache summary.
+    pub kv_events: Option<KvEventsConfig>,
 }
 
 impl AgentConfig {
@@ -401,6 +446,36 @@ fn host_port(flag: &'static str, value: &str) -> Result<String, ConfigError> {
         return Err(err());
     }
     Ok(v.to_string())
+}
+
+/// `tcp://HOST:PORT` with a non-empty host and a non-zero port (what a ZeroMQ subscriber
+/// connects to).
+fn zmq_tcp(flag: &'static str, value: &str) -> Result<String, ConfigError> {
+    let v = value.trim();
+    let err = || invalid(flag, value, "tcp://HOST:PORT, e.g. tcp://127.0.0.1:5557");
+    let rest = v.strip_prefix("tcp://").ok_or_else(err)?;
+    let (host, port) = rest.rsplit_once(':').ok_or_else(err)?;
+    let port: u16 = port.parse().map_err(|_| err())?;
+    if host.is_empty() || host == "*" || port == 0 || host.contains(['/', ' ']) {
+        return Err(err());
+    }
+    Ok(v.to_string())
+}
+
+/// A positive integer no larger than `max`.
+fn positive(
+    flag: &'static str,
+    value: Option<&str>,
+    default: u64,
+    max: u64,
+) -> Result<u64, ConfigError> {
+    match value {
+        None => Ok(default),
+        Some(v) => match v.trim().parse::<u64>() {
+            Ok(n) if n > 0 && n <= max => Ok(n),
+            _ => Err(invalid(flag, v, &format!("a positive integer up to {max}"))),
+        },
+    }
 }
 
 fn http_url(flag: &'static str, value: &str) -> Result<String, ConfigError> {
@@ -518,6 +593,13 @@ impl TryFrom<RawArgs> for AgentConfig {
                 d
             }
         };
+        let gpm_interval = duration_in(
+            "gpm-interval",
+            raw.gpm_interval.as_deref(),
+            "100ms",
+            ms(10),
+            ms(60_000),
+        )?;
         let source_stall_after = match raw.source_stall_after.as_deref() {
             None => None,
             Some(v) => Some(duration_in(
@@ -606,6 +688,41 @@ impl TryFrom<RawArgs> for AgentConfig {
                 ),
             ));
         }
+        let prefix_block_tokens = positive(
+            "prefix-block-tokens",
+            raw.prefix_block_tokens.as_deref(),
+            u64::from(DEFAULT_BLOCK_TOKENS),
+            1 << 16,
+        )? as u32;
+        let prefix_max_keys = positive(
+            "prefix-max-keys",
+            raw.prefix_max_keys.as_deref(),
+            DEFAULT_MAX_KEYS as u64,
+            1 << 20,
+        )? as usize;
+        let kv_events = match raw.kv_events_endpoint.as_deref() {
+            None => {
+                if let Some(r) = raw.kv_events_replay_endpoint.as_deref() {
+                    return Err(invalid(
+                        "kv-events-replay-endpoint",
+                        r,
+                        "--kv-events-endpoint as well (the replay socket fills gaps of that stream)",
+                    ));
+                }
+                None
+            }
+            Some(ep) => Some(KvEventsConfig {
+                endpoint: zmq_tcp("kv-events-endpoint", ep)?,
+                replay_endpoint: raw
+                    .kv_events_replay_endpoint
+                    .as_deref()
+                    .map(|r| zmq_tcp("kv-events-replay-endpoint", r))
+                    .transpose()?,
+                topic: raw.kv_events_topic.clone().unwrap_or_default(),
+                block_tokens: prefix_block_tokens,
+                max_keys: prefix_max_keys,
+            }),
+        };
         Ok(AgentConfig {
             grpc_listen,
             http_listen,
@@ -621,6 +738,7 @@ impl TryFrom<RawArgs> for AgentConfig {
             kv_capacity_tokens,
             sample_interval,
             gpu_sample_interval,
+            gpm_interval,
             source_stall_after,
             window,
             rate_window,
@@ -631,6 +749,7 @@ impl TryFrom<RawArgs> for AgentConfig {
             peers_dns,
             peers_refresh,
             peer_stale_after,
+            kv_events,
         })
     }
 }
@@ -655,6 +774,7 @@ mod tests {
         assert!(!c.gpu_source_explicit);
         assert_eq!(c.sample_interval, Duration::from_millis(50));
         assert_eq!(c.gpu_sample_interval, Duration::from_millis(20));
+        assert_eq!(c.gpm_interval, Duration::from_millis(100));
         assert_eq!(c.window, Duration::from_secs(10));
         assert_eq!(c.rate_window, Duration::from_secs(5));
         assert_eq!(c.watch_min_interval, Duration::from_millis(50));
@@ -662,6 +782,43 @@ mod tests {
         assert_eq!(c.peers_refresh, Duration::from_secs(5));
         assert_eq!(c.peer_stale_after, Duration::from_secs(3));
         assert_eq!(c.engine, EngineChoice::Auto);
+        assert_eq!(c.kv_events, None);
+    }
+
+    #[test]
+    fn kv_events_flags_build_the_subscription() {
+        let c = cfg(&[
+            "--serving-address",
+            "10.0.0.1:8000",
+            "--kv-events-endpoint",
+            "tcp://127.0.0.1:5557",
+            "--prefix-max-keys",
+            "100",
+        ])
+        .unwrap();
+        assert_eq!(
+            c.kv_events,
+            Some(KvEventsConfig {
+                endpoint: "tcp://127.0.0.1:5557".into(),
+                replay_endpoint: None,
+                topic: String::new(),
+                block_tokens: 64,
+                max_keys: 100,
+            })
+        );
+        let e = cfg(&[
+            "--serving-address",
+            "10.0.0.1:8000",
+            "--kv-events-endpoint",
+            "tcp://127.0.0.1:5557",
+            "--prefix-block-tokens",
+            "-64",
+        ])
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            r#"invalid value "-64" for --prefix-block-tokens: expected a positive integer up to 65536"#
+        );
     }
 
     #[test]
@@ -767,6 +924,8 @@ mod tests {
             (&["--window", "10ms", "--sample-interval", "1s"], "--window"),
             (&["--rate-window", "5"], "--rate-window"),
             (&["--gpu-sample-interval", "0"], "--gpu-sample-interval"),
+            (&["--gpm-interval", "5ms"], "--gpm-interval"),
+            (&["--gpm-interval", "often"], "--gpm-interval"),
             (
                 &[
                     "--gpu-sample-interval",
@@ -787,6 +946,29 @@ mod tests {
                 &["--peers", "a:1", "--peer-stale-after", "500ms"],
                 "--peer-stale-after",
             ),
+            (
+                &["--kv-events-endpoint", "localhost:5557"],
+                "--kv-events-endpoint",
+            ),
+            (
+                &["--kv-events-endpoint", "tcp://*:5557"],
+                "--kv-events-endpoint",
+            ),
+            (
+                &["--kv-events-replay-endpoint", "tcp://h:5558"],
+                "--kv-events-replay-endpoint",
+            ),
+            (
+                &[
+                    "--kv-events-endpoint",
+                    "tcp://h:5557",
+                    "--kv-events-replay-endpoint",
+                    "h:5558",
+                ],
+                "--kv-events-replay-endpoint",
+            ),
+            (&["--prefix-block-tokens", "0"], "--prefix-block-tokens"),
+            (&["--prefix-max-keys", "lots"], "--prefix-max-keys"),
         ];
         for (args, flag) in cases {
             let mut full: Vec<&str> = if args.contains(&"--serving-address") {

@@ -188,6 +188,11 @@ struct EngineSpec {
     /// Whether a missing error series means 0 errors while `finished` is present (the engine
     /// creates the series only on the first failure) rather than "unknown".
     errors_zero_when_missing: bool,
+    /// Prefix-cache counters in prompt tokens: (hits, queries), alternatives current name
+    /// first (the first with any series is used, never their sum: vLLM exports the deprecated
+    /// `gpu_` names beside the current ones with the same values).
+    prefix_hits: &'static [Sel],
+    prefix_queries: &'static [Sel],
     /// How series of a count (waiting, running) combine: summed over models, or the largest
     /// (Triton repeats a request in the ensemble and in each composing model).
     counts: Combine,
@@ -239,6 +244,16 @@ static VLLM: EngineSpec = EngineSpec {
         &["abort", "error"],
     )],
     errors_zero_when_missing: true,
+    // vllm/v1/metrics/loggers.py: counters `vllm:prefix_cache_hits` / `_queries` (tokens),
+    // deprecated `vllm:gpu_prefix_cache_*` before 0.10.
+    prefix_hits: &[
+        Sel::name("vllm:prefix_cache_hits_total"),
+        Sel::name("vllm:gpu_prefix_cache_hits_total"),
+    ],
+    prefix_queries: &[
+        Sel::name("vllm:prefix_cache_queries_total"),
+        Sel::name("vllm:gpu_prefix_cache_queries_total"),
+    ],
     counts: Combine::Sum,
     counters_from_busiest_model: false,
     model_label: Some("model_name"),
@@ -274,6 +289,11 @@ static SGLANG: EngineSpec = EngineSpec {
     finished: &[Sel::name("sglang:num_requests_total")],
     errors: &[Sel::name("sglang:num_aborted_requests_total")],
     errors_zero_when_missing: false,
+    // SGLang's equivalent: prompt tokens served from its radix cache (every `cache_source`:
+    // device, host, storage) over prompt tokens, both counters. Its `sglang:cache_hit_rate`
+    // gauge is a ratio over the scheduler's last log interval, not windowable.
+    prefix_hits: &[Sel::name("sglang:cached_tokens_total")],
+    prefix_queries: &[Sel::name("sglang:prompt_tokens_total")],
     counts: Combine::Sum,
     counters_from_busiest_model: false,
     model_label: Some("model_name"),
@@ -301,6 +321,9 @@ static TGI: EngineSpec = EngineSpec {
     ],
     errors: &[Sel::name("tgi_request_failure")],
     errors_zero_when_missing: true,
+    // TGI exports no prefix-cache counter.
+    prefix_hits: &[],
+    prefix_queries: &[],
     counts: Combine::Sum,
     counters_from_busiest_model: false,
     model_label: None,
@@ -345,6 +368,9 @@ static TRITON: EngineSpec = EngineSpec {
     ],
     errors: &[Sel::name("nv_inference_request_failure")],
     errors_zero_when_missing: true,
+    // Triton's TensorRT-LLM metrics state KV blocks (used, free, max), no reuse counter.
+    prefix_hits: &[],
+    prefix_queries: &[],
     counts: Combine::Max,
     counters_from_busiest_model: true,
     model_label: Some("model"),
@@ -368,6 +394,10 @@ pub struct Extracted {
     pub finished_total: Option<f64>,
     /// Cumulative count of failed requests.
     pub errors_total: Option<f64>,
+    /// Cumulative prompt tokens found in the prefix cache.
+    pub prefix_hits_total: Option<f64>,
+    /// Cumulative prompt tokens looked up in the prefix cache.
+    pub prefix_queries_total: Option<f64>,
     /// Served models `(name, version)` from the series' labels, sorted, deduplicated.
     pub models: Vec<(String, String)>,
     pub rejected: Vec<Rejected>,
@@ -413,6 +443,8 @@ pub fn extract(kind: EngineKind, page: &Exposition<'_>) -> Extracted {
     if x.errors_total.is_none() && x.finished_total.is_some() && spec.errors_zero_when_missing {
         x.errors_total = Some(0.0);
     }
+    x.prefix_hits_total = first_counter(page, spec.prefix_hits, &keep);
+    x.prefix_queries_total = first_counter(page, spec.prefix_queries, &keep);
 
     if let Some(ml) = spec.model_label {
         let mut models: Vec<(String, String)> = page
@@ -611,6 +643,17 @@ fn sum_counter(
     acc
 }
 
+/// The first alternative with any series on the page, summed over its series.
+fn first_counter(
+    page: &Exposition<'_>,
+    alts: &[Sel],
+    keep: &dyn Fn(&Sample<'_>) -> bool,
+) -> Option<f64> {
+    alts.iter()
+        .find(|sel| page.samples.iter().any(|s| sel.matches(s)))
+        .and_then(|sel| sum_counter(page, std::slice::from_ref(sel), keep))
+}
+
 /// A histogram series' identity: its labels other than `le`, in page order (the `_bucket`
 /// samples of one series and its `_sum` share it).
 fn series_key(labels: &[(&str, Cow<'_, str>)]) -> String {
@@ -738,6 +781,44 @@ mod tests {
             x.models,
             vec![("a".into(), "".into()), ("b".into(), "".into())]
         );
+    }
+
+    #[test]
+    fn prefix_cache_counters_take_the_current_name_not_the_sum() {
+        // vLLM exports the deprecated gpu_ names beside the current ones, same values.
+        let p = parse(
+            "vllm:prefix_cache_queries_total{model_name=\"m\"} 600\n\
+             vllm:prefix_cache_hits_total{model_name=\"m\"} 288\n\
+             vllm:gpu_prefix_cache_queries_total{model_name=\"m\"} 600\n\
+             vllm:gpu_prefix_cache_hits_total{model_name=\"m\"} 288\n",
+        )
+        .unwrap();
+        let x = extract(EngineKind::Vllm, &p);
+        assert_eq!(
+            (x.prefix_queries_total, x.prefix_hits_total),
+            (Some(600.0), Some(288.0))
+        );
+        // An older vLLM with only the gpu_ names.
+        let p = parse("vllm:gpu_prefix_cache_queries_total{model_name=\"m\"} 10\n").unwrap();
+        assert_eq!(
+            extract(EngineKind::Vllm, &p).prefix_queries_total,
+            Some(10.0)
+        );
+        assert_eq!(extract(EngineKind::Vllm, &p).prefix_hits_total, None);
+        // SGLang: cached tokens of every source over prompt tokens.
+        let p = parse(
+            "sglang:prompt_tokens_total{model_name=\"m\"} 4096\n\
+             sglang:cached_tokens_total{model_name=\"m\",cache_source=\"device\"} 3000\n\
+             sglang:cached_tokens_total{model_name=\"m\",cache_source=\"host\"} 168\n",
+        )
+        .unwrap();
+        let x = extract(EngineKind::Sglang, &p);
+        assert_eq!(
+            (x.prefix_queries_total, x.prefix_hits_total),
+            (Some(4096.0), Some(3168.0))
+        );
+        let p = parse("tgi_queue_size 1\n").unwrap();
+        assert_eq!(extract(EngineKind::Tgi, &p).prefix_hits_total, None);
     }
 
     #[test]

@@ -454,6 +454,14 @@ pub fn start(cfg: &AgentConfig, args: StartArgs) -> std::io::Result<RunningAgent
     if let Some(stall) = cfg.source_stall_after {
         sampler = sampler.with_stall_after(stall);
     }
+    let kv_feed = cfg.kv_events.clone().map(crate::kv_events::KvFeed::new);
+    if let Some(feed) = &kv_feed {
+        sampler = sampler.with_prefix_feed(feed.clone());
+        tasks.push(tokio::spawn(crate::kv_events::run(
+            feed.clone(),
+            shutdown_rx.clone(),
+        )));
+    }
     tasks.push(tokio::spawn(sampler.run(
         cfg.sample_interval,
         cfg.gpu_sample_interval,
@@ -554,6 +562,7 @@ pub fn start(cfg: &AgentConfig, args: StartArgs) -> std::io::Result<RunningAgent
         pool: pool.clone(),
         stats,
         clock: args.clock,
+        kv: kv_feed,
     };
     tasks.push(tokio::spawn(crate::http::serve(
         args.http_listener,

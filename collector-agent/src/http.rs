@@ -3,6 +3,7 @@
 //! and at least one source fresh).
 
 use crate::grpc::StreamStats;
+use crate::kv_events::KvFeed;
 use crate::pool::PoolView;
 use crate::sampler::{Clock, Hub};
 use ai_lb_proto::v1::{LatencyQuantiles, PodSnapshot, SourceState};
@@ -24,6 +25,8 @@ pub struct HttpState {
     pub pool: Arc<PoolView>,
     pub stats: Arc<StreamStats>,
     pub clock: Arc<dyn Clock>,
+    /// The KV-event feed, when subscribed.
+    pub kv: Option<Arc<KvFeed>>,
 }
 
 /// The router (exposed for tests).
@@ -233,10 +236,129 @@ pub fn render_metrics(st: &HttpState) -> String {
         st.stats.pool_events.load(Ordering::Relaxed) as f64,
     );
 
+    if let Some(kv) = &st.kv {
+        render_kv(&mut o, kv);
+    }
     if let Some(s) = &snap {
         render_snapshot(&mut o, s);
     }
     o.0
+}
+
+/// The KV-event feed's counters and the summary's size.
+fn render_kv(o: &mut Out, kv: &KvFeed) {
+    let k = &kv.stats;
+    let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as f64;
+    o.head(
+        "ai_lb_agent_kv_events_connected",
+        "gauge",
+        "1 while subscribed to the model server's KV events.",
+    );
+    o.line(
+        "ai_lb_agent_kv_events_connected",
+        "",
+        f64::from(u8::from(k.connected.load(Ordering::Relaxed))),
+    );
+    o.head(
+        "ai_lb_agent_kv_event_batches_total",
+        "counter",
+        "KV-event messages received and decoded.",
+    );
+    o.line("ai_lb_agent_kv_event_batches_total", "", get(&k.batches));
+    o.head(
+        "ai_lb_agent_kv_events_total",
+        "counter",
+        "KV events applied by type; ignored = another medium or a LoRA adapter's blocks.",
+    );
+    for (t, c) in [
+        ("stored", &k.stored),
+        ("removed", &k.removed),
+        ("cleared", &k.cleared),
+        ("ignored", &k.ignored),
+    ] {
+        o.line(
+            "ai_lb_agent_kv_events_total",
+            &format!("type=\"{t}\""),
+            get(c),
+        );
+    }
+    o.head(
+        "ai_lb_agent_kv_event_decode_errors_total",
+        "counter",
+        "KV-event messages or events skipped as malformed.",
+    );
+    o.line(
+        "ai_lb_agent_kv_event_decode_errors_total",
+        "",
+        get(&k.decode_errors),
+    );
+    o.head(
+        "ai_lb_agent_kv_event_gaps_total",
+        "counter",
+        "Sequence gaps: replayed, or lost (the view was cleared).",
+    );
+    o.line(
+        "ai_lb_agent_kv_event_gaps_total",
+        "outcome=\"replayed\"",
+        get(&k.gaps_replayed),
+    );
+    o.line(
+        "ai_lb_agent_kv_event_gaps_total",
+        "outcome=\"lost\"",
+        get(&k.gaps_lost),
+    );
+    o.head(
+        "ai_lb_agent_kv_event_publisher_restarts_total",
+        "counter",
+        "Sequences that went backwards (the view was cleared).",
+    );
+    o.line(
+        "ai_lb_agent_kv_event_publisher_restarts_total",
+        "",
+        get(&k.restarts),
+    );
+    o.head(
+        "ai_lb_agent_kv_event_connect_failures_total",
+        "counter",
+        "Failed subscription attempts.",
+    );
+    o.line(
+        "ai_lb_agent_kv_event_connect_failures_total",
+        "",
+        get(&k.connect_failures),
+    );
+    o.head(
+        "ai_lb_agent_kv_blocks_tracked",
+        "gauge",
+        "The pod's cached KV blocks known from its events.",
+    );
+    o.line("ai_lb_agent_kv_blocks_tracked", "", get(&k.blocks_tracked));
+    o.head(
+        "ai_lb_agent_prefix_summary_keys",
+        "gauge",
+        "Keys in the last prefix-cache summary.",
+    );
+    o.line("ai_lb_agent_prefix_summary_keys", "", get(&k.summary_keys));
+    o.head(
+        "ai_lb_agent_prefix_summary_truncated",
+        "gauge",
+        "1 when the last summary was cut to --prefix-max-keys.",
+    );
+    o.line(
+        "ai_lb_agent_prefix_summary_truncated",
+        "",
+        f64::from(u8::from(k.summary_truncated.load(Ordering::Relaxed))),
+    );
+    o.head(
+        "ai_lb_agent_prefix_summary_errors_total",
+        "counter",
+        "Summaries withheld (key block size not a multiple of the pod's, no model name).",
+    );
+    o.line(
+        "ai_lb_agent_prefix_summary_errors_total",
+        "",
+        get(&k.summary_errors),
+    );
 }
 
 fn render_snapshot(o: &mut Out, s: &PodSnapshot) {
@@ -265,11 +387,31 @@ fn render_snapshot(o: &mut Out, s: &PodSnapshot) {
     );
 
     type GpuField = fn(&ai_lb_proto::v1::GpuStats) -> Option<f64>;
-    let gpu_metrics: [(&str, &str, GpuField); 5] = [
+    let gpu_metrics: [(&str, &str, GpuField); 9] = [
         (
             "ai_lb_agent_gpu_utilization_ratio",
-            "GPU utilisation 0..1.",
+            "GPU utilisation 0..1 (NVML: fraction of time any kernel ran).",
             |g| g.utilization,
+        ),
+        (
+            "ai_lb_agent_gpu_sm_occupancy_ratio",
+            "Active warps over the maximum, 0..1 (GPM; Hopper and later).",
+            |g| g.sm_occupancy,
+        ),
+        (
+            "ai_lb_agent_gpu_sm_utilization_ratio",
+            "Share of time SMs had a warp assigned, 0..1 (GPM).",
+            |g| g.sm_utilization,
+        ),
+        (
+            "ai_lb_agent_gpu_tensor_activity_ratio",
+            "Share of time a tensor pipe was active, 0..1 (GPM).",
+            |g| g.tensor_activity,
+        ),
+        (
+            "ai_lb_agent_gpu_dram_activity_ratio",
+            "Share of peak DRAM bandwidth used, 0..1 (GPM).",
+            |g| g.dram_activity,
         ),
         (
             "ai_lb_agent_gpu_memory_used_bytes",
@@ -308,7 +450,7 @@ fn render_snapshot(o: &mut Out, s: &PodSnapshot) {
     }
 
     let Some(inf) = &s.inference else { return };
-    let scalars: [(&str, &str, Option<f64>); 7] = [
+    let scalars: [(&str, &str, Option<f64>); 8] = [
         (
             "ai_lb_agent_queue_waiting",
             "Requests waiting.",
@@ -343,6 +485,11 @@ fn render_snapshot(o: &mut Out, s: &PodSnapshot) {
             "ai_lb_agent_error_ratio",
             "Fraction of finished requests that failed.",
             inf.error_rate,
+        ),
+        (
+            "ai_lb_agent_prefix_cache_hit_ratio",
+            "Prompt tokens found in the prefix cache over prompt tokens queried, over the rate window.",
+            inf.prefix_cache_hit_rate,
         ),
     ];
     for (name, help, v) in scalars {

@@ -5,6 +5,7 @@ pub mod config;
 pub mod engines;
 pub mod grpc;
 pub mod http;
+pub mod kv_events;
 pub mod pool;
 pub mod prometheus;
 pub mod sampler;

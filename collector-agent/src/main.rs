@@ -61,7 +61,7 @@ fn build_sources(cfg: &AgentConfig) -> anyhow::Result<Sources> {
     match &cfg.gpu_source {
         GpuSource::None => absent.push("nvml"),
         GpuSource::Sim { url } => sources.push(gpu_sources::sim(url)?),
-        GpuSource::Nvml => sources.push(gpu_sources::nvml().with_context(|| {
+        GpuSource::Nvml => sources.push(gpu_sources::nvml(cfg.gpm_interval).with_context(|| {
             let how = if cfg.gpu_source_explicit {
                 "--gpu-source nvml"
             } else {
@@ -111,8 +111,8 @@ mod gpu_sources {
         Ok(Box::new(s))
     }
 
-    pub fn nvml() -> anyhow::Result<Box<dyn Source>> {
-        let s = NvmlSource::open(&VisibleEnv::from_process_env())
+    pub fn nvml(gpm_interval: Duration) -> anyhow::Result<Box<dyn Source>> {
+        let s = NvmlSource::open(&VisibleEnv::from_process_env(), gpm_interval)
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         Ok(Box::new(s))
     }

@@ -3,6 +3,7 @@
 //! with per-source health, publishes it by swapping an `Arc` (readers never block the sampler),
 //! and wakes watchers only when the change is meaningful (a pure function, [`meaningful_change`]).
 
+use crate::kv_events::KvFeed;
 use crate::sources::{Reading, Source};
 use ai_lb_proto::v1::{
     Engine, GpuStats, InferenceStats, ModelInfo, PodIdentity, PodSnapshot, SourceState,
@@ -310,6 +311,8 @@ pub fn merge(
         sequence,
         agent_instance: agent_instance.to_string(),
         age_ms: 0,
+        // Filled by the sampler from the KV-event feed when one is configured.
+        prefix_cache: None,
     }
 }
 
@@ -351,7 +354,8 @@ fn moved_rel(a: Option<f64>, b: Option<f64>, rel: f64, min_abs: f64) -> bool {
 }
 
 /// Whether the GPU set changed (count, index, UUID), a GPU's throttle reasons or error
-/// counters changed, or its utilisation or memory fraction moved by more than `ratio`. Shared
+/// counters changed, or its utilisation, SM occupancy or memory fraction moved by more than
+/// `ratio`. Shared
 /// by [`meaningful_change`] and [`urgent_change`], which differ in the threshold.
 fn gpus_moved(prev: &[GpuStats], next: &[GpuStats], ratio: f64) -> bool {
     let mem_frac = |g: &GpuStats| match (g.memory_used_bytes, g.memory_total_bytes) {
@@ -364,6 +368,7 @@ fn gpus_moved(prev: &[GpuStats], next: &[GpuStats], ratio: f64) -> bool {
             a.index != b.index
                 || a.uuid != b.uuid
                 || moved_ratio(a.utilization, b.utilization, ratio)
+                || moved_ratio(a.sm_occupancy, b.sm_occupancy, ratio)
                 || moved_ratio(mem_frac(a), mem_frac(b), ratio)
                 || a.throttle_reasons != b.throttle_reasons
                 || a.ecc_uncorrected_errors != b.ecc_uncorrected_errors
@@ -393,6 +398,11 @@ pub fn meaningful_change(prev: &PodSnapshot, next: &PodSnapshot, th: &Thresholds
     if gpus_moved(&prev.gpus, &next.gpus, th.ratio) {
         return true;
     }
+    // Any change of the cached set (or its model, block size, truncation) is worth a push,
+    // never an urgent one: routing by prefix tolerates a coalescing interval of staleness.
+    if prev.prefix_cache != next.prefix_cache {
+        return true;
+    }
     match (&prev.inference, &next.inference) {
         (None, None) => false,
         (Some(a), Some(b)) => {
@@ -405,6 +415,7 @@ pub fn meaningful_change(prev: &PodSnapshot, next: &PodSnapshot, th: &Thresholds
                 || a.kv_capacity_tokens != b.kv_capacity_tokens
                 || moved_ratio(a.kv_cache_usage, b.kv_cache_usage, th.ratio)
                 || moved_ratio(a.error_rate, b.error_rate, th.ratio)
+                || moved_ratio(a.prefix_cache_hit_rate, b.prefix_cache_hit_rate, th.ratio)
                 || moved_rel(p99(&a.ttft), p99(&b.ttft), th.latency_rel, 1.0)
                 || moved_rel(p99(&a.e2e), p99(&b.e2e), th.latency_rel, 1.0)
                 || moved_rel(
@@ -501,6 +512,8 @@ struct Outbox {
     /// snapshot, so a local-only sample keeps the model server's last reading.
     last: Vec<Result<Reading, String>>,
     thresholds: Thresholds,
+    /// The pod's prefix cache from its KV events, when subscribed.
+    prefix: Option<Arc<KvFeed>>,
 }
 
 impl Outbox {
@@ -519,7 +532,7 @@ impl Outbox {
             Some((t, l)) => (t.as_slice(), l.as_slice()),
             None => (self.tracks.as_slice(), self.last.as_slice()),
         };
-        let snapshot = merge(
+        let mut snapshot = merge(
             &self.identity,
             tracks,
             last,
@@ -529,6 +542,16 @@ impl Outbox {
             self.sequence,
             self.hub.agent_instance(),
         );
+        if let Some(feed) = &self.prefix {
+            // Keys are seeded by the served model: the configured one, else the model
+            // server's first.
+            let model = snapshot
+                .identity
+                .as_ref()
+                .and_then(|i| i.models.first())
+                .map(|m| m.name.clone());
+            snapshot.prefix_cache = feed.summary(model.as_deref(), now);
+        }
         let (meaningful, urgent) = match &self.baseline {
             None => (true, false),
             Some(b) => (
@@ -608,6 +631,7 @@ impl Sampler {
                 baseline: None,
                 last,
                 thresholds: Thresholds::default(),
+                prefix: None,
             },
             source_timeout,
             stall_after: Self::default_stall_after(sample_interval, source_timeout),
@@ -623,6 +647,12 @@ impl Sampler {
         (sample_interval * 3)
             .max(Duration::from_millis(150))
             .min(source_timeout)
+    }
+
+    /// Puts the pod's prefix-cache summary from `feed` into every snapshot.
+    pub fn with_prefix_feed(mut self, feed: Arc<KvFeed>) -> Sampler {
+        self.out.prefix = Some(feed);
+        self
     }
 
     pub fn with_thresholds(mut self, thresholds: Thresholds) -> Sampler {
@@ -819,6 +849,13 @@ mod tests {
         let mut gone = snap(0.50, 10);
         gone.gpus[0].utilization = None;
         assert!(meaningful_change(&a, &gone, &th));
+        // A saturated time-fraction hides the batch; SM occupancy moving is a change.
+        let mut busy = snap(1.0, 10);
+        busy.gpus[0].sm_occupancy = Some(0.2);
+        let mut fuller = busy.clone();
+        fuller.gpus[0].sm_occupancy = Some(0.4);
+        assert!(meaningful_change(&busy, &fuller, &th));
+        assert!(!meaningful_change(&busy, &busy.clone(), &th));
     }
 
     #[test]
@@ -1152,6 +1189,33 @@ mod tests {
         run_one_second(sampler).await;
         let n = calls[0].load(Ordering::Relaxed);
         assert!((10..=12).contains(&n), "{n}");
+    }
+
+    #[test]
+    fn a_prefix_cache_change_is_meaningful_not_urgent() {
+        use ai_lb_proto::v1::PrefixCacheSummary;
+        let th = Thresholds::default();
+        let mut a = snap(0.5, 10);
+        a.prefix_cache = Some(PrefixCacheSummary {
+            block_tokens: 64,
+            keys: vec![1, 2],
+            truncated: false,
+            model: "m".into(),
+        });
+        assert!(!meaningful_change(&a, &a.clone(), &th));
+        let mut b = a.clone();
+        b.prefix_cache.as_mut().unwrap().keys.push(3);
+        assert!(meaningful_change(&a, &b, &th));
+        assert!(!urgent_change(&a, &b));
+        let mut none = a.clone();
+        none.prefix_cache = None;
+        assert!(meaningful_change(&a, &none, &th));
+        assert!(!urgent_change(&a, &none));
+        // So is a hit rate that moved (or appeared).
+        let mut hit = a.clone();
+        hit.inference.as_mut().unwrap().prefix_cache_hit_rate = Some(0.5);
+        assert!(meaningful_change(&a, &hit, &th));
+        assert!(!urgent_change(&a, &hit));
     }
 
     #[test]

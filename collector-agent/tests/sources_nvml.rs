@@ -1,23 +1,35 @@
 //! The nvml source over a fake `GpuBackend`: visible-devices filtering, NotSupported → absent,
-//! failed queries → rejected, unit conversion, Xid counting.
+//! failed queries → rejected, unit conversion, Xid counting, GPM activity (supported, not
+//! supported, garbage, recomputed once per interval).
 
 use ai_lb_agent::sources::nvml::{
-    DeviceReading, Field, GpuBackend, NvmlSource, VisibleEnv, XidEvent,
+    DeviceReading, Field, GpmReading, GpuBackend, NvmlSource, VisibleEnv, XidEvent,
 };
 use ai_lb_agent::sources::{Source, SourceError};
+use ai_lb_proto::v1::GpuActivitySource;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+const GPM_INTERVAL: Duration = Duration::from_millis(100);
+
+fn open(f: Fake, e: &VisibleEnv) -> Result<NvmlSource, SourceError> {
+    NvmlSource::new(Box::new(f), e, GPM_INTERVAL)
+}
 
 #[derive(Clone)]
 struct FakeGpu {
     uuid: String,
     reading: DeviceReading,
     xid_supported: bool,
+    /// Successive GPM readings, one per `gpm` call after the first (None: no GPM).
+    gpm: Option<Vec<GpmReading>>,
 }
 
 #[derive(Clone, Default)]
 struct Fake {
     gpus: Vec<FakeGpu>,
+    /// `gpm` calls per device, shared with the test.
+    gpm_calls: Arc<Mutex<Vec<u32>>>,
     /// Events the test queues; drained by `poll_xid`.
     events: Arc<Mutex<Vec<XidEvent>>>,
     fail_read: bool,
@@ -42,6 +54,26 @@ impl GpuBackend for Fake {
     fn poll_xid(&mut self) -> Vec<XidEvent> {
         std::mem::take(&mut *self.events.lock().unwrap())
     }
+    fn gpm(&mut self, index: u32) -> Option<Field<GpmReading>> {
+        let mut calls = self.gpm_calls.lock().unwrap();
+        calls.push(index);
+        let n = calls.iter().filter(|&&i| i == index).count();
+        match &self.gpus[index as usize].gpm {
+            None => Some(Field::NotSupported),
+            // The first sample only starts an interval.
+            Some(_) if n == 1 => None,
+            Some(list) => Some(Field::Value(list[(n - 2).min(list.len() - 1)].clone())),
+        }
+    }
+}
+
+fn gpm(occ: f64, sm: f64, tensor: f64, dram: f64) -> GpmReading {
+    GpmReading {
+        sm_occupancy_percent: Field::Value(occ),
+        sm_util_percent: Field::Value(sm),
+        tensor_percent: Field::Value(tensor),
+        dram_bw_percent: Field::Value(dram),
+    }
 }
 
 fn full_reading() -> DeviceReading {
@@ -64,6 +96,7 @@ fn fake(n: usize) -> Fake {
                 uuid: format!("GPU-{i}{i}{i}{i}-aaaa"),
                 reading: full_reading(),
                 xid_supported: true,
+                gpm: None,
             })
             .collect(),
         ..Default::default()
@@ -79,7 +112,7 @@ fn env(nv: Option<&str>, cuda: Option<&str>) -> VisibleEnv {
 
 #[tokio::test]
 async fn reads_and_converts_units() {
-    let mut s = NvmlSource::new(Box::new(fake(1)), &env(None, None)).unwrap();
+    let mut s = open(fake(1), &env(None, None)).unwrap();
     let r = s.sample(Instant::now()).await.unwrap();
     assert!(r.rejected.is_empty());
     let g = &r.gpus.unwrap()[0];
@@ -111,7 +144,7 @@ async fn not_supported_is_absent_never_zero() {
         ecc_uncorrected_volatile: Field::Failed("Unknown error".into()),
     };
     f.gpus[0].xid_supported = false;
-    let mut s = NvmlSource::new(Box::new(f), &env(None, None)).unwrap();
+    let mut s = open(f, &env(None, None)).unwrap();
     let r = s.sample(Instant::now()).await.unwrap();
     let g = &r.gpus.unwrap()[0];
     assert_eq!(g.utilization, None);
@@ -130,7 +163,7 @@ async fn impossible_values_are_rejected() {
     let mut f = fake(1);
     f.gpus[0].reading.utilization_percent = Field::Value(250);
     f.gpus[0].reading.memory_bytes = Field::Value((10, 5));
-    let mut s = NvmlSource::new(Box::new(f), &env(None, None)).unwrap();
+    let mut s = open(f, &env(None, None)).unwrap();
     let r = s.sample(Instant::now()).await.unwrap();
     let g = &r.gpus.unwrap()[0];
     assert_eq!(g.utilization, None);
@@ -141,7 +174,7 @@ async fn impossible_values_are_rejected() {
 #[test]
 fn visible_devices_filtering() {
     let pick = |e: VisibleEnv| -> Vec<u32> {
-        NvmlSource::new(Box::new(fake(4)), &e)
+        open(fake(4), &e)
             .unwrap()
             .devices()
             .into_iter()
@@ -157,7 +190,7 @@ fn visible_devices_filtering() {
     assert_eq!(pick(env(Some("GPU-2222"), None)), vec![2], "UUID prefix");
     assert_eq!(pick(env(Some("all"), Some("0,2"))), vec![0, 2]);
     assert_eq!(pick(env(Some("1,2,3"), Some("2"))), vec![3]);
-    let e = NvmlSource::new(Box::new(fake(2)), &env(Some("first"), None)).unwrap_err();
+    let e = open(fake(2), &env(Some("first"), None)).unwrap_err();
     assert!(
         e.to_string().contains("NVIDIA_VISIBLE_DEVICES") && e.to_string().contains("first"),
         "{e}"
@@ -168,7 +201,7 @@ fn visible_devices_filtering() {
 async fn xid_events_are_counted_per_gpu() {
     let f = fake(2);
     let events = f.events.clone();
-    let mut s = NvmlSource::new(Box::new(f), &env(Some("1"), None)).unwrap();
+    let mut s = open(f, &env(Some("1"), None)).unwrap();
     events.lock().unwrap().extend([
         XidEvent {
             uuid: "GPU-1111-aaaa".into(),
@@ -200,7 +233,7 @@ async fn xid_events_are_counted_per_gpu() {
 async fn device_read_failure_fails_the_sample() {
     let mut f = fake(1);
     f.fail_read = true;
-    let mut s = NvmlSource::new(Box::new(f), &env(None, None)).unwrap();
+    let mut s = open(f, &env(None, None)).unwrap();
     match s.sample(Instant::now()).await {
         Err(SourceError::Other { detail, .. }) => assert!(detail.contains("GPU is lost")),
         other => panic!("expected an error, got {other:?}"),
@@ -210,11 +243,103 @@ async fn device_read_failure_fails_the_sample() {
 #[test]
 fn missing_nvml_library_is_a_clear_constructor_error() {
     // On a host with a driver this opens NVML; everywhere else it must say what to do.
-    if let Err(e) = NvmlSource::open(&env(None, None)) {
+    if let Err(e) = NvmlSource::open(&env(None, None), GPM_INTERVAL) {
         let msg = e.to_string();
         assert!(
             msg.contains("NVML") && msg.contains("--gpu-source sim or none"),
             "{msg}"
         );
     }
+}
+
+#[tokio::test]
+async fn gpm_activity_needs_two_samples_then_is_reported_as_fractions() {
+    let mut f = fake(1);
+    f.gpus[0].gpm = Some(vec![
+        gpm(12.5, 80.0, 30.0, 65.0),
+        gpm(40.0, 95.0, 50.0, 90.0),
+    ]);
+    let calls = f.gpm_calls.clone();
+    let mut s = open(f, &env(None, None)).unwrap();
+    let t0 = Instant::now();
+    let g = &s.sample(t0).await.unwrap().gpus.unwrap()[0];
+    // One sample is not an interval: absent, not zero.
+    assert_eq!(g.sm_occupancy, None);
+    assert_eq!(g.activity_source, GpuActivitySource::Unspecified as i32);
+    let r = s.sample(t0 + GPM_INTERVAL).await.unwrap();
+    assert!(r.rejected.is_empty(), "{:?}", r.rejected);
+    let g = &r.gpus.unwrap()[0];
+    assert_eq!(g.sm_occupancy, Some(0.125));
+    assert_eq!(g.sm_utilization, Some(0.8));
+    assert_eq!(g.tensor_activity, Some(0.3));
+    assert_eq!(g.dram_activity, Some(0.65));
+    assert_eq!(g.activity_source, GpuActivitySource::Gpm as i32);
+    // Within the interval the last values are reported without a new GPM sample.
+    let g = &s
+        .sample(t0 + GPM_INTERVAL + Duration::from_millis(20))
+        .await
+        .unwrap()
+        .gpus
+        .unwrap()[0];
+    assert_eq!(g.sm_occupancy, Some(0.125));
+    assert_eq!(calls.lock().unwrap().len(), 2);
+    let g = &s.sample(t0 + 2 * GPM_INTERVAL).await.unwrap().gpus.unwrap()[0];
+    assert_eq!(g.sm_occupancy, Some(0.4));
+    assert_eq!(calls.lock().unwrap().len(), 3);
+}
+
+#[tokio::test]
+async fn a_gpu_without_gpm_reports_no_activity_and_is_not_asked_again() {
+    let f = fake(1);
+    let calls = f.gpm_calls.clone();
+    let mut s = open(f, &env(None, None)).unwrap();
+    let t0 = Instant::now();
+    for k in 0..4 {
+        let r = s.sample(t0 + k * GPM_INTERVAL).await.unwrap();
+        assert!(r.rejected.is_empty());
+        let g = &r.gpus.unwrap()[0];
+        assert_eq!(
+            (
+                g.sm_occupancy,
+                g.sm_utilization,
+                g.tensor_activity,
+                g.dram_activity
+            ),
+            (None, None, None, None)
+        );
+        assert_eq!(g.activity_source, GpuActivitySource::Unspecified as i32);
+        // The time-fraction reading is still there.
+        assert_eq!(g.utilization, Some(0.87));
+    }
+    assert_eq!(calls.lock().unwrap().len(), 1, "NotSupported is asked once");
+}
+
+#[tokio::test]
+async fn garbage_gpm_values_are_rejected_one_by_one() {
+    let mut f = fake(1);
+    f.gpus[0].gpm = Some(vec![GpmReading {
+        sm_occupancy_percent: Field::Value(f64::NAN),
+        sm_util_percent: Field::Value(140.0),
+        tensor_percent: Field::Failed("Unknown error".into()),
+        dram_bw_percent: Field::Value(55.0),
+    }]);
+    let mut s = open(f, &env(None, None)).unwrap();
+    let t0 = Instant::now();
+    s.sample(t0).await.unwrap();
+    let r = s.sample(t0 + GPM_INTERVAL).await.unwrap();
+    let g = &r.gpus.as_ref().unwrap()[0];
+    assert_eq!(
+        (g.sm_occupancy, g.sm_utilization, g.tensor_activity),
+        (None, None, None)
+    );
+    assert_eq!(g.dram_activity, Some(0.55));
+    let fields: Vec<&str> = r.rejected.iter().map(|r| r.field.as_str()).collect();
+    assert_eq!(
+        fields,
+        vec![
+            "gpu[0].sm_occupancy",
+            "gpu[0].sm_utilization",
+            "gpu[0].tensor_activity"
+        ]
+    );
 }

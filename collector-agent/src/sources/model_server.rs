@@ -83,6 +83,8 @@ struct Windows {
     inter_token_recent: HistogramWindow,
     /// [finished, errors] when both known, [finished] otherwise.
     requests: CounterWindow,
+    /// [prefix-cache queries, hits], in prompt tokens.
+    prefix: CounterWindow,
 }
 
 impl Windows {
@@ -93,6 +95,7 @@ impl Windows {
             inter_token: HistogramWindow::new(window),
             inter_token_recent: HistogramWindow::new(recent_window),
             requests: CounterWindow::new(rate_window),
+            prefix: CounterWindow::new(rate_window),
         }
     }
 }
@@ -170,6 +173,18 @@ impl InferenceTracker {
                 (None, None)
             }
         };
+        // Hits / queries of the counters' increase over the rate window; absent without the
+        // counters or without queries in the window.
+        let prefix_cache_hit_rate = match (x.prefix_queries_total, x.prefix_hits_total) {
+            (Some(q), Some(h)) => {
+                w.prefix.observe(now, vec![q, h]);
+                w.prefix.ratio(1, 0)
+            }
+            _ => {
+                w.prefix.clear();
+                None
+            }
+        };
         let span = [
             w.ttft.span(),
             w.e2e.span(),
@@ -195,6 +210,7 @@ impl InferenceTracker {
             inter_token_recent: Some(inter_token_recent),
             recent_window_ms: u32::try_from(w.inter_token_recent.span().as_millis())
                 .unwrap_or(u32::MAX),
+            prefix_cache_hit_rate,
         }
     }
 }
@@ -494,6 +510,43 @@ mod tests {
         assert_eq!(st.error_rate, Some(0.5));
         assert_eq!(st.request_rate, Some(10.0));
         assert_eq!(st.rate_window_ms, 1000);
+    }
+
+    #[test]
+    fn prefix_hit_rate_is_the_counters_delta_over_the_rate_window() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let mut t = InferenceTracker::new(s(10), s(2), None, None);
+        let page = |queries: f64, hits: f64| Extracted {
+            prefix_queries_total: Some(queries),
+            prefix_hits_total: Some(hits),
+            ..Extracted::default()
+        };
+        assert_eq!(t.update(t0, &page(1000.0, 0.0)).prefix_cache_hit_rate, None);
+        // 300 queried, 0 hit; then a repeated prompt: 300 queried, 288 hit.
+        let r = t
+            .update(t0 + s(1), &page(1300.0, 0.0))
+            .prefix_cache_hit_rate;
+        assert_eq!(r, Some(0.0));
+        let r = t
+            .update(t0 + s(2), &page(1600.0, 288.0))
+            .prefix_cache_hit_rate;
+        assert_eq!(r, Some(288.0 / 600.0));
+        // Lifetime totals do not count: 2 s later only the last window's delta.
+        let r = t
+            .update(t0 + s(4), &page(1900.0, 576.0))
+            .prefix_cache_hit_rate;
+        assert_eq!(r, Some(576.0 / 600.0));
+        // No queries in the window: absent, not 0.
+        let r = t
+            .update(t0 + s(7), &page(1900.0, 576.0))
+            .prefix_cache_hit_rate;
+        assert_eq!(r, None);
+        // A server without the counters: absent.
+        let r = t
+            .update(t0 + s(8), &Extracted::default())
+            .prefix_cache_hit_rate;
+        assert_eq!(r, None);
     }
 
     #[test]

@@ -3,12 +3,19 @@
 //! visible (`NVIDIA_VISIBLE_DEVICES` / `CUDA_VISIBLE_DEVICES`, values passed in), maps NVML's
 //! `NotSupported` to an absent field (never a fake 0), decodes the clocks-event (throttle)
 //! reasons bitmask (nvml.h `nvmlClocksEventReason*`), and counts Xid critical errors seen
-//! through NVML event sets since the agent started.
+//! through NVML event sets since the agent started. On Hopper and later it also reads GPM
+//! activity (SM occupancy, SM, tensor-pipe and DRAM-bandwidth use), which NVML computes from
+//! two samples taken `--gpm-interval` apart; a GPU without GPM reports those fields absent.
+//!
+//! Why GPM: NVML's `utilization.gpu` is the fraction of time any kernel ran, so it reads about
+//! 100 % as soon as one sequence decodes and cannot tell a batch of 1 from a batch of 200. SM
+//! occupancy (active warps over the maximum) keeps growing with the batch.
 
 use super::{Reading, Rejected, Source, SourceError};
+use ai_lb_proto::v1::GpuActivitySource;
 use ai_lb_proto::v1::GpuStats;
 use std::collections::HashMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 const NAME: &str = "nvml";
 
@@ -37,6 +44,16 @@ pub struct DeviceReading {
     pub ecc_uncorrected_volatile: Field<u64>,
 }
 
+/// One GPM reading of a device over the interval since the previous one, in percent 0..100
+/// (NVML's unit). Each metric can fail on its own.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GpmReading {
+    pub sm_occupancy_percent: Field<f64>,
+    pub sm_util_percent: Field<f64>,
+    pub tensor_percent: Field<f64>,
+    pub dram_bw_percent: Field<f64>,
+}
+
 /// An Xid critical error event.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct XidEvent {
@@ -56,6 +73,12 @@ pub trait GpuBackend: Send {
     fn watch_xid(&mut self, index: u32) -> bool;
     /// Xid events that arrived since the last call, without blocking.
     fn poll_xid(&mut self) -> Vec<XidEvent>;
+    /// Takes a GPM sample of `index` and returns the metrics between it and the previous one:
+    /// `None` on the first call (a rate needs two samples), `Field::NotSupported` on a GPU
+    /// without GPM (before Hopper). The default is a backend without GPM.
+    fn gpm(&mut self, _index: u32) -> Option<Field<GpmReading>> {
+        Some(Field::NotSupported)
+    }
 }
 
 /// Names of the clocks-event (throttle) reason bits, nvml.h order.
@@ -296,12 +319,34 @@ struct Tracked {
     index: u32,
     uuid: String,
     xid_watched: bool,
+    gpm: GpmState,
+}
+
+/// Where a device's GPM readings stand.
+#[derive(Debug, Default)]
+struct GpmState {
+    /// The device said it has no GPM: never asked again.
+    unsupported: bool,
+    /// When the last GPM sample was taken.
+    sampled_at: Option<Instant>,
+    /// The last computed activity (fractions 0..1), reported until the next one.
+    last: Option<Activity>,
+}
+
+/// Activity fractions 0..1, each absent when its metric failed or was out of range.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+struct Activity {
+    sm_occupancy: Option<f64>,
+    sm_utilization: Option<f64>,
+    tensor: Option<f64>,
+    dram: Option<f64>,
 }
 
 /// The `nvml` source.
 pub struct NvmlSource {
     backend: Box<dyn GpuBackend>,
     devices: Vec<Tracked>,
+    gpm_interval: Duration,
     xids: HashMap<String, XidTally>,
     warnings: Vec<String>,
 }
@@ -316,18 +361,23 @@ impl std::fmt::Debug for NvmlSource {
 }
 
 impl NvmlSource {
-    /// Opens the real NVML (initialised once per process and kept) and selects the visible GPUs.
-    pub fn open(env: &VisibleEnv) -> Result<Self, SourceError> {
+    /// Opens the real NVML (initialised once per process and kept) and selects the visible GPUs;
+    /// GPM activity is recomputed every `gpm_interval`.
+    pub fn open(env: &VisibleEnv, gpm_interval: Duration) -> Result<Self, SourceError> {
         let backend = real::NvmlBackend::init().map_err(|detail| SourceError::Other {
             source_name: NAME,
             detail,
         })?;
-        Self::new(Box::new(backend), env)
+        Self::new(Box::new(backend), env, gpm_interval)
     }
 
     /// Builds the source over any backend: lists the devices, keeps the visible ones and starts
     /// watching their Xid errors.
-    pub fn new(mut backend: Box<dyn GpuBackend>, env: &VisibleEnv) -> Result<Self, SourceError> {
+    pub fn new(
+        mut backend: Box<dyn GpuBackend>,
+        env: &VisibleEnv,
+        gpm_interval: Duration,
+    ) -> Result<Self, SourceError> {
         let other = |detail: String| SourceError::Other {
             source_name: NAME,
             detail,
@@ -352,11 +402,13 @@ impl NvmlSource {
                 xid_watched: backend.watch_xid(index),
                 index,
                 uuid,
+                gpm: GpmState::default(),
             })
             .collect();
         Ok(Self {
             backend,
             devices,
+            gpm_interval,
             xids: HashMap::new(),
             warnings,
         })
@@ -375,8 +427,8 @@ impl NvmlSource {
             .collect()
     }
 
-    /// One sample (synchronous; NVML calls do not block for long).
-    pub fn read_all(&mut self) -> Result<Reading, SourceError> {
+    /// One sample at `now` (synchronous; NVML calls do not block for long).
+    pub fn read_all(&mut self, now: Instant) -> Result<Reading, SourceError> {
         for ev in self.backend.poll_xid() {
             let t = self.xids.entry(ev.uuid).or_default();
             t.count += 1;
@@ -386,7 +438,14 @@ impl NvmlSource {
         }
         let mut rejected = Vec::new();
         let mut gpus = Vec::with_capacity(self.devices.len());
-        for d in &self.devices {
+        for d in &mut self.devices {
+            let activity = gpm_activity(
+                self.backend.as_mut(),
+                d,
+                now,
+                self.gpm_interval,
+                &mut rejected,
+            );
             let r = self.backend.read(d.index).map_err(|e| SourceError::Other {
                 source_name: NAME,
                 detail: format!("GPU {} ({}): {e}", d.index, d.uuid),
@@ -445,6 +504,13 @@ impl NvmlSource {
                 g.xid_errors = Some(t.count);
                 g.last_xid = t.last;
             }
+            if let Some(a) = activity {
+                g.sm_occupancy = a.sm_occupancy;
+                g.sm_utilization = a.sm_utilization;
+                g.tensor_activity = a.tensor;
+                g.dram_activity = a.dram;
+                g.activity_source = GpuActivitySource::Gpm as i32;
+            }
             gpus.push(g);
         }
         Ok(Reading {
@@ -453,6 +519,77 @@ impl NvmlSource {
             ..Default::default()
         })
     }
+}
+
+/// The device's GPM activity to report at `now`: recomputed from a new sample once
+/// `interval` has passed since the last one, else the last values. None for a GPU without GPM
+/// (asked once) and until the first interval has passed.
+fn gpm_activity(
+    backend: &mut dyn GpuBackend,
+    d: &mut Tracked,
+    now: Instant,
+    interval: Duration,
+    rejected: &mut Vec<Rejected>,
+) -> Option<Activity> {
+    let st = &mut d.gpm;
+    if st.unsupported {
+        return None;
+    }
+    let due = st
+        .sampled_at
+        .is_none_or(|t| now.saturating_duration_since(t) >= interval);
+    if due {
+        st.sampled_at = Some(now);
+        match backend.gpm(d.index) {
+            None => {}
+            Some(Field::NotSupported) => {
+                st.unsupported = true;
+                st.last = None;
+            }
+            Some(Field::Failed(e)) => {
+                rejected.push(Rejected {
+                    field: format!("gpu[{}].gpm", d.index),
+                    value: String::new(),
+                    reason: format!("NVML GPM query failed: {e}"),
+                });
+                st.last = None;
+            }
+            Some(Field::Value(r)) => {
+                let mut pct = |name: &str, f: Field<f64>| -> Option<f64> {
+                    let field = format!("gpu[{}].{name}", d.index);
+                    match f {
+                        Field::Value(p) if p.is_finite() && (0.0..=100.0).contains(&p) => {
+                            Some(p / 100.0)
+                        }
+                        Field::Value(p) => {
+                            rejected.push(Rejected {
+                                field,
+                                value: p.to_string(),
+                                reason: "not a percent in 0..100".into(),
+                            });
+                            None
+                        }
+                        Field::NotSupported => None,
+                        Field::Failed(e) => {
+                            rejected.push(Rejected {
+                                field,
+                                value: String::new(),
+                                reason: format!("NVML GPM metric failed: {e}"),
+                            });
+                            None
+                        }
+                    }
+                };
+                st.last = Some(Activity {
+                    sm_occupancy: pct("sm_occupancy", r.sm_occupancy_percent),
+                    sm_utilization: pct("sm_utilization", r.sm_util_percent),
+                    tensor: pct("tensor_activity", r.tensor_percent),
+                    dram: pct("dram_activity", r.dram_bw_percent),
+                });
+            }
+        }
+    }
+    st.last
 }
 
 fn take<T>(f: Field<T>, field: &str, rej: &mut impl FnMut(&str, String, String)) -> Option<T> {
@@ -476,20 +613,31 @@ impl Source for NvmlSource {
         true
     }
 
-    async fn sample(&mut self, _now: Instant) -> Result<Reading, SourceError> {
-        self.read_all()
+    async fn sample(&mut self, now: Instant) -> Result<Reading, SourceError> {
+        self.read_all(now)
     }
 }
 
 /// The backend over the real NVML library.
 pub mod real {
-    use super::{DeviceReading, Field, GpuBackend, XidEvent};
+    use super::{DeviceReading, Field, GpmReading, GpuBackend, XidEvent};
     use nvml_wrapper::bitmasks::event::EventTypes;
     use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError, TemperatureSensor};
     use nvml_wrapper::enums::event::XidError;
+    use nvml_wrapper::enums::gpm::GpmMetricId;
     use nvml_wrapper::error::NvmlError;
+    use nvml_wrapper::gpm::{gpm_metrics_get, GpmSample};
     use nvml_wrapper::{EventSet, Nvml};
+    use std::collections::HashMap;
     use std::sync::{Mutex, OnceLock};
+
+    /// The GPM metrics read, in the order of [`GpmReading`]'s fields.
+    const GPM_METRICS: [GpmMetricId; 4] = [
+        GpmMetricId::SmOccupancy,
+        GpmMetricId::SmUtil,
+        GpmMetricId::AnyTensorUtil,
+        GpmMetricId::DramBwUtil,
+    ];
 
     /// NVML, initialised once per process and kept for its lifetime (event sets borrow it).
     static NVML: OnceLock<&'static Nvml> = OnceLock::new();
@@ -532,6 +680,8 @@ pub mod real {
         nvml: &'static Nvml,
         /// One event set per watched device, with the device's UUID.
         xid_sets: Vec<(String, EventSet<'static>)>,
+        /// The previous GPM sample of each device, the start of the next interval.
+        gpm_prev: HashMap<u32, GpmSample<'static>>,
     }
 
     impl NvmlBackend {
@@ -539,6 +689,7 @@ pub mod real {
             Ok(Self {
                 nvml: nvml()?,
                 xid_sets: Vec::new(),
+                gpm_prev: HashMap::new(),
             })
         }
     }
@@ -594,6 +745,38 @@ pub mod real {
             }
         }
 
+        fn gpm(&mut self, index: u32) -> Option<Field<GpmReading>> {
+            let d = match self.nvml.device_by_index(index) {
+                Ok(d) => d,
+                Err(e) => return Some(Field::Failed(e.to_string())),
+            };
+            match d.gpm_support() {
+                Ok(true) => {}
+                Ok(false) | Err(NvmlError::NotSupported) => return Some(Field::NotSupported),
+                Err(e) => return Some(Field::Failed(e.to_string())),
+            }
+            let sample = match d.gpm_sample() {
+                Ok(s) => s,
+                Err(NvmlError::NotSupported) => return Some(Field::NotSupported),
+                Err(e) => return Some(Field::Failed(e.to_string())),
+            };
+            let prev = self.gpm_prev.insert(index, sample)?;
+            let now = self.gpm_prev.get(&index)?;
+            let results = match gpm_metrics_get(self.nvml, &prev, now, &GPM_METRICS) {
+                Ok(r) => r,
+                Err(NvmlError::NotSupported) => return Some(Field::NotSupported),
+                Err(e) => return Some(Field::Failed(e.to_string())),
+            };
+            let mut it = results.into_iter().map(|r| field(r.map(|m| m.value)));
+            let mut next = || it.next().unwrap_or(Field::NotSupported);
+            Some(Field::Value(GpmReading {
+                sm_occupancy_percent: next(),
+                sm_util_percent: next(),
+                tensor_percent: next(),
+                dram_bw_percent: next(),
+            }))
+        }
+
         fn poll_xid(&mut self) -> Vec<XidEvent> {
             let mut out = Vec::new();
             for (uuid, set) in &self.xid_sets {
@@ -626,9 +809,19 @@ pub mod real {
         #[test]
         #[ignore = "needs an NVIDIA GPU and libnvidia-ml.so.1"]
         fn nvml_reads_real_gpus() {
-            let mut s = NvmlSource::open(&VisibleEnv::from_process_env()).expect("NVML");
+            let mut s = NvmlSource::open(
+                &VisibleEnv::from_process_env(),
+                std::time::Duration::from_millis(100),
+            )
+            .expect("NVML");
             println!("devices: {:?}, warnings: {:?}", s.devices(), s.warnings());
-            let r = s.read_all().expect("read");
+            let t0 = std::time::Instant::now();
+            s.read_all(t0).expect("read");
+            // GPM needs two samples an interval apart.
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            let r = s
+                .read_all(t0 + std::time::Duration::from_millis(200))
+                .expect("read");
             for g in r.gpus.as_deref().unwrap_or_default() {
                 println!("{g:?}");
             }

@@ -1,12 +1,14 @@
 //! The `sim` source (explicit opt-in only): reads simulated GPUs from a fake pod's
 //! `GET <url>/sim/gpu` and decides which of its values may be forwarded. Missing or null fields
 //! stay absent; out-of-range values (utilisation outside 0..1, NaN, negative, memory used above
-//! total, wrong JSON types) become `Reading.rejected` entries, never signals.
+//! total, wrong JSON types) become `Reading.rejected` entries, never signals. The fake pod's
+//! GPM-style activity (`sm_occupancy`, `sm_utilization`, `tensor_activity`, `dram_activity`,
+//! `null` on GPUs before Hopper, as real GPM) is forwarded with activity source `SIM`.
 
 use super::model_server::fetch;
 use super::{Reading, Rejected, Source, SourceError};
 use crate::sources::nvml::throttle_reason_names;
-use ai_lb_proto::v1::GpuStats;
+use ai_lb_proto::v1::{GpuActivitySource, GpuStats};
 use serde_json::{Map, Value};
 use std::time::{Duration, Instant};
 
@@ -134,6 +136,16 @@ impl Fields<'_> {
         }
     }
 
+    /// A number in 0..1.
+    fn fraction(&mut self, key: &str) -> Option<f64> {
+        let f = self.non_negative(key)?;
+        if f > 1.0 {
+            self.reject(key, &Value::from(f), "above 1");
+            return None;
+        }
+        Some(f)
+    }
+
     fn u64(&mut self, key: &str) -> Option<u64> {
         let v = self.get(key)?.clone();
         match v.as_u64() {
@@ -173,10 +185,17 @@ fn gpu(pos: usize, obj: &Map<String, Value>, rejected: &mut Vec<Rejected>) -> Gp
         name: f.string("name").unwrap_or_default(),
         ..Default::default()
     };
-    g.utilization = f.non_negative("utilization");
-    if let Some(u) = g.utilization.filter(|u| *u > 1.0) {
-        f.reject("utilization", &Value::from(u), "utilisation above 1");
-        g.utilization = None;
+    g.utilization = f.fraction("utilization");
+    g.sm_occupancy = f.fraction("sm_occupancy");
+    g.sm_utilization = f.fraction("sm_utilization");
+    g.tensor_activity = f.fraction("tensor_activity");
+    g.dram_activity = f.fraction("dram_activity");
+    if g.sm_occupancy.is_some()
+        || g.sm_utilization.is_some()
+        || g.tensor_activity.is_some()
+        || g.dram_activity.is_some()
+    {
+        g.activity_source = GpuActivitySource::Sim as i32;
     }
     g.memory_used_bytes = f.u64("memory_used_bytes");
     g.memory_total_bytes = f.u64("memory_total_bytes");
@@ -265,6 +284,45 @@ mod tests {
                 "gpus[0].memory_used_bytes",
                 "gpus[0].temperature_celsius",
                 "gpus[0].power_watts"
+            ]
+        );
+    }
+
+    #[test]
+    fn gpm_fields_are_forwarded_null_is_absent_and_garbage_rejected() {
+        let hopper = br#"{"gpus":[{"index":0,"utilization":1.0,"sm_occupancy":0.31,"sm_utilization":0.9,"tensor_activity":0.2,"dram_activity":0.7}]}"#;
+        let r = parse_gpus(hopper).unwrap();
+        assert!(r.rejected.is_empty(), "{:?}", r.rejected);
+        let g = &r.gpus.unwrap()[0];
+        assert_eq!(g.utilization, Some(1.0));
+        assert_eq!(g.sm_occupancy, Some(0.31));
+        assert_eq!(g.sm_utilization, Some(0.9));
+        assert_eq!(g.tensor_activity, Some(0.2));
+        assert_eq!(g.dram_activity, Some(0.7));
+        assert_eq!(g.activity_source, GpuActivitySource::Sim as i32);
+
+        let ampere = br#"{"gpus":[{"index":0,"utilization":1.0,"sm_occupancy":null,"sm_utilization":null,"tensor_activity":null,"dram_activity":null}]}"#;
+        let r = parse_gpus(ampere).unwrap();
+        assert!(r.rejected.is_empty());
+        let g = &r.gpus.unwrap()[0];
+        assert_eq!(g.sm_occupancy, None);
+        assert_eq!(g.activity_source, GpuActivitySource::Unspecified as i32);
+
+        let bad = br#"{"gpus":[{"index":0,"sm_occupancy":1.5,"sm_utilization":-0.1,"tensor_activity":"busy","dram_activity":0.4}]}"#;
+        let r = parse_gpus(bad).unwrap();
+        let g = &r.gpus.as_ref().unwrap()[0];
+        assert_eq!(
+            (g.sm_occupancy, g.sm_utilization, g.tensor_activity),
+            (None, None, None)
+        );
+        assert_eq!(g.dram_activity, Some(0.4));
+        let fields: Vec<_> = r.rejected.iter().map(|r| r.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            vec![
+                "gpus[0].sm_occupancy",
+                "gpus[0].sm_utilization",
+                "gpus[0].tensor_activity"
             ]
         );
     }
