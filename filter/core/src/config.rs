@@ -77,9 +77,12 @@ impl Default for Weights {
 /// Hard limits that zero a pod's score.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Cutoffs {
-    /// GPU utilisation above this (0..=1] cuts the pod (under `twoChoices` it still takes a
-    /// request when the other drawn pod would queue too and it is the less loaded).
+    /// The GPU reading (see `gpu_signal`) above this (0..=1] cuts the pod (under `twoChoices`
+    /// it still takes a request when the other drawn pod would queue too and it is the less
+    /// loaded).
     pub gpu_hard_limit: f64,
+    /// Which GPU reading the GPU term and the GPU cut-off use.
+    pub gpu_signal: crate::signals::GpuSignal,
     /// Waiting requests at or above this cut the pod; also the queue term's scale.
     pub max_queue: u32,
     /// The p99 term's scale: p99 at or above it scores 0 on that term (not a cut).
@@ -102,6 +105,7 @@ impl Default for Cutoffs {
     fn default() -> Self {
         Self {
             gpu_hard_limit: 0.95,
+            gpu_signal: crate::signals::GpuSignal::Auto,
             max_queue: 64,
             p99_timeout_ms: 5000,
             staleness_ms: 2000,
@@ -271,6 +275,8 @@ pub struct FilterConfig {
     pub watch: WatchConfig,
     /// Holding big requests in the sidecar while no pod has room for them (None = off).
     pub big_request_hold: Option<BigRequestHold>,
+    /// Prefix-cache affinity (None = off; see [`crate::prefix`]).
+    pub prefix_affinity: Option<crate::prefix::PrefixAffinity>,
     /// Admission control, validated by [`AdmissionConfig::from_value`] (error paths start with
     /// `admission.`). None (absent or null in the JSON) = admission off.
     pub admission: Option<AdmissionConfig>,
@@ -506,6 +512,10 @@ struct RawConfig {
     #[serde(default)]
     #[cfg_attr(feature = "schema", schemars(extend("default" = null)))]
     big_request_hold: Option<RawBigRequestHold>,
+    /// Prefix-cache affinity: a request goes to a pod whose KV cache already holds its prompt's prefix (as the pods' agents report it from the model server's KV events: agent flag `--kv-events-endpoint`), unless that pod would make it wait longer (a pod that would start it at once beats a holder that would queue it, so a hot prefix spills). Needs the request body (the prompt): the filter reads it when this is on (Envoy's `allow_on_headers_stop_iteration`). Never overrides a cut or a breaker. Absent or null: off; `{}`: on with every default.
+    #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(extend("default" = null)))]
+    prefix_affinity: Option<crate::prefix::config::RawPrefixAffinity>,
     /// Admission control (token buckets per tenant, priority classes, inbound guard). Absent
     /// or null: admission off; `{}`: on with every default.
     #[serde(default)]
@@ -591,13 +601,20 @@ struct RawWeights {
     schemars(rename = "Cutoffs")
 )]
 struct RawCutoffs {
-    /// GPU utilisation above this cuts the pod; with `pickStrategy: twoChoices` such a pod still takes a request when the other drawn pod would queue too and it is the less loaded.
+    /// The GPU reading chosen by `gpuSignal` above this cuts the pod; with `pickStrategy: twoChoices` such a pod still takes a request when the other drawn pod would queue too and it is the less loaded.
     #[serde(default)]
     #[cfg_attr(
         feature = "schema",
         schemars(extend("default" = 0.95, "exclusiveMinimum" = 0, "maximum" = 1))
     )]
     gpu_hard_limit: Option<f64>,
+    /// Which GPU reading the score's GPU term and `gpuHardLimit` use. `auto`: SM occupancy (active warps over the maximum: NVML GPM on Hopper and later, DCGM, or the simulated GPU) where the pod reports it; a pod with only NVML's `utilization` (the share of time any kernel ran, about 100 % on every busy GPU, batch 1 or 200) is never cut for its GPU, and its GPU term takes the mean reading of the pool's pods that have one (so an A100 beside H100s scores on the same terms), or, where none has, is left out (scored on queue, p99 and memory). `utilization`: NVML's time fraction (right for an engine or simulator whose utilisation is graded). `smOccupancy`, `smUtilization`, `tensorActivity`, `dramActivity`: that activity reading only. A pod without the chosen reading has no GPU term. The per-pod `gpu_signal` gauge and the status page say which reading each pod used.
+    #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = "auto", "enum" = ["auto", "utilization", "smOccupancy", "smUtilization", "tensorActivity", "dramActivity", null]))
+    )]
+    gpu_signal: Option<String>,
     /// Waiting requests at or above this cut the pod; also the queue term's scale.
     #[serde(default)]
     #[cfg_attr(
@@ -828,6 +845,26 @@ struct RawWatch {
 // ---------------------------------------------------------------------------------------------
 // Validation
 // ---------------------------------------------------------------------------------------------
+
+/// `cutoffs.gpuSignal`.
+fn gpu_signal(v: Option<&str>) -> Result<crate::signals::GpuSignal, ConfigError> {
+    use crate::signals::{GpuReading, GpuSignal};
+    Ok(match v {
+        None | Some("auto") => GpuSignal::Auto,
+        Some("utilization") => GpuSignal::Only(GpuReading::Utilization),
+        Some("smOccupancy") => GpuSignal::Only(GpuReading::SmOccupancy),
+        Some("smUtilization") => GpuSignal::Only(GpuReading::SmUtilization),
+        Some("tensorActivity") => GpuSignal::Only(GpuReading::TensorActivity),
+        Some("dramActivity") => GpuSignal::Only(GpuReading::DramActivity),
+        Some(other) => {
+            return Err(ConfigError::new(
+                "cutoffs.gpuSignal",
+                json_str(other),
+                "must be \"auto\", \"utilization\", \"smOccupancy\", \"smUtilization\", \"tensorActivity\" or \"dramActivity\"",
+            ))
+        }
+    })
+}
 
 fn json_str(s: &str) -> String {
     serde_json::to_string(s).unwrap_or_else(|_| s.to_string())
@@ -1065,6 +1102,7 @@ impl TryFrom<RawConfig> for FilterConfig {
                 raw.cutoffs.gpu_hard_limit,
                 d.gpu_hard_limit,
             )?,
+            gpu_signal: gpu_signal(raw.cutoffs.gpu_signal.as_deref())?,
             max_queue: u32_in(
                 "cutoffs.maxQueue",
                 raw.cutoffs.max_queue,
@@ -1348,6 +1386,11 @@ impl TryFrom<RawConfig> for FilterConfig {
             status_path,
             watch,
             big_request_hold,
+            prefix_affinity: raw
+                .prefix_affinity
+                .as_ref()
+                .map(crate::prefix::PrefixAffinity::try_from)
+                .transpose()?,
             admission: raw
                 .admission
                 .as_ref()

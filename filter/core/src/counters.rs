@@ -40,6 +40,19 @@ pub struct Counters {
     /// Snapshots whose agent error rate was at `breaker.agentErrorRate` but not acted on,
     /// because more than half of the pool's pods were too.
     pub agent_errors_pool_wide: u64,
+    /// Requests whose prompt was keyed for prefix affinity (`prefixAffinity`).
+    pub prefix_keyed: u64,
+    /// Keyed requests steered to a pod holding at least `minMatchBlocks` of their prompt.
+    pub prefix_hit: u64,
+    /// Keyed requests some pod held, steered elsewhere because the holder would make them
+    /// wait longer (a hot prefix spilling to another pod).
+    pub prefix_spill: u64,
+    /// Keyed requests no pod held, steered to their rendezvous pod.
+    pub prefix_rendezvous: u64,
+    /// Key blocks of the keyed requests, and of those the chosen pod held (their ratio is the
+    /// share of prompt blocks this sidecar expects to hit).
+    pub prefix_blocks: u64,
+    pub prefix_blocks_held: u64,
     /// Breaker transitions by target state.
     pub breaker_opened: u64,
     pub breaker_half_opened: u64,
@@ -57,7 +70,7 @@ impl Counters {
     }
 
     /// `(stat name, value)` pairs, stable names for Envoy counters.
-    pub fn iter(&self) -> [(&'static str, u64); 18] {
+    pub fn iter(&self) -> [(&'static str, u64); 24] {
         [
             ("steered", self.steered),
             ("fallback.no_agent_data", self.fallback_no_agent_data),
@@ -74,6 +87,12 @@ impl Counters {
             ("model_server_down", self.model_server_down),
             ("slow_decode", self.slow_decode),
             ("agent_errors_pool_wide", self.agent_errors_pool_wide),
+            ("prefix.keyed", self.prefix_keyed),
+            ("prefix.hit", self.prefix_hit),
+            ("prefix.spill", self.prefix_spill),
+            ("prefix.rendezvous", self.prefix_rendezvous),
+            ("prefix.blocks", self.prefix_blocks),
+            ("prefix.blocks_held", self.prefix_blocks_held),
             ("breaker.opened", self.breaker_opened),
             ("breaker.half_opened", self.breaker_half_opened),
             ("breaker.closed", self.breaker_closed),

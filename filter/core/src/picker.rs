@@ -105,7 +105,9 @@ use crate::breaker::{
 use crate::config::{BreakerConfig, FilterConfig, PickStrategy, MAX_FALLBACK_ENDPOINTS};
 use crate::counters::Counters;
 use crate::pool::{DecodeError, PoolState};
-use crate::score::{score, CutReason, Score};
+use crate::prefix::own::{pod_hash, rendezvous, OwnSends};
+use crate::prefix::{PrefixAffinity, PromptKeys};
+use crate::score::{score_in_pool, CutReason, Score};
 
 /// Most entries in a ranked list (chosen + `MAX_FALLBACK_ENDPOINTS`).
 pub const MAX_RANKED: usize = MAX_FALLBACK_ENDPOINTS + 1;
@@ -356,6 +358,14 @@ pub struct PodStatus<'a> {
     /// Its smoothed recent inter-token latency (ms), as `longOutputTokens` compares it; None
     /// without a reading in the last 5 s.
     pub decode_ms: Option<f64>,
+    /// The GPU reading its score's GPU term used (`cutoffs.gpuSignal`); None: no GPU term.
+    pub gpu_signal: Option<crate::signals::GpuReading>,
+    /// That reading's value, 0..=1.
+    pub gpu: Option<f64>,
+    /// Key blocks its prefix cache holds, as its agent reports them (None: not reported).
+    pub prefix_keys: Option<usize>,
+    /// Its model server's prefix-cache hit rate (prompt tokens) over the agent's window.
+    pub prefix_hit_rate: Option<f64>,
 }
 
 impl PodStatus<'_> {
@@ -363,11 +373,19 @@ impl PodStatus<'_> {
     pub fn score_gauge_value(&self) -> u64 {
         (self.score.clamp(0.0, 1.0) * 1000.0).round() as u64
     }
+
+    /// The value of the per-pod `gpu_signal` gauges
+    /// ([`crate::signals::GpuReading::gauge_value`]).
+    pub fn gpu_signal_gauge_value(&self) -> u64 {
+        crate::signals::GpuReading::gauge_value(self.gpu_signal)
+    }
 }
 
 #[derive(Debug, Clone)]
 struct PodRt {
     address: String,
+    /// [`pod_hash`] of the address (prefix affinity's rendezvous order).
+    hash: u64,
     peer_idx: usize,
     /// The snapshot the EMA last consumed: (received_at_ms, sequence).
     seen: Option<(u64, u64)>,
@@ -440,11 +458,16 @@ struct PodRt {
     /// Its draw-weight factor while slow: the pool's median over its inter-token latency, at
     /// most `cutoffs.slowdownFactor`.
     slow_decode_penalty: f64,
+    /// Its smoothed inter-token latency over the pool's median of those (pods with a reading
+    /// in the last [`ITL_HOLD_MS`], at least [`MIN_ITL_PODS`]), within
+    /// [`MIN_REL_SPEED`]..=[`MAX_REL_SPEED`]; 1 without a reading or a median.
+    rel_speed: f64,
 }
 
 impl PodRt {
     fn new(address: String, peer_idx: usize) -> Self {
         Self {
+            hash: pod_hash(&address),
             address,
             peer_idx,
             seen: None,
@@ -455,6 +478,8 @@ impl PodRt {
                 cut: None,
                 has_terms: false,
                 penalty: 1.0,
+                gpu_reading: None,
+                gpu_value: None,
             },
             cut: None,
             hot: false,
@@ -487,6 +512,7 @@ impl PodRt {
             slow_decode: false,
             slow_decode_seen_ms: 0,
             slow_decode_penalty: 1.0,
+            rel_speed: 1.0,
             itl_ms: None,
             itl_at_ms: 0,
         }
@@ -673,6 +699,9 @@ impl PodRt {
         now_ms: u64,
     ) -> (u8, f64, f64) {
         let slow = self.slowness();
+        // Its seats are its seats: a faster pod's full batch still makes a request wait (for
+        // a shorter time).
+        let seats_slow = slow.max(1.0);
         let load = self.load_with(kv_tokens) * slow;
         if !self.fits(kv_tokens)
             || (big && self.head_blocked)
@@ -681,11 +710,11 @@ impl PodRt {
             (2, 0.0, load)
         } else if self.head_blocked
             || self.hot
-            || self.seat_load() * slow >= 1.0
+            || self.seat_load() * seats_slow >= 1.0
             || self.waiting_now() > 0
             || self.failed_recently(now_ms)
         {
-            (1, self.drain(slow), load)
+            (1, self.drain(seats_slow) * slow.min(1.0), load)
         } else {
             (0, 0.0, load)
         }
@@ -701,8 +730,20 @@ impl PodRt {
     /// new requests in the first second after it slowed.
     /// (A penalty of 0, `cutoffs.slowdownFactor` 0, counts as 1000: finite, so an idle pod's
     /// zero load stays 0, not NaN.)
+    ///
+    /// A pod not judged slow counts at its decode speed relative to its pool
+    /// ([`PodRt::rel_speed`], its inter-token latency over the pool's median): in a pool that
+    /// mixes GPU generations an H100 decoding 1.6x faster than the A100s beside it turns its
+    /// requests over that much sooner, so at the same load it is the less loaded, and its
+    /// wait in a queue the shorter. Without this the faster pods of a mixed pool got less
+    /// than least_request gave them (which sees their requests end sooner).
     fn slowness(&self) -> f64 {
-        1.0 / self.score.penalty.clamp(MIN_PENALTY, 1.0)
+        let judged = 1.0 / self.score.penalty.clamp(MIN_PENALTY, 1.0);
+        if judged > 1.0 {
+            judged.max(self.rel_speed)
+        } else {
+            self.rel_speed
+        }
     }
 
     /// Judged to run slow: its GPU reports a hardware slowdown, or it decodes
@@ -737,6 +778,10 @@ impl PodRt {
 
 /// The smallest score penalty [`PodRt::slowness`] divides by.
 const MIN_PENALTY: f64 = 1e-3;
+
+/// Bounds of a pod's decode speed relative to its pool ([`PodRt::rel_speed`]).
+const MIN_REL_SPEED: f64 = 0.25;
+const MAX_REL_SPEED: f64 = 8.0;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Verdict {
@@ -834,6 +879,8 @@ struct PoolRt {
     mean: f64,
     /// Scratch for the pool's median recent inter-token latency (kept to avoid allocating).
     itl_scratch: Vec<f64>,
+    /// This VM's recent sends of prompt prefixes, by pod id (`prefixAffinity`).
+    own: OwnSends,
 }
 
 /// The routing state of every configured pool. Single-threaded (one per wasm VM).
@@ -851,6 +898,80 @@ pub struct Router {
     /// Running mean of the output reservations (`max_tokens`) of requests that state one: a
     /// service round's length in a long answer's estimated finish.
     mean_output_tokens: Option<f64>,
+}
+
+/// The affinity of a prompt's rendezvous pod where no pod holds the prompt (see
+/// [`crate::prefix`]): a pod that holds its whole prompt counts 1, one that holds none 0.
+const RENDEZVOUS_AFFINITY: f64 = 0.25;
+
+/// Tokens of a prompt that name its prefix for the rendezvous order: the key of its key block
+/// ending here (or its last, if shorter). Short enough that a system prompt's requests share
+/// it whatever their questions, long enough that a common boilerplate opening does not send
+/// every new prefix to one pod.
+const RENDEZVOUS_KEY_TOKENS: usize = 256;
+
+/// The prefix-affinity candidates of a request (`prefixAffinity`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Affinity {
+    /// The pod holding the prompt's prefix that would start it soonest (ties: more held).
+    holder: Option<u32>,
+    /// The rendezvous pod among the pods that do not hold it: where a new prompt goes, and
+    /// where a held one spills, the same pod from every sidecar.
+    meet: Option<u32>,
+}
+
+/// Among the pods with a draw weight (never a cut pod or one its breaker refuses): the holder
+/// of at least `minMatchBlocks` of the prompt's leading key blocks that would start it soonest
+/// (by `key`'s tier; then the one holding more, then `key`, then the rendezvous order); and,
+/// when the prompt is at least `rendezvousMinTokens` long, the rendezvous pod of the others,
+/// by the key of the prompt's first [`RENDEZVOUS_KEY_TOKENS`] tokens.
+fn affinity_candidate(
+    p: &PoolRt,
+    view: &View,
+    q: &PromptKeys,
+    cfg: &PrefixAffinity,
+    held: &impl Fn(u32) -> usize,
+    key: &impl Fn(u32) -> (u8, f64, f64),
+) -> Affinity {
+    let bt = q.block_tokens.max(1) as usize;
+    let rk_idx = (RENDEZVOUS_KEY_TOKENS / bt)
+        .max(1)
+        .min(q.keys.len())
+        .saturating_sub(1);
+    let rkey = q.keys.get(rk_idx).copied().unwrap_or(0);
+    let hrw = |id: u32| {
+        p.pods
+            .get(id as usize)
+            .map_or(0, |r| rendezvous(rkey, r.hash))
+    };
+    let min = cfg.min_match_blocks as usize;
+    let mut holder: Option<(u32, (u8, f64, f64), usize)> = None;
+    let mut meet: Option<u32> = None;
+    for (slot, &id) in view.slots.iter().enumerate() {
+        if view.w.get(slot).copied().unwrap_or(0.0) <= 0.0 {
+            continue;
+        }
+        let h = held(id);
+        if h < min {
+            if meet.is_none_or(|m| hrw(id) > hrw(m)) {
+                meet = Some(id);
+            }
+            continue;
+        }
+        let k = key(id);
+        let wins = holder.is_none_or(|(b, kb, hb)| {
+            k.0 < kb.0
+                || (k.0 == kb.0
+                    && (h > hb || (h == hb && (k < kb || (k == kb && hrw(id) > hrw(b))))))
+        });
+        if wins {
+            holder = Some((id, k, h));
+        }
+    }
+    Affinity {
+        holder: holder.map(|(id, _, _)| id),
+        meet: meet.filter(|_| !q.keys.is_empty() && q.tokens >= cfg.rendezvous_min_tokens),
+    }
 }
 
 fn uniform01(rng: &mut (impl RngCore + ?Sized)) -> f64 {
@@ -1062,6 +1183,10 @@ impl Router {
             }
         } else {
             self.rebuild_pods(pool_idx);
+            if let Some(p) = self.pools.get_mut(pool_idx) {
+                // Its entries name pods by their old ids.
+                p.own.clear();
+            }
         }
         let Some(p) = self.pools.get_mut(pool_idx) else {
             return Vec::new();
@@ -1126,6 +1251,22 @@ impl Router {
             2 * failing > pods
         };
         let itl_median = median_recent_itl(&p.state, &mut p.itl_scratch, cfg, now_ms);
+        // The pool's mean GPU reading, for the pods that lack it (see `score_in_pool`).
+        let gpu_fill = {
+            let (mut sum, mut n) = (0.0, 0u32);
+            for sig in p.state.peers().iter().filter_map(|e| e.signals.as_ref()) {
+                if !sig.has_metrics || sig.is_stale(now_ms, cfg.cutoffs.staleness_ms) {
+                    continue;
+                }
+                if let Some((_, g)) = sig.gpu_load(cfg.cutoffs.gpu_signal) {
+                    if g.is_finite() {
+                        sum += g.clamp(0.0, 1.0);
+                        n += 1;
+                    }
+                }
+            }
+            (n > 0).then(|| sum / f64::from(n))
+        };
         for pod in p.pods.iter_mut() {
             let Some(entry) = p.state.peers().get(pod.peer_idx) else {
                 continue;
@@ -1134,7 +1275,7 @@ impl Router {
                 continue;
             };
             let weights = pool_cfg.weights_for(&pod.address);
-            let mut s = score(sig, weights, &cfg.cutoffs, now_ms);
+            let mut s = score_in_pool(sig, weights, &cfg.cutoffs, now_ms, gpu_fill);
             // No reading (too few tokens in the window: a slow pod running one request
             // decodes fewer than a fast one): the last judgement holds for a while.
             let slow = sig.has_metrics
@@ -1335,6 +1476,26 @@ impl Router {
             0.0
         };
         p.mean = mean;
+        // Each pod's decode speed relative to the pool: its smoothed inter-token latency over
+        // the median of the pods with a recent one.
+        p.itl_scratch.clear();
+        p.itl_scratch
+            .extend(p.pods.iter().filter_map(|r| r.decode_ms(now_ms)));
+        let median = if p.itl_scratch.len() >= MIN_ITL_PODS {
+            p.itl_scratch.sort_unstable_by(f64::total_cmp);
+            let n = p.itl_scratch.len();
+            let hi = p.itl_scratch.get(n / 2).copied().unwrap_or(0.0);
+            let lo = p.itl_scratch.get((n - 1) / 2).copied().unwrap_or(hi);
+            Some((lo + hi) / 2.0).filter(|m| *m > 0.0)
+        } else {
+            None
+        };
+        for pod in p.pods.iter_mut() {
+            pod.rel_speed = match (median, pod.decode_ms(now_ms)) {
+                (Some(m), Some(d)) => (d / m).clamp(MIN_REL_SPEED, MAX_REL_SPEED),
+                _ => 1.0,
+            };
+        }
         for pod in p.pods.iter_mut() {
             let value = if pod.cold {
                 mean
@@ -1382,6 +1543,21 @@ impl Router {
         pool_idx: usize,
         model: Option<&str>,
         size: RequestSize,
+        now_ms: u64,
+        rng: &mut (impl RngCore + ?Sized),
+    ) -> Decision {
+        self.decide_with(pool_idx, model, size, None, now_ms, rng)
+    }
+
+    /// [`Router::decide_for`] for a request whose prompt was keyed ([`Router::prefix_space`],
+    /// [`crate::prefix::keys::keys_of`]): with `prefixAffinity` on and `twoChoices`, a pod
+    /// holding its prefix competes too (see [`crate::prefix`]).
+    pub fn decide_with(
+        &mut self,
+        pool_idx: usize,
+        model: Option<&str>,
+        size: RequestSize,
+        prompt: Option<&PromptKeys>,
         now_ms: u64,
         rng: &mut (impl RngCore + ?Sized),
     ) -> Decision {
@@ -1493,13 +1669,73 @@ impl Router {
                 }
             }
             let need = size.kv_tokens;
+            // Prefix affinity: how many of the prompt's leading key blocks each pod holds.
+            let aff_cfg = cfg.prefix_affinity;
+            let prompt = prompt.filter(|q| aff_cfg.is_some() && !q.keys.is_empty());
+            let own = prompt.and_then(|q| {
+                let ttl = aff_cfg.map_or(0, |c| c.own_ttl_ms);
+                p.own.leading_match(&q.keys, now_ms, ttl)
+            });
+            let held = |id: u32| -> usize {
+                let Some(q) = prompt else { return 0 };
+                let reported = p
+                    .pods
+                    .get(id as usize)
+                    .and_then(|r| p.state.peers().get(r.peer_idx))
+                    .and_then(|e| e.signals.as_ref())
+                    .and_then(|s| s.prefix.as_ref())
+                    .map_or(0, |set| set.held(q));
+                let mine = own.filter(|(pod, _)| *pod == id).map_or(0, |(_, n)| n);
+                reported.max(mine)
+            };
+            // The KV cache a request needs on a pod: less the prompt tokens it holds there
+            // (shared with the requests running there; at least the last prompt token is
+            // computed anew, and the output is always new).
+            let need_on = |id: u32| -> f64 {
+                let Some(q) = prompt else { return need };
+                let cached = (held(id) as f64) * f64::from(q.block_tokens);
+                let prompt_part = (need - size.output_tokens - 1.0).max(0.0);
+                need - cached.min(prompt_part)
+            };
             let key = |id: u32| {
                 p.pods
                     .get(id as usize)
                     .map_or((u8::MAX, f64::INFINITY, f64::INFINITY), |r| {
-                        r.pick_key(need, big, headroom, now_ms)
+                        r.pick_key(need_on(id), big, headroom, now_ms)
                     })
             };
+            let affinity = match (prompt, aff_cfg) {
+                (Some(q), Some(c)) => Some(affinity_candidate(p, view, q, &c, &held, &key)),
+                _ => None,
+            };
+            let holder = affinity.and_then(|a| a.holder);
+            let meet = affinity.and_then(|a| a.meet);
+            // A candidate's affinity, 0..1: the share of the prompt's key blocks it holds (at
+            // least `minMatchBlocks`), or a quarter for the rendezvous pod of a prompt no pod
+            // holds; and its rank where both would start at once: blocks held, then being the
+            // rendezvous pod (a spill goes where every sidecar spills it).
+            let min_match = aff_cfg.map_or(usize::MAX, |c| c.min_match_blocks as usize);
+            let held_enough = |id: u32| -> usize {
+                let h = held(id);
+                if h >= min_match {
+                    h
+                } else {
+                    0
+                }
+            };
+            let affinity_of = |id: u32| -> f64 {
+                let Some(q) = prompt else { return 0.0 };
+                let h = held_enough(id);
+                if h > 0 {
+                    h as f64 / q.keys.len() as f64
+                } else if holder.is_none() && meet == Some(id) {
+                    RENDEZVOUS_AFFINITY
+                } else {
+                    0.0
+                }
+            };
+            let rank_of = |id: u32| (held_enough(id), meet == Some(id));
+            let slack = aff_cfg.map_or(0.0, |c| c.queue_slack_rounds);
             // A long answer spends its time decoding: it goes where it would finish first,
             // its wait (service rounds, each about a mean answer long) plus its own output, at
             // the pod's inter-token latency. So a pod decoding 5x slower loses it even with a
@@ -1540,6 +1776,23 @@ impl Router {
                         _ => {}
                     }
                 }
+                // Prefix affinity, within a tier of wait (a holder whose queue formed loses to
+                // a pod that starts the request at once: the prefix spills). At once, the one
+                // holding more of the prompt; both queued, the holder unless its wait is
+                // longer by more than `queueSlackRounds` times the share it holds.
+                if prompt.is_some() && kb.0 == ka.0 {
+                    let (vb, va) = (affinity_of(b), affinity_of(a));
+                    match kb.0 {
+                        0 if rank_of(b) != rank_of(a) => return rank_of(b) > rank_of(a),
+                        1 => {
+                            let (wb, wa) = (kb.1 - slack * vb, ka.1 - slack * va);
+                            if wb != wa {
+                                return wb < wa;
+                            }
+                        }
+                        _ => {}
+                    }
+                }
                 // A big request that would start at once on both keeps the earlier draw (drawn
                 // by score): every sidecar ranks pods on the same snapshot, so taking the less
                 // loaded of its six draws sent every sidecar's long prompt of a burst to the
@@ -1565,9 +1818,17 @@ impl Router {
                     }
                 }
             }
+            // The pod holding the prompt's prefix, then its rendezvous pod, compete too, and
+            // win ties.
+            for c in [holder, meet].into_iter().flatten() {
+                if c != chosen && !better(chosen, c) {
+                    chosen = c;
+                }
+            }
             // A request that fits neither candidate's KV cache would wait at the head of that
             // pod's queue, and every request behind it with it: look further for one it fits.
             let fits = |id: u32| {
+                let need = need_on(id);
                 p.pods.get(id as usize).is_some_and(|r| {
                     !r.waits_for_kv(need) && headroom.is_none_or(|h| r.room_for_big(need, h))
                 })
@@ -1616,6 +1877,21 @@ impl Router {
                     }
                 }
             }
+            if let Some(q) = prompt {
+                let c = &mut self.counters;
+                let h = held(chosen);
+                c.prefix_keyed += 1;
+                c.prefix_blocks += q.keys.len() as u64;
+                c.prefix_blocks_held += h as u64;
+                if h >= min_match {
+                    c.prefix_hit += 1;
+                } else if holder.is_some() {
+                    c.prefix_spill += 1;
+                } else if meet == Some(chosen) {
+                    c.prefix_rendezvous += 1;
+                }
+                p.own.record(chosen, &q.keys, now_ms);
+            }
         }
         ranked.push(chosen);
         for &s in &view.order {
@@ -1663,6 +1939,43 @@ impl Router {
             ranked,
             chosen_score,
         }
+    }
+
+    /// The key space in which pool `pool_idx`'s pods report their prefix caches, as (tokens per
+    /// key block, model seed): the first pod's that reports one. None when prefix affinity is
+    /// off or no pod reports its cache: the request's prompt need not be keyed.
+    pub fn prefix_space(&self, pool_idx: usize) -> Option<(u32, u64)> {
+        self.cfg.prefix_affinity?;
+        self.pools
+            .get(pool_idx)?
+            .state
+            .peers()
+            .iter()
+            .filter_map(|e| e.signals.as_ref()?.prefix.as_ref())
+            .map(|s| (s.block_tokens, s.model_seed))
+            .next()
+    }
+
+    /// The prompt of a request `body` keyed for pool `pool_idx`'s prefix affinity
+    /// ([`Router::decide_with`]); None when affinity is off, no pod of the pool reports its
+    /// cache, or the body has no prompt. At most `prefixAffinity.maxPromptTokens` tokens are
+    /// keyed; `ids` and `scratch` are reused buffers.
+    pub fn key_prompt(
+        &self,
+        pool_idx: usize,
+        body: &[u8],
+        ids: &mut Vec<u32>,
+        scratch: &mut Vec<u64>,
+    ) -> Option<PromptKeys> {
+        let cap = self.cfg.prefix_affinity?.max_prompt_tokens as usize;
+        let (block_tokens, seed) = self.prefix_space(pool_idx)?;
+        let (_, found) = crate::prefix::keys::prompt_ids(body, cap, ids);
+        if !found {
+            return None;
+        }
+        let mut out = PromptKeys::default();
+        crate::prefix::keys::keys_of(ids, seed, block_tokens, scratch, &mut out);
+        Some(out)
     }
 
     /// Refreshes pool `pool_idx` when due and returns the index of its view for `model`
@@ -2065,6 +2378,10 @@ impl Router {
                     slowdown: sig.is_some_and(|s| s.slowdown),
                     slow_decode: r.slow_decode,
                     decode_ms: r.decode_ms(now_ms),
+                    gpu_signal: r.score.gpu_reading,
+                    gpu: r.score.gpu_value,
+                    prefix_keys: sig.and_then(|s| s.prefix.as_ref()).map(|p| p.keys.len()),
+                    prefix_hit_rate: sig.and_then(|s| s.prefix_hit_rate),
                 }
             })
             .collect()

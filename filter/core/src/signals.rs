@@ -3,8 +3,12 @@
 //! each one is reported as a [`SignalIssue`]), so scoring never re-checks them.
 //!
 //! Derivations:
-//! - GPU signal: the MAX utilisation over the pod's GPUs (the busiest GPU bounds a
-//!   tensor-parallel model's speed).
+//! - GPU readings: the MAX over the pod's GPUs of each reading (the busiest GPU bounds a
+//!   tensor-parallel model's speed): NVML's time-fraction utilisation (`gpu`), and the activity
+//!   readings where the GPU has them (GPM on Hopper and later, DCGM, the simulated GPU): SM
+//!   occupancy, SM utilisation, tensor-pipe and DRAM activity. Which one scores the pod is the
+//!   config's choice ([`PodSignals::gpu_load`]): the time fraction saturates at batch 1, so by
+//!   default a pod without activity readings is scored without a GPU term.
 //! - Memory signal: KV-cache use when the model server reports it, else the MAX GPU memory
 //!   ratio (vLLM preallocates, so the NVML ratio sits near 0.9 and is a weak signal).
 //! - p99 signal: TTFT p99 when its window has samples (it reflects queueing, which steering
@@ -57,6 +61,76 @@ pub const MODEL_SERVER_SOURCE: &str = "model-server";
 /// pod that barely decodes, whose median says little.
 pub const MIN_RECENT_ITL_SAMPLES: u64 = 8;
 
+/// A GPU reading that can score a pod (see [`PodSignals::gpu_load`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GpuReading {
+    /// NVML `utilization.gpu`: share of time any kernel ran (about 1 under any load).
+    Utilization,
+    /// Active warps over the maximum (GPM `SM_OCCUPANCY`, DCGM `PROF_SM_OCCUPANCY`).
+    SmOccupancy,
+    /// Share of time SMs had a warp (GPM `SM_UTIL`, DCGM `PROF_SM_ACTIVE`).
+    SmUtilization,
+    /// Share of time a tensor pipe was active (GPM `ANY_TENSOR_UTIL`).
+    TensorActivity,
+    /// Share of peak DRAM bandwidth used (GPM `DRAM_BW_UTIL`).
+    DramActivity,
+}
+
+impl GpuReading {
+    /// The config and status name.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            GpuReading::Utilization => "utilization",
+            GpuReading::SmOccupancy => "smOccupancy",
+            GpuReading::SmUtilization => "smUtilization",
+            GpuReading::TensorActivity => "tensorActivity",
+            GpuReading::DramActivity => "dramActivity",
+        }
+    }
+
+    /// The per-pod `gpu_signal` gauge: 0 none (no GPU term), 1 utilization, 2 smOccupancy,
+    /// 3 smUtilization, 4 tensorActivity, 5 dramActivity.
+    pub fn gauge_value(reading: Option<GpuReading>) -> u64 {
+        match reading {
+            None => 0,
+            Some(GpuReading::Utilization) => 1,
+            Some(GpuReading::SmOccupancy) => 2,
+            Some(GpuReading::SmUtilization) => 3,
+            Some(GpuReading::TensorActivity) => 4,
+            Some(GpuReading::DramActivity) => 5,
+        }
+    }
+}
+
+/// Which GPU reading scores a pod (`cutoffs.gpuSignal`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GpuSignal {
+    /// SM occupancy where the pod reports it; otherwise no GPU term and no GPU cut-off: the
+    /// time fraction reads about 1 on every busy GPU and would only mislead.
+    #[default]
+    Auto,
+    /// Always this reading; a pod without it has no GPU term.
+    Only(GpuReading),
+}
+
+impl GpuSignal {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            GpuSignal::Auto => "auto",
+            GpuSignal::Only(r) => r.as_str(),
+        }
+    }
+}
+
+/// GPU activity readings, each the max over the pod's GPUs that report it, 0..=1.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct GpuActivity {
+    pub sm_occupancy: Option<f64>,
+    pub sm_utilization: Option<f64>,
+    pub tensor: Option<f64>,
+    pub dram: Option<f64>,
+}
+
 /// Validated, normalised signals of one pod from one snapshot.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct PodSignals {
@@ -66,8 +140,10 @@ pub struct PodSignals {
     pub agent_instance: String,
     pub sequence: u64,
     pub models: Vec<ServedModel>,
-    /// Max GPU utilisation over the pod's GPUs, 0..=1.
+    /// Max NVML (time-fraction) GPU utilisation over the pod's GPUs, 0..=1.
     pub gpu: Option<f64>,
+    /// Max GPU activity readings over the pod's GPUs (absent where no GPU reports them).
+    pub activity: GpuActivity,
     /// KV-cache use, else GPU memory ratio, 0..=1.
     pub memory: Option<f64>,
     /// Requests waiting in the model server's queue.
@@ -118,6 +194,65 @@ pub struct PodSignals {
     /// snapshot's own age when the agent does not report the source). Requests this VM sent
     /// after it are not in those figures.
     pub engine_sampled_at_ms: u64,
+    /// What the pod's prefix cache holds, as its agent reads the model server's KV events
+    /// (None: the agent reads none).
+    pub prefix: Option<crate::prefix::PrefixSet>,
+    /// The model server's prefix-cache hit rate (prompt tokens) over the agent's window, 0..=1.
+    pub prefix_hit_rate: Option<f64>,
+}
+
+/// A pod's reported prefix-cache contents, validated: a block size in
+/// 1..=[`crate::prefix::keys::MAX_BLOCK_TOKENS`] and a model name (else dropped, said); keys
+/// sorted and deduplicated (sorted here when the agent did not, said), at most
+/// [`crate::prefix::keys::MAX_POD_KEYS`] (the rest dropped and the set marked truncated, said).
+fn prefix_set(
+    p: &ai_lb_proto::PrefixCacheSummary,
+    issues: &mut Vec<SignalIssue>,
+) -> Option<crate::prefix::PrefixSet> {
+    use crate::prefix::keys::{seed_of, MAX_BLOCK_TOKENS, MAX_POD_KEYS};
+    if p.block_tokens == 0 || p.block_tokens > MAX_BLOCK_TOKENS {
+        issues.push(SignalIssue {
+            field: "prefix_cache.block_tokens".into(),
+            value: p.block_tokens.to_string(),
+            action: "not within 1..=65536: prefix cache ignored",
+        });
+        return None;
+    }
+    if p.model.trim().is_empty() {
+        issues.push(SignalIssue {
+            field: "prefix_cache.model".into(),
+            value: format!("{:?}", p.model),
+            action: "empty: prefix cache ignored",
+        });
+        return None;
+    }
+    let mut keys = p.keys.clone();
+    let mut truncated = p.truncated;
+    if !keys.windows(2).all(|w| w.first() < w.get(1)) {
+        issues.push(SignalIssue {
+            field: "prefix_cache.keys".into(),
+            value: format!("{} keys", keys.len()),
+            action: "not sorted ascending without duplicates: sorted",
+        });
+        keys.sort_unstable();
+        keys.dedup();
+    }
+    if keys.len() > MAX_POD_KEYS {
+        issues.push(SignalIssue {
+            field: "prefix_cache.keys".into(),
+            value: format!("{} keys", keys.len()),
+            action: "more than 65536: the rest dropped",
+        });
+        keys.truncate(MAX_POD_KEYS);
+        truncated = true;
+    }
+    keys.shrink_to_fit();
+    Some(crate::prefix::PrefixSet {
+        block_tokens: p.block_tokens,
+        model_seed: seed_of(p.model.trim()),
+        keys,
+        truncated,
+    })
 }
 
 impl PodSignals {
@@ -151,6 +286,7 @@ impl PodSignals {
             .unwrap_or_default();
 
         let mut gpu: Option<f64> = None;
+        let mut activity = GpuActivity::default();
         let mut mem_ratio: Option<f64> = None;
         let mut xid_total: Option<u64> = None;
         let mut ecc_total: Option<u64> = None;
@@ -166,6 +302,19 @@ impl PodSignals {
             ) {
                 gpu = Some(gpu.map_or(u, |m: f64| m.max(u)));
             }
+            let mut take_max = |name: &str, v: Option<f64>, into: &mut Option<f64>| {
+                if let Some(x) = ratio(&format!("gpus[{i}].{name}"), v, &mut issues) {
+                    *into = Some(into.map_or(x, |m: f64| m.max(x)));
+                }
+            };
+            take_max("sm_occupancy", g.sm_occupancy, &mut activity.sm_occupancy);
+            take_max(
+                "sm_utilization",
+                g.sm_utilization,
+                &mut activity.sm_utilization,
+            );
+            take_max("tensor_activity", g.tensor_activity, &mut activity.tensor);
+            take_max("dram_activity", g.dram_activity, &mut activity.dram);
             if let (Some(used), Some(total)) = (g.memory_used_bytes, g.memory_total_bytes) {
                 if total == 0 {
                     issues.push(SignalIssue {
@@ -271,8 +420,11 @@ impl PodSignals {
                 .sources
                 .iter()
                 .all(|s| s.state == SourceState::Failing as i32);
-        let any_reading =
-            gpu.is_some() || memory.is_some() || waiting.is_some() || p99_ms.is_some();
+        let any_reading = gpu.is_some()
+            || activity.sm_occupancy.is_some()
+            || memory.is_some()
+            || waiting.is_some()
+            || p99_ms.is_some();
         let has_metrics = any_reading && !all_failing;
         let model_server_down = snap.sources.iter().any(|s| {
             s.name == MODEL_SERVER_SOURCE
@@ -290,6 +442,17 @@ impl PodSignals {
             .unwrap_or(snap.age_ms)
             .max(snap.age_ms);
 
+        let prefix = snap
+            .prefix_cache
+            .as_ref()
+            .and_then(|p| prefix_set(p, &mut issues));
+        let prefix_hit_rate = inf.and_then(|s| {
+            ratio(
+                "inference.prefix_cache_hit_rate",
+                s.prefix_cache_hit_rate,
+                &mut issues,
+            )
+        });
         let signals = PodSignals {
             address: address.to_string(),
             pod_name: identity.map(|i| i.pod_name.clone()).unwrap_or_default(),
@@ -297,6 +460,7 @@ impl PodSignals {
             sequence: snap.sequence,
             models,
             gpu,
+            activity,
             memory,
             waiting,
             running,
@@ -318,8 +482,30 @@ impl PodSignals {
             confirmed_at_ms: received_at_ms,
             age_at_confirm_ms: snap.age_ms,
             engine_sampled_at_ms: received_at_ms.saturating_sub(engine_age_ms),
+            prefix,
+            prefix_hit_rate,
         };
         (Some(signals), issues)
+    }
+
+    /// The GPU reading that scores the pod under `signal`, with its value; None: the pod has
+    /// no GPU term (and no GPU cut-off).
+    pub fn gpu_load(&self, signal: GpuSignal) -> Option<(GpuReading, f64)> {
+        let a = &self.activity;
+        let (reading, value) = match signal {
+            GpuSignal::Auto => (GpuReading::SmOccupancy, a.sm_occupancy),
+            GpuSignal::Only(r) => (
+                r,
+                match r {
+                    GpuReading::Utilization => self.gpu,
+                    GpuReading::SmOccupancy => a.sm_occupancy,
+                    GpuReading::SmUtilization => a.sm_utilization,
+                    GpuReading::TensorActivity => a.tensor,
+                    GpuReading::DramActivity => a.dram,
+                },
+            ),
+        };
+        value.map(|v| (reading, v))
     }
 
     /// Sets `hardware_fault` when Xid or ECC totals grew since `prev`, a snapshot of the same

@@ -1,5 +1,5 @@
 //! Decides nothing: renders the scoreboard (per pod: address, score, cut reason, breaker
-//! state, picks, load, KV use, the agent's error rate, metrics age) as JSON for the status path and the debug header.
+//! state, picks, load, KV use, the agent's error rate, metrics age, the GPU reading scored, the prefix-cache blocks reported and hit rate) as JSON for the status path and the debug header.
 
 use serde_json::{json, Value};
 
@@ -34,6 +34,10 @@ pub fn scoreboard(router: &Router, now_ms: u64) -> Value {
                         "slowdown": s.slowdown,
                         "slowDecode": s.slow_decode,
                         "decodeMs": s.decode_ms,
+                        "gpuSignal": s.gpu_signal.map(|g| g.as_str()),
+                        "gpu": s.gpu,
+                        "prefixKeys": s.prefix_keys,
+                        "prefixHitRate": s.prefix_hit_rate,
                     })
                 })
                 .collect();

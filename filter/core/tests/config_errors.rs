@@ -63,6 +63,11 @@ fn bad_configs_name_their_field_and_value() {
             "1.5",
         ),
         (
+            with(r#","cutoffs":{"gpuSignal":"nvml"}"#),
+            "cutoffs.gpuSignal",
+            "\"nvml\"",
+        ),
+        (
             with(r#","cutoffs":{"gpuHardLimit":0}"#),
             "cutoffs.gpuHardLimit",
             "0",

@@ -45,8 +45,10 @@ fn snapshot(i: usize, p: &Pod, seq: u64, models: &[&str]) -> PodSnapshot {
                 .collect(),
             ..Default::default()
         }),
+        // A busy GPU's NVML time fraction reads 1; the graded load is its SM occupancy.
         gpus: vec![GpuStats {
-            utilization: p.gpu,
+            utilization: p.gpu.map(|_| 1.0),
+            sm_occupancy: p.gpu,
             ..Default::default()
         }],
         inference: Some(InferenceStats {
@@ -1080,7 +1082,7 @@ fn a_long_answer_avoids_a_slowed_pod_even_when_the_others_would_wait_for_kv_cach
     // The same pod also over the GPU hard limit: not drawn, but the overflow candidate when
     // the drawn ones would queue, as they would here. A long answer still does not go there.
     let mut hot = ev.clone();
-    hot.peers[0].snapshot.as_mut().unwrap().gpus[0].utilization = Some(0.97);
+    hot.peers[0].snapshot.as_mut().unwrap().gpus[0].sm_occupancy = Some(0.97);
     let mut r = Router::new(config(""));
     r.apply_pool_event(0, &hot, 1000);
     let c = counts_for(&mut r, 4, long, 4_000, 34);
@@ -1626,7 +1628,7 @@ proptest! {
     ) {
         let snap = PodSnapshot {
             identity: Some(PodIdentity { address: "10.1.1.1:80".into(), ..Default::default() }),
-            gpus: vec![GpuStats { utilization: gpu, ..Default::default() }],
+            gpus: vec![GpuStats { utilization: gpu.map(|_| 1.0), sm_occupancy: gpu, ..Default::default() }],
             inference: Some(InferenceStats {
                 waiting, kv_cache_usage: mem,
                 e2e: Some(LatencyQuantiles { p99_ms: p99, samples: 1, ..Default::default() }),
@@ -2107,4 +2109,51 @@ fn a_big_request_is_never_held_on_a_guess() {
     assert!(!r.should_hold(0, None, big, 600_000));
     // No pool: nothing to hold for.
     assert!(!r.should_hold(7, None, big, 1000));
+}
+
+proptest! {
+    /// Issue 32: on GPUs without GPM (A100 and older) NVML's time fraction is the only GPU
+    /// reading, and it saturates near 1 on any busy GPU. By default (`gpuSignal: auto`) it must
+    /// change nothing: every decision equals the one made with no GPU reading at all, whatever
+    /// the time fractions say (idle, busy, saturated, one pod at 1.0, garbage).
+    #[test]
+    fn without_gpm_the_time_fraction_changes_no_decision(
+        utils in proptest::collection::vec(prop_oneof![Just(1.0f64), Just(0.0), 0.0f64..=1.0, Just(f64::NAN), Just(7.0)], 4),
+        waiting in proptest::collection::vec(0u32..12, 4),
+        running in proptest::collection::vec(0u32..9, 4),
+        kv in proptest::collection::vec(0.0f64..1.0, 4),
+        seed in 0u64..1000,
+    ) {
+        let mk = |with_util: bool| {
+            let mut ev = event(&[pod(0.5); 4], 1);
+            for i in 0..4 {
+                let snap = ev.peers[i].snapshot.as_mut().unwrap();
+                snap.gpus[0].sm_occupancy = None;
+                snap.gpus[0].utilization = with_util.then_some(utils[i]);
+                let inf = inference(&mut ev, i);
+                inf.waiting = Some(waiting[i]);
+                inf.running = Some(running[i]);
+                inf.queue_capacity = Some(8);
+                inf.kv_cache_usage = Some(kv[i]);
+                inf.kv_capacity_tokens = Some(12_500);
+            }
+            let mut r = Router::new(config(""));
+            r.apply_pool_event(0, &ev, 1000);
+            r
+        };
+        let (mut with, mut without) = (mk(true), mk(false));
+        let size = RequestSize { weight: 1.0, kv_tokens: 600.0, output_tokens: 200.0 };
+        for k in 0..20u64 {
+            let mut r1 = ChaCha8Rng::seed_from_u64(seed * 100 + k);
+            let mut r2 = ChaCha8Rng::seed_from_u64(seed * 100 + k);
+            let a = with.decide_for(0, None, size, 1000 + k, &mut r1);
+            let b = without.decide_for(0, None, size, 1000 + k, &mut r2);
+            prop_assert_eq!(chosen(&with, &a), chosen(&without, &b));
+            if let (Some(pa), Some(pb)) = (chosen(&with, &a), chosen(&without, &b)) {
+                with.on_request_start(0, &pa, size, 1000 + k);
+                without.on_request_start(0, &pb, size, 1000 + k);
+            }
+        }
+        prop_assert_eq!(with.counters().fail_open, without.counters().fail_open);
+    }
 }

@@ -16,6 +16,7 @@ use ai_lb_filter_core::body::routing_fields;
 use ai_lb_filter_core::breaker::{BreakerState, Outcome, TripReason};
 use ai_lb_filter_core::outcome::{attribute, Observed};
 use ai_lb_filter_core::picker::{Decision, RequestSize, Router};
+use ai_lb_filter_core::prefix::PromptKeys;
 use ai_lb_filter_core::status::scoreboard;
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
@@ -45,6 +46,7 @@ pub struct Counters {
     /// score x1000, breaker (0 closed, 1 half-open, 2 open) and metrics age (ms).
     score: LabeledGauge,
     breaker_state: LabeledGauge,
+    gpu_signal: LabeledGauge,
     metrics_age_ms: LabeledGauge,
 }
 
@@ -132,6 +134,7 @@ impl ConfigRt {
             failures: handle.define_labeled_counter("ailb.native.failures", "endpoint"),
             score: handle.define_labeled_gauge("ailb.native.score", "endpoint"),
             breaker_state: handle.define_labeled_gauge("ailb.native.breaker_state", "endpoint"),
+            gpu_signal: handle.define_labeled_gauge("ailb.native.gpu_signal", "endpoint"),
             metrics_age_ms: handle.define_labeled_gauge("ailb.native.metrics_age_ms", "endpoint"),
         };
         let feed = feed::start(&cfg.filter, &cfg.agents, Arc::clone(&shared))?;
@@ -163,6 +166,9 @@ struct Worker {
     /// agent snapshot probe it at different moments.
     jitter: u8,
     scratch: String,
+    /// Reused buffers for keying prompts (`prefixAffinity`).
+    prompt_ids: Vec<u32>,
+    key_scratch: Vec<u64>,
     next_tick_ms: u64,
     /// This worker's number in the process (the status page says which worker answered).
     ordinal: u64,
@@ -213,6 +219,8 @@ fn with_worker<R>(rt: &ConfigRt, f: impl FnOnce(&mut Worker) -> R) -> Option<R> 
                     breakers_seen: vec![0; rt.cfg.filter.pools.len()],
                     jitter,
                     scratch: String::with_capacity(256),
+                    prompt_ids: Vec::new(),
+                    key_scratch: Vec::new(),
                     next_tick_ms: 0,
                     ordinal: ORDINALS.fetch_add(1, Ordering::Relaxed),
                     pending: HashMap::new(),
@@ -274,15 +282,17 @@ fn export_gauges(rt: &ConfigRt, s: &Stream, now: u64) {
                     r.score_gauge_value(),
                     r.breaker.gauge_value(),
                     r.metrics_age_ms,
+                    r.gpu_signal_gauge_value(),
                 )
             })
             .collect::<Vec<_>>()
     })
     .unwrap_or_default();
     let c = &rt.counters;
-    for (pod, score, breaker, age) in &rows {
+    for (pod, score, breaker, age, gpu_signal) in &rows {
         s.set_labeled(c.score, pod, *score);
         s.set_labeled(c.breaker_state, pod, *breaker);
+        s.set_labeled(c.gpu_signal, pod, *gpu_signal);
         if let Some(age) = age {
             s.set_labeled(c.metrics_age_ms, pod, *age);
         }
@@ -296,6 +306,9 @@ pub struct Request {
     pool: Option<usize>,
     model: Option<String>,
     model_from_body: bool,
+    /// The body's prompt is keyed for prefix affinity (`prefixAffinity`).
+    prompt_from_body: bool,
+    prompt: Option<PromptKeys>,
     waiting_body: bool,
     body_bytes: Option<usize>,
     max_output_tokens: Option<u64>,
@@ -333,6 +346,8 @@ impl Request {
             pool: None,
             model: None,
             model_from_body: false,
+            prompt_from_body: false,
+            prompt: None,
             waiting_body: false,
             body_bytes: None,
             max_output_tokens: None,
@@ -412,7 +427,15 @@ impl Request {
                 .map(str::to_string);
             self.model_from_body = self.model.is_none() && !end_of_stream;
         }
-        if self.model_from_body {
+        // Prefix affinity reads the prompt, when some pod of the pool reports its cache.
+        if let Some(pool) = self.pool.filter(|_| !end_of_stream) {
+            self.prompt_from_body = with_worker(rt, |w| {
+                w.refresh(rt, pool, now);
+                w.router.prefix_space(pool).is_some()
+            })
+            .unwrap_or(false);
+        }
+        if self.model_from_body || self.prompt_from_body {
             self.waiting_body = true;
             return Next::StopAndBuffer;
         }
@@ -455,6 +478,18 @@ impl Request {
         if self.model_from_body {
             self.model = f.model;
         }
+        if let Some(pool) = self.pool.filter(|_| self.prompt_from_body) {
+            self.prompt = with_worker(rt, |w| {
+                let Worker {
+                    router,
+                    prompt_ids,
+                    key_scratch,
+                    ..
+                } = w;
+                router.key_prompt(pool, &body, prompt_ids, key_scratch)
+            })
+            .flatten();
+        }
         self.route(rt, s, now_ms());
     }
 
@@ -462,18 +497,21 @@ impl Request {
         let Some(pool) = self.pool else { return };
         let (body_bytes, max_out) = (self.body_bytes, self.max_output_tokens);
         let model = self.model.as_deref();
+        let prompt = self.prompt.as_ref();
         let picked = with_worker(rt, |w| {
             w.refresh(rt, pool, now);
             let size = w.router.request_size(body_bytes, max_out);
-            let (ranked, open, score) =
-                match w.router.decide_for(pool, model, size, now, &mut w.rng) {
-                    Decision::Steer {
-                        ranked,
-                        chosen_score,
-                    } => (ranked, false, chosen_score),
-                    Decision::FailOpen { ranked } => (ranked, true, 0.0),
-                    Decision::Fallback(_) => return None,
-                };
+            let (ranked, open, score) = match w
+                .router
+                .decide_with(pool, model, size, prompt, now, &mut w.rng)
+            {
+                Decision::Steer {
+                    ranked,
+                    chosen_score,
+                } => (ranked, false, chosen_score),
+                Decision::FailOpen { ranked } => (ranked, true, 0.0),
+                Decision::Fallback(_) => return None,
+            };
             if !w.router.write_ranked(pool, &ranked, &mut w.scratch) {
                 return None;
             }

@@ -13,7 +13,7 @@ use proxy_wasm::types::{Action, LogLevel};
 
 use ai_lb_filter_core::admission::config::GuardConfig;
 use ai_lb_filter_core::admission::guard::{self, FailOpen, GuardDecision, LocalSignals};
-use ai_lb_filter_core::signals::PodSignals;
+use ai_lb_filter_core::signals::{GpuSignal, PodSignals};
 use ai_lb_proto::{watch_event, WatchEvent};
 
 use crate::host;
@@ -64,13 +64,16 @@ pub fn apply_event(
     ev: &WatchEvent,
     previous: Option<LocalSignals>,
     now_ms: u64,
+    gpu_signal: GpuSignal,
 ) -> Option<LocalSignals> {
     match ev.event.as_ref()? {
         watch_event::Event::Snapshot(snap) => {
             let (sig, _issues) = PodSignals::from_proto(snap, now_ms);
             let sig = sig.filter(|s| s.has_metrics)?;
             Some(LocalSignals {
-                gpu_util: sig.gpu,
+                // The reading `cutoffs.gpuSignal` chooses: by default SM occupancy, never a
+                // saturating time fraction (which reads ~1 on any busy GPU).
+                gpu_util: sig.gpu_load(gpu_signal).map(|(_, v)| v),
                 waiting: sig.waiting,
                 capacity: sig.queue_capacity,
                 sampled_at_ms: Some(now_ms.saturating_sub(snap.age_ms).max(1)),
@@ -84,11 +87,16 @@ pub fn apply_event(
 }
 
 /// Handles one encoded `WatchEvent` of pool `pool` (root context, lease holder).
-pub fn on_watch_bytes(pool: &str, bytes: &[u8], now_ms: u64) -> Result<(), String> {
+pub fn on_watch_bytes(
+    pool: &str,
+    bytes: &[u8],
+    now_ms: u64,
+    gpu_signal: GpuSignal,
+) -> Result<(), String> {
     let ev = WatchEvent::decode(bytes).map_err(|e| format!("undecodable WatchEvent: {e}"))?;
     let key = local_key(pool);
     let previous = host::shared_get(&key).0.as_deref().and_then(decode);
-    if let Some(s) = apply_event(&ev, previous, now_ms) {
+    if let Some(s) = apply_event(&ev, previous, now_ms, gpu_signal) {
         host::shared_set(&key, &encode(&s), None)
             .map_err(|e| format!("cannot publish local signals: {e:?}"))?;
     }
@@ -193,7 +201,8 @@ mod tests {
                 ..Default::default()
             }),
             gpus: vec![GpuStats {
-                utilization: Some(0.95),
+                utilization: Some(1.0),
+                sm_occupancy: Some(0.95),
                 ..Default::default()
             }],
             inference: Some(InferenceStats {
@@ -207,16 +216,25 @@ mod tests {
         let ev = WatchEvent {
             event: Some(watch_event::Event::Snapshot(snap)),
         };
-        let s = apply_event(&ev, None, 10_000).unwrap();
-        assert_eq!(s.gpu_util, Some(0.95));
+        let s = apply_event(&ev, None, 10_000, GpuSignal::Auto).unwrap();
+        assert_eq!(
+            s.gpu_util,
+            Some(0.95),
+            "SM occupancy, not the saturated time fraction"
+        );
+        let util = GpuSignal::Only(ai_lb_filter_core::GpuReading::Utilization);
+        assert_eq!(
+            apply_event(&ev, None, 10_000, util).unwrap().gpu_util,
+            Some(1.0)
+        );
         assert_eq!(s.waiting, Some(3));
         assert_eq!(s.sampled_at_ms, Some(9_900));
         let hb = WatchEvent {
             event: Some(watch_event::Event::Heartbeat(Heartbeat::default())),
         };
-        let s2 = apply_event(&hb, Some(s), 12_000).unwrap();
+        let s2 = apply_event(&hb, Some(s), 12_000, GpuSignal::Auto).unwrap();
         assert_eq!(s2.sampled_at_ms, Some(12_000));
         assert_eq!(s2.gpu_util, Some(0.95));
-        assert!(apply_event(&hb, None, 12_000).is_none());
+        assert!(apply_event(&hb, None, 12_000, GpuSignal::Auto).is_none());
     }
 }

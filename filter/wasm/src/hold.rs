@@ -146,7 +146,7 @@ pub fn tick(state: &Rc<RefCell<State>>, now: u64) {
                 continue;
             }
             // The routing header is written on the held request's context.
-            if let Some(r) = steer(s, h.pool, h.model.as_deref(), now, h.size) {
+            if let Some(r) = steer(s, h.pool, h.model.as_deref(), now, h.size, None) {
                 s.big_hold.resumed.insert(h.id, r);
             }
         }

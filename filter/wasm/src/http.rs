@@ -14,6 +14,7 @@ use proxy_wasm::types::{Action, LogLevel};
 
 use ai_lb_filter_core::breaker::{BreakerState, Outcome, TripReason};
 use ai_lb_filter_core::picker::{Decision, RequestSize};
+use ai_lb_filter_core::prefix::PromptKeys;
 use ai_lb_filter_core::status::scoreboard_json;
 
 use ai_lb_filter_core::admission::config::TenantKeySource;
@@ -53,6 +54,10 @@ pub struct Request {
     waiting_body: bool,
     /// The body's `model` is still needed for routing.
     model_from_body: bool,
+    /// The body's prompt is keyed for prefix affinity (`prefixAffinity`).
+    prompt_from_body: bool,
+    /// The prompt's key blocks, once keyed.
+    prompt: Option<PromptKeys>,
     /// Admission control of this request (when configured).
     adm: Option<AdmReq>,
     /// Admission waits for the buffered body to cost it.
@@ -90,6 +95,8 @@ impl Request {
             debug: false,
             waiting_body: false,
             model_from_body: false,
+            prompt_from_body: false,
+            prompt: None,
             adm: None,
             adm_body: false,
             started_ms: 0,
@@ -124,7 +131,14 @@ impl Request {
         let Ok(mut guard) = self.state.try_borrow_mut() else {
             return;
         };
-        let steered = steer(&mut guard, pool, self.model.as_deref(), now, self.size);
+        let steered = steer(
+            &mut guard,
+            pool,
+            self.model.as_deref(),
+            now,
+            self.size,
+            self.prompt.as_ref(),
+        );
         drop(guard);
         if let Some(st) = steered {
             self.took(st);
@@ -319,6 +333,17 @@ impl Request {
         if self.model_from_body {
             self.model = fields.model;
         }
+        if self.prompt_from_body {
+            if let (Some(pool), Ok(mut s)) = (self.pool, self.state.try_borrow_mut()) {
+                let State {
+                    router,
+                    prompt_ids,
+                    key_scratch,
+                    ..
+                } = &mut *s;
+                self.prompt = router.key_prompt(pool, body, prompt_ids, key_scratch);
+            }
+        }
         if self.adm_body {
             self.adm_body = false;
             let step = match (self.adm.as_mut(), self.state.try_borrow_mut()) {
@@ -490,6 +515,7 @@ pub fn steer(
     model: Option<&str>,
     now: u64,
     size: RequestSize,
+    prompt: Option<&PromptKeys>,
 ) -> Option<Steered> {
     // A VM that was idle ticks slowly: its view of the pool may be older than refreshMs.
     crate::root::refresh_view_if_old(state, pool, now);
@@ -504,7 +530,7 @@ pub fn steer(
     // Another worker may have just opened a breaker: see it before picking.
     breakers.sync(router, pool, now);
     let mut chosen_score = 0.0;
-    let ranked = match router.decide_for(pool, model, size, now, rng) {
+    let ranked = match router.decide_with(pool, model, size, prompt, now, rng) {
         Decision::Steer {
             ranked,
             chosen_score: c,
@@ -617,10 +643,17 @@ impl HttpContext for Request {
             // Decide from the body's `model` (needs allow_on_headers_stop_iteration).
             self.model_from_body = self.model.is_none() && !end_of_stream;
         }
+        // Prefix affinity reads the prompt (needs allow_on_headers_stop_iteration), when some
+        // pod of the pool reports its cache.
+        self.prompt_from_body = !end_of_stream
+            && self.state.try_borrow().is_ok_and(|s| {
+                self.pool
+                    .is_some_and(|p| s.router.prefix_space(p).is_some())
+            });
         if self.begin_admission(now, end_of_stream) == Step::Replied {
             return Action::Pause;
         }
-        if self.model_from_body || self.adm_body {
+        if self.model_from_body || self.adm_body || self.prompt_from_body {
             self.waiting_body = true;
             return Action::Pause;
         }

@@ -19,6 +19,7 @@ pub struct PodMetrics {
     pub breaker_state: Option<u32>,
     pub metrics_age_ms: Option<u32>,
     pub inflight: Option<u32>,
+    pub gpu_signal: Option<u32>,
 }
 
 /// Metric id cache of one VM.
@@ -84,6 +85,7 @@ impl Metrics {
             breaker_state: host::define_metric(MetricType::Gauge, &name("breaker_state")),
             metrics_age_ms: host::define_metric(MetricType::Gauge, &name("metrics_age_ms")),
             inflight: host::define_metric(MetricType::Gauge, &name("inflight")),
+            gpu_signal: host::define_metric(MetricType::Gauge, &name("gpu_signal")),
         };
         self.pods.insert(pod.to_string(), m);
         m
@@ -162,6 +164,7 @@ mod tests {
             breaker_state: None,
             metrics_age_ms: None,
             inflight: None,
+            gpu_signal: None,
         };
         for p in ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"] {
             m.pods.insert(p.to_string(), none);

@@ -31,6 +31,7 @@ use crate::http::{PassThrough, Request};
 use crate::metrics::Metrics;
 use crate::stream::{Backoff, Subscription};
 use crate::{admission, grpc_service, host, shared};
+use ai_lb_filter_core::GpuSignal;
 
 const SERVICE: &str = "ai_lb.v1.MetricsService";
 const METHOD: &str = "WatchPool";
@@ -77,6 +78,9 @@ pub struct State {
     pub rng: SmallRng,
     /// Reused buffer for the routing header value.
     pub scratch: String,
+    /// Reused buffers for keying prompts (`prefixAffinity`).
+    pub prompt_ids: Vec<u32>,
+    pub key_scratch: Vec<u64>,
     /// Admission control, when the plugin config has an enabled `admission` section.
     pub admission: Option<AdmissionRt>,
     /// This VM's view of the shared breakers (synced before each pick and on ticks).
@@ -138,6 +142,8 @@ pub struct Root {
     vm: u64,
     /// Guard mode: the inbound sidecar of one inference pod.
     guard: Option<GuardConfig>,
+    /// `cutoffs.gpuSignal`: the GPU reading the guard compares with its cut-off.
+    gpu_signal: GpuSignal,
     state: Option<Rc<RefCell<State>>>,
     pools: Vec<PoolRt>,
     tokens: HashMap<u32, usize>,
@@ -170,6 +176,7 @@ impl Root {
         Self {
             vm: shared::vm_id(),
             guard: None,
+            gpu_signal: GpuSignal::Auto,
             state: None,
             pools: Vec::new(),
             tokens: HashMap::new(),
@@ -195,6 +202,7 @@ impl Root {
             .admission
             .admission_config()
             .map_err(|e| e.to_string())?;
+        self.gpu_signal = cfg.cutoffs.gpu_signal;
         self.guard = (cfg.mode == Mode::Guard).then(|| {
             admission
                 .as_ref()
@@ -249,6 +257,8 @@ impl Root {
             metrics: Metrics::default(),
             rng,
             scratch: String::with_capacity(256),
+            prompt_ids: Vec::new(),
+            key_scratch: Vec::new(),
             admission: admission.map(AdmissionRt::new),
             breakers,
             big_hold: BigHold::default(),
@@ -424,6 +434,9 @@ impl Root {
                 if let Some(id) = m.inflight {
                     host::record_metric(id, u64::from(row.inflight));
                 }
+                if let Some(id) = m.gpu_signal {
+                    host::record_metric(id, row.gpu_signal_gauge_value());
+                }
             }
         }
     }
@@ -532,7 +545,7 @@ impl Root {
             let Some(name) = self.pools.get(i).map(|p| p.name.clone()) else {
                 return;
             };
-            if let Err(e) = guard::on_watch_bytes(&name, &bytes, now) {
+            if let Err(e) = guard::on_watch_bytes(&name, &bytes, now, self.gpu_signal) {
                 self.inc("ailb.stream.decode_errors");
                 self.log_limited(now, &format!("ai-lb: guard: pool `{name}`: {e}"));
             }
@@ -721,7 +734,9 @@ fn held_tick(state: &Rc<RefCell<State>>, now: u64) {
         }
         // The routing header is written on the held request's context, then it resumes.
         if let Ok(mut s) = state.try_borrow_mut() {
-            if let Some(r) = crate::http::steer(&mut s, h.pool, h.model.as_deref(), now, h.size) {
+            if let Some(r) =
+                crate::http::steer(&mut s, h.pool, h.model.as_deref(), now, h.size, None)
+            {
                 if let Some(rt) = s.admission.as_mut() {
                     rt.resumed.insert(id, r);
                 }

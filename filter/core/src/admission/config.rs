@@ -206,7 +206,8 @@ impl Default for SaturationConfig {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GuardConfig {
     pub enabled: bool,
-    /// GPU utilisation (0..=1) at or above which, with requests already waiting, the pod rejects.
+    /// The GPU reading `cutoffs.gpuSignal` chooses (0..=1; by default SM occupancy) at or above
+    /// which, with requests already waiting, the pod rejects.
     pub gpu_util_cutoff: f64,
     /// The queue is full when waiting >= capacity * this ratio.
     pub queue_full_ratio: f64,
@@ -472,7 +473,7 @@ struct RawGuard {
     #[cfg_attr(feature = "schema", schemars(extend("default" = true)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     enabled: Option<bool>,
-    /// GPU utilisation at or above which, with requests already waiting, the pod rejects.
+    /// The GPU reading `cutoffs.gpuSignal` chooses (by default SM occupancy; a GPU reporting only NVML's time fraction never trips it) at or above which, with requests already waiting, the pod rejects.
     #[cfg_attr(feature = "schema", schemars(extend("default" = 0.9, "exclusiveMinimum" = 0, "maximum" = 1)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     gpu_util_cutoff: Option<f64>,
