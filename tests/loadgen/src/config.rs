@@ -10,7 +10,7 @@ use hyper::Uri;
 
 use crate::client::{Target, CHAT_PATH};
 use crate::schedule::{Arrival, Bounds};
-use crate::workload::{Burst, LengthDist, Workload};
+use crate::workload::{Burst, LengthDist, MultiTurn, SharedPrefix, ThinkDist, Workload};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum ArrivalKind {
@@ -23,6 +23,10 @@ pub enum WorkloadKind {
     Sharegpt,
     Hol,
     Fixed,
+    /// Groups sharing a system prompt (inference-perf's `shared_prefix` shape).
+    SharedPrefix,
+    /// Sessions resending the whole conversation every turn.
+    MultiTurn,
 }
 
 /// Open-loop load generator for OpenAI-compatible streaming endpoints.
@@ -98,6 +102,54 @@ pub struct Cli {
     #[arg(long, default_value_t = 1000)]
     pub hol_output_tokens: u32,
 
+    /// Shared-prefix / multi-turn: groups (each with its own system prompt; multi-turn:
+    /// session groups).
+    #[arg(long, default_value_t = 40)]
+    pub groups: u32,
+    /// Shared-prefix / multi-turn: tokens of each group's system prompt, exact (multi-turn:
+    /// 0 = no system message).
+    #[arg(long, default_value_t = 900)]
+    pub system_tokens: u32,
+    /// Shared-prefix: users per group (each request names one, uniformly drawn).
+    #[arg(long, default_value_t = 5)]
+    pub users_per_group: u32,
+    /// Shared-prefix / multi-turn: lognormal question length, mean tokens (before clamping).
+    #[arg(long, default_value_t = 180.0, allow_negative_numbers = true)]
+    pub question_tokens: f64,
+    #[arg(long, default_value_t = 0.3, allow_negative_numbers = true)]
+    pub question_sigma: f64,
+    /// At least 8 (a question starts with the header that makes it unique).
+    #[arg(long, default_value_t = 8)]
+    pub question_min: u32,
+    #[arg(long, default_value_t = 4096)]
+    pub question_max: u32,
+    /// Shared-prefix / multi-turn: answer length (`max_tokens`), lognormal mean; sigma 0 =
+    /// exactly this.
+    #[arg(long, default_value_t = 150.0, allow_negative_numbers = true)]
+    pub answer_tokens: f64,
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub answer_sigma: f64,
+    #[arg(long, default_value_t = 1)]
+    pub answer_min: u32,
+    #[arg(long, default_value_t = 2048)]
+    pub answer_max: u32,
+    /// Shared-prefix / multi-turn: Zipf exponent of group popularity (0 = uniform).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub zipf: f64,
+    /// Multi-turn: turns per session, `N` or uniform `A..B`.
+    #[arg(long, default_value = "2..8", value_parser = parse_turns)]
+    pub turns: (u32, u32),
+    /// Multi-turn: think time between an answer's end and the next turn (lognormal mean).
+    #[arg(long, default_value = "2s", value_parser = parse_offset)]
+    pub think_mean: Duration,
+    /// Multi-turn: sigma of ln(think time); 0 = always the mean.
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    pub think_sigma: f64,
+    #[arg(long, default_value = "0s", value_parser = parse_offset)]
+    pub think_min: Duration,
+    #[arg(long, default_value = "30s", value_parser = parse_offset)]
+    pub think_max: Duration,
+
     /// Client timeout per request (connect to end of body).
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub timeout: Duration,
@@ -171,7 +223,42 @@ impl Cli {
             min: self.output_min,
             max: self.output_max,
         };
+        let question = LengthDist {
+            mean: self.question_tokens,
+            sigma: self.question_sigma,
+            min: self.question_min,
+            max: self.question_max,
+        };
+        let answer = LengthDist {
+            mean: self.answer_tokens,
+            sigma: self.answer_sigma,
+            min: self.answer_min,
+            max: self.answer_max,
+        };
         match self.workload {
+            WorkloadKind::SharedPrefix => Workload::SharedPrefix(SharedPrefix {
+                groups: self.groups,
+                system_tokens: self.system_tokens,
+                users_per_group: self.users_per_group,
+                question,
+                answer,
+                zipf: self.zipf,
+            }),
+            WorkloadKind::MultiTurn => Workload::MultiTurn(MultiTurn {
+                groups: self.groups,
+                system_tokens: self.system_tokens,
+                turns_min: self.turns.0,
+                turns_max: self.turns.1,
+                question,
+                answer,
+                think: ThinkDist {
+                    mean_us: self.think_mean.as_micros() as f64,
+                    sigma: self.think_sigma,
+                    min_us: self.think_min.as_micros() as u64,
+                    max_us: self.think_max.as_micros() as u64,
+                },
+                zipf: self.zipf,
+            }),
             WorkloadKind::Sharegpt => Workload::ShareGpt { prompt, output },
             WorkloadKind::Fixed => Workload::Fixed {
                 prompt_tokens: self.prompt_tokens,
@@ -241,6 +328,16 @@ pub fn parse_offset(s: &str) -> Result<Duration, String> {
             Ok(Duration::from_secs_f64(v * mult))
         }
         _ => Err("must be a non-negative duration like 30s, 500ms, 2m".into()),
+    }
+}
+
+/// Turns per session: `N` (fixed) or `A..B` (uniform, inclusive), 1 <= A <= B <= 1000.
+pub fn parse_turns(s: &str) -> Result<(u32, u32), String> {
+    let t = s.trim();
+    let (a, b) = t.split_once("..").unwrap_or((t, t));
+    match (a.trim().parse::<u32>(), b.trim().parse::<u32>()) {
+        (Ok(a), Ok(b)) if 1 <= a && a <= b && b <= 1000 => Ok((a, b)),
+        _ => Err("must be N or A..B with 1 <= A <= B <= 1000 (e.g. 5 or 2..8)".into()),
     }
 }
 
@@ -320,6 +417,45 @@ mod tests {
         assert_eq!((k.as_str(), v.to_str().unwrap()), ("x-tenant", "a b"));
         assert!(parse_header("nocolon").is_err());
         assert!(parse_header("bad name: v").is_err());
+    }
+
+    #[test]
+    fn turns_are_fixed_or_a_range() {
+        assert_eq!(parse_turns("5"), Ok((5, 5)));
+        assert_eq!(parse_turns("2..8"), Ok((2, 8)));
+        for bad in ["0", "3..2", "1..1001", "x", "2..", "-1"] {
+            assert!(parse_turns(bad).is_err(), "{bad}");
+        }
+        let e = Cli::try_parse_from(["x", "--turns", "3..2"]).unwrap_err();
+        assert!(e.to_string().contains("--turns") && e.to_string().contains("3..2"));
+    }
+
+    #[test]
+    fn chat_workload_flags_reach_the_workload() {
+        let c = Cli::try_parse_from([
+            "x",
+            "--workload",
+            "multi-turn",
+            "--turns",
+            "3",
+            "--think-mean",
+            "500ms",
+            "--system-tokens",
+            "0",
+        ])
+        .unwrap();
+        let Workload::MultiTurn(m) = c.workload() else {
+            panic!("not multi-turn")
+        };
+        assert_eq!((m.turns_min, m.turns_max, m.system_tokens), (3, 3, 0));
+        assert_eq!(m.think.mean_us, 500_000.0);
+        let c = Cli::try_parse_from(["x", "--workload", "shared-prefix", "--zipf", "1.1"]).unwrap();
+        let Workload::SharedPrefix(p) = c.workload() else {
+            panic!("not shared-prefix")
+        };
+        assert_eq!((p.groups, p.system_tokens, p.users_per_group), (40, 900, 5));
+        assert_eq!(p.zipf, 1.1);
+        assert_eq!(p.answer.mean, 150.0);
     }
 
     #[test]

@@ -28,7 +28,7 @@ impl Tally {
             }
             Outcome::Timeout => self.timeouts += 1,
             Outcome::HttpError | Outcome::TransportError => self.errors += 1,
-            Outcome::SkippedInFlightCap => self.skipped += 1,
+            Outcome::SkippedInFlightCap | Outcome::SessionEnded => self.skipped += 1,
         }
         if r.status.is_some() {
             *self
@@ -99,12 +99,6 @@ mod tests {
 
     fn rec(pod: &str, outcome: Outcome, ttft: f64) -> Record {
         Record {
-            id: 0,
-            tag: Tag::Short,
-            prompt_tokens: 1,
-            max_tokens: 1,
-            scheduled_us: 0,
-            sent_us: 0,
             outcome,
             status: Some(200),
             pod: Some(pod.into()),
@@ -112,7 +106,7 @@ mod tests {
             e2e_ms: Some(ttft),
             output_tokens: 1,
             tokens_from_usage: true,
-            error: None,
+            ..Record::new(0, Tag::Short, 1, 1, 0)
         }
     }
 

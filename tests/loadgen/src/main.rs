@@ -1,6 +1,7 @@
 //! Decides the order of a run: parse flags, build or read the trace, replay it, report.
 //! Exit status: 0 done, 1 runtime failure (I/O), 2 invalid flags or trace.
 
+use std::collections::BTreeSet;
 use std::fs::File;
 use std::io::{BufReader, BufWriter, Write};
 use std::process::ExitCode;
@@ -14,7 +15,7 @@ use ai_lb_loadgen::config::Cli;
 use ai_lb_loadgen::report;
 use ai_lb_loadgen::run::{run, run_closed, RunOptions};
 use ai_lb_loadgen::stats::summarize;
-use ai_lb_loadgen::workload::{self, Tag, TraceEntry};
+use ai_lb_loadgen::workload::{self, EntryKind, Tag, TraceEntry};
 
 enum Failure {
     Usage(String),
@@ -85,8 +86,34 @@ fn describe(trace: &[TraceEntry]) -> String {
     let span = trace.last().map_or(0.0, |e| e.at_us as f64 / 1e6);
     let p: u64 = trace.iter().map(|e| u64::from(e.prompt_tokens)).sum();
     let o: u64 = trace.iter().map(|e| u64::from(e.max_tokens)).sum();
+    let sessions = trace
+        .iter()
+        .filter(|e| e.kind() == EntryKind::Session)
+        .count();
+    if sessions > 0 {
+        let turns: usize = trace.iter().map(TraceEntry::requests).sum();
+        let answers: u64 = trace
+            .iter()
+            .flat_map(TraceEntry::all_max_tokens)
+            .map(u64::from)
+            .sum();
+        let groups: BTreeSet<u32> = trace.iter().filter_map(|e| e.group).collect();
+        return format!(
+            "trace: {sessions} sessions ({turns} turns, {:.2} per session, {} groups) starting over {span:.2} s; mean first prompt {:.0} tokens, mean max_tokens {:.1}",
+            turns as f64 / sessions as f64,
+            groups.len(),
+            p as f64 / n.max(1) as f64,
+            answers as f64 / turns.max(1) as f64
+        );
+    }
+    let groups: BTreeSet<u32> = trace.iter().filter_map(|e| e.group).collect();
+    let chat = if groups.is_empty() {
+        String::new()
+    } else {
+        format!(" in {} groups", groups.len())
+    };
     format!(
-        "trace: {n} requests ({long} long) over {span:.2} s; mean prompt {:.0} tokens, mean max_tokens {:.0}",
+        "trace: {n} requests ({long} long){chat} over {span:.2} s; mean prompt {:.0} tokens, mean max_tokens {:.0}",
         p as f64 / n.max(1) as f64,
         o as f64 / n.max(1) as f64
     )
@@ -114,7 +141,7 @@ fn real_main(cli: Cli) -> Result<(), Failure> {
     }
     raise_fd_limit(cli.max_in_flight);
     let max_prompt = trace.iter().map(|e| e.prompt_tokens).max().unwrap_or(1);
-    let client = Client::new(cli.target(), max_prompt);
+    let client = Client::new(cli.target(), max_prompt).prepare(&trace);
     let opts = RunOptions {
         timeout: cli.timeout,
         max_in_flight: cli.max_in_flight,

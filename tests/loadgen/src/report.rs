@@ -48,6 +48,13 @@ pub fn render(s: &Summary) -> String {
         c.transport_errors,
         c.skipped_in_flight_cap
     );
+    if let Some(x) = &s.sessions {
+        let _ = writeln!(
+            out,
+            "sessions: {}, completed {}, ended early {} ({} turns not sent)",
+            x.sessions, x.completed, x.ended_early, x.turns_not_sent
+        );
+    }
     let codes: Vec<String> = s
         .overall
         .status_codes

@@ -1,19 +1,22 @@
 //! Decides when requests leave and where results go: an open-loop dispatcher that sends each
 //! trace entry at its scheduled offset regardless of responses (only a large in-flight safety
 //! cap, whose hits are counted), and a collector that gathers records and draws `--live`.
+//! A multi-turn session starts at its offset like any entry; its later turns are closed loop
+//! (each leaves its think time after the previous answer ended), and a turn that fails, times
+//! out or meets the cap ends the session, its remaining turns recorded as not sent.
 
 use std::io::{IsTerminal, Write};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use crate::client::Client;
+use crate::client::{Client, Session};
 use crate::live::{self, Tally};
 use crate::stats::{Outcome, Record};
-use crate::workload::TraceEntry;
+use crate::workload::{EntryKind, TraceEntry};
 
 #[derive(Debug, Clone, Copy)]
 pub struct RunOptions {
@@ -39,7 +42,9 @@ pub async fn run(client: Client, trace: Arc<Vec<TraceEntry>>, opts: RunOptions) 
     let start = Instant::now();
     let in_flight = Arc::new(AtomicUsize::new(0));
     let peak = Arc::new(AtomicUsize::new(0));
-    let (tx, collector) = start_collector(start, &in_flight, opts.live, trace.len());
+    let expected = trace.iter().map(TraceEntry::requests).sum();
+    let (tx, collector) = start_collector(start, &in_flight, opts.live, expected);
+    let session_cap_hits = Arc::new(AtomicU64::new(0));
 
     let mut cap_hits = 0u64;
     for i in 0..trace.len() {
@@ -47,6 +52,21 @@ pub async fn run(client: Client, trace: Arc<Vec<TraceEntry>>, opts: RunOptions) 
         let due = start + Duration::from_micros(e.at_us);
         if Instant::now() < due {
             tokio::time::sleep_until(due).await;
+        }
+        if e.kind() == EntryKind::Session {
+            let gate = Gate {
+                in_flight: in_flight.clone(),
+                peak: peak.clone(),
+                cap_hits: session_cap_hits.clone(),
+                max: opts.max_in_flight,
+            };
+            let (client, trace, tx) = (client.clone(), trace.clone(), tx.clone());
+            tokio::spawn(async move {
+                if let Some(e) = trace.get(i) {
+                    run_session(&client, e, start, opts.timeout, &gate, &tx).await;
+                }
+            });
+            continue;
         }
         let now_in_flight = in_flight.load(Ordering::Relaxed);
         if now_in_flight >= opts.max_in_flight {
@@ -70,8 +90,76 @@ pub async fn run(client: Client, trace: Arc<Vec<TraceEntry>>, opts: RunOptions) 
     RunResult {
         records,
         wall_s: end.map_or(0.0, |e| e.duration_since(start).as_secs_f64()),
-        in_flight_cap_hits: cap_hits,
+        in_flight_cap_hits: cap_hits + session_cap_hits.load(Ordering::Relaxed),
         peak_in_flight: peak.load(Ordering::Relaxed) as u64,
+    }
+}
+
+/// The in-flight accounting a session's turns go through.
+#[derive(Debug, Clone)]
+struct Gate {
+    in_flight: Arc<AtomicUsize>,
+    peak: Arc<AtomicUsize>,
+    cap_hits: Arc<AtomicU64>,
+    /// The cap; usize::MAX in closed loop (the workers bound concurrency).
+    max: usize,
+}
+
+/// Runs the turns of session `e`: the first at its offset (already reached), each later one
+/// its think time after the previous answer ended. Sends one record per turn, the turns after
+/// a failed, timed-out or capped one as [`Outcome::SessionEnded`].
+async fn run_session(
+    client: &Client,
+    e: &TraceEntry,
+    start: Instant,
+    timeout: Duration,
+    gate: &Gate,
+    tx: &mpsc::UnboundedSender<Record>,
+) {
+    let mut session = Session::new(client, e);
+    let mut due = start + Duration::from_micros(e.at_us);
+    let mut ended = false;
+    for (k, turn) in e.turns.iter().enumerate() {
+        if ended {
+            let mut r = Record::new(
+                e.id + k as u64,
+                e.tag,
+                0,
+                turn.max_tokens,
+                start.elapsed().as_micros() as u64,
+            );
+            r.outcome = Outcome::SessionEnded;
+            r.group = e.group;
+            r.session = e.session;
+            r.turn = Some(k as u32 + 1);
+            let _ = tx.send(r);
+            continue;
+        }
+        if k > 0 {
+            due += Duration::from_micros(turn.think_us);
+            tokio::time::sleep_until(due).await;
+        }
+        let scheduled_us = due.duration_since(start).as_micros() as u64;
+        if gate.in_flight.load(Ordering::Relaxed) >= gate.max {
+            gate.cap_hits.fetch_add(1, Ordering::Relaxed);
+            let mut r = Record::new(e.id + k as u64, e.tag, 0, turn.max_tokens, scheduled_us);
+            r.sent_us = start.elapsed().as_micros() as u64;
+            r.outcome = Outcome::SkippedInFlightCap;
+            r.error = Some("in-flight cap reached".into());
+            r.group = e.group;
+            r.session = e.session;
+            r.turn = Some(k as u32 + 1);
+            let _ = tx.send(r);
+            ended = true;
+            continue;
+        }
+        let n = gate.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
+        gate.peak.fetch_max(n, Ordering::Relaxed);
+        let rec = session.turn(k, scheduled_us, start, timeout).await;
+        gate.in_flight.fetch_sub(1, Ordering::Relaxed);
+        due = Instant::now();
+        ended = rec.outcome != Outcome::Ok;
+        let _ = tx.send(rec);
     }
 }
 
@@ -88,20 +176,33 @@ pub async fn run_closed(
     let span = Duration::from_micros(trace.last().map_or(0, |e| e.at_us));
     let next = Arc::new(AtomicUsize::new(0));
     let in_flight = Arc::new(AtomicUsize::new(0));
-    let (tx, collector) = start_collector(start, &in_flight, opts.live, trace.len());
+    let expected = trace.iter().map(TraceEntry::requests).sum();
+    let (tx, collector) = start_collector(start, &in_flight, opts.live, expected);
+    let gate = Gate {
+        in_flight: in_flight.clone(),
+        peak: Arc::new(AtomicUsize::new(0)),
+        cap_hits: Arc::new(AtomicU64::new(0)),
+        max: usize::MAX,
+    };
     let mut tasks = Vec::with_capacity(workers);
     for _ in 0..workers {
-        let (client, trace, tx, next, in_flight) = (
+        let (client, trace, tx, next, in_flight, gate) = (
             client.clone(),
             trace.clone(),
             tx.clone(),
             next.clone(),
             in_flight.clone(),
+            gate.clone(),
         );
         tasks.push(tokio::spawn(async move {
             while start.elapsed() < span {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 let Some(e) = trace.get(i) else { break };
+                if e.kind() == EntryKind::Session {
+                    // Think times still separate its turns; the worker waits them out.
+                    run_session(&client, e, start, opts.timeout, &gate, &tx).await;
+                    continue;
+                }
                 in_flight.fetch_add(1, Ordering::Relaxed);
                 let rec = client.send(e, start, opts.timeout).await;
                 in_flight.fetch_sub(1, Ordering::Relaxed);
@@ -142,22 +243,16 @@ fn start_collector(
 }
 
 fn skipped(e: &TraceEntry, start: Instant) -> Record {
-    Record {
-        id: e.id,
-        tag: e.tag,
-        prompt_tokens: e.prompt_tokens,
-        max_tokens: e.max_tokens,
-        scheduled_us: e.at_us,
-        sent_us: start.elapsed().as_micros() as u64,
-        outcome: Outcome::SkippedInFlightCap,
-        status: None,
-        pod: None,
-        ttft_ms: None,
-        e2e_ms: None,
-        output_tokens: 0,
-        tokens_from_usage: false,
-        error: Some("in-flight cap reached".into()),
-    }
+    let mut r = Record::new(e.id, e.tag, e.prompt_tokens, e.max_tokens, e.at_us);
+    r.sent_us = start.elapsed().as_micros() as u64;
+    r.outcome = Outcome::SkippedInFlightCap;
+    r.error = Some("in-flight cap reached".into());
+    r.group = e.group;
+    r.user = e.user;
+    r.prefix_tokens = e
+        .question
+        .map(|_| crate::workload::system_prefix_tokens(e.system));
+    r
 }
 
 async fn collect(
@@ -182,7 +277,7 @@ async fn collect(
                         last.add(&r);
                         cum.add(&r);
                     }
-                    if r.outcome != Outcome::SkippedInFlightCap {
+                    if r.was_sent() {
                         end = Some(Instant::now());
                     }
                     records.push(r);

@@ -1,7 +1,13 @@
 //! Decides what a streamed response said: an incremental Server-Sent-Events reader (WHATWG
 //! event-stream framing, OpenAI chat-completion chunks) that counts data events, spots
 //! `[DONE]` and reads `usage.completion_tokens`, parsing JSON only for the usage chunk so it
-//! stays cheap at thousands of chunks per second.
+//! stays cheap at thousands of chunks per second. For multi-turn sessions it can also keep the
+//! answer as received (the concatenated `delta.content`, or `text` of completions), parsing
+//! each content chunk into borrowed fields.
+
+use std::borrow::Cow;
+
+use serde::Deserialize;
 
 /// Accumulates the state of one SSE body fed in arbitrary byte pieces.
 #[derive(Debug, Default)]
@@ -14,11 +20,43 @@ pub struct SseReader {
     /// `usage.completion_tokens` from the last usage chunk seen.
     pub usage_completion_tokens: Option<u64>,
     pub done: bool,
+    /// The answer so far, when capturing.
+    pub text: Option<String>,
+    /// Content chunks whose JSON could not be read while capturing (their text is missing).
+    pub unreadable_chunks: u64,
+}
+
+#[derive(Deserialize)]
+struct Chunk<'a> {
+    #[serde(borrow, default)]
+    choices: Vec<Choice<'a>>,
+}
+
+#[derive(Deserialize)]
+struct Choice<'a> {
+    #[serde(borrow, default)]
+    delta: Option<Delta<'a>>,
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
+}
+
+#[derive(Deserialize)]
+struct Delta<'a> {
+    #[serde(borrow, default)]
+    content: Option<Cow<'a, str>>,
 }
 
 impl SseReader {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A reader that also keeps the answer's text ([`SseReader::text`]).
+    pub fn capturing() -> Self {
+        SseReader {
+            text: Some(String::new()),
+            ..Self::default()
+        }
     }
 
     /// Feeds the next body piece; returns how many new data events it completed.
@@ -73,6 +111,18 @@ impl SseReader {
             }
         }
         self.content_chunks += 1;
+        if let Some(text) = &mut self.text {
+            match serde_json::from_slice::<Chunk>(data) {
+                Ok(c) => {
+                    for ch in c.choices {
+                        if let Some(t) = ch.delta.and_then(|d| d.content).or(ch.text) {
+                            text.push_str(&t);
+                        }
+                    }
+                }
+                Err(_) => self.unreadable_chunks += 1,
+            }
+        }
     }
 }
 
@@ -149,6 +199,26 @@ data: [DONE]\n\n";
         r.finish();
         assert_eq!(r.output_tokens(), (2, false));
         assert!(!r.done);
+    }
+
+    #[test]
+    fn capturing_keeps_the_answer_as_received_for_any_split() {
+        let stream = STREAM.replace("\"b\"", "\" \\\"q\\\" \\u00e9\"");
+        for step in [1, 5, 1000] {
+            let mut r = SseReader::capturing();
+            for piece in stream.as_bytes().chunks(step) {
+                r.feed(piece);
+            }
+            r.finish();
+            assert_eq!(r.text.as_deref(), Some("a \"q\" é"), "step {step}");
+            assert_eq!(r.unreadable_chunks, 0);
+        }
+        let mut r = SseReader::capturing();
+        r.feed(b"data: {\"choices\":[{\"text\":\"x\"}]}\n\ndata: {broken\n\n");
+        assert_eq!((r.text.as_deref(), r.unreadable_chunks), (Some("x"), 1));
+        let mut plain = SseReader::new();
+        plain.feed(STREAM.as_bytes());
+        assert!(plain.text.is_none(), "no capture unless asked");
     }
 
     #[test]

@@ -21,6 +21,9 @@ pub enum Outcome {
     TransportError,
     /// Not sent: the in-flight safety cap was hit at its send time.
     SkippedInFlightCap,
+    /// Not sent: an earlier turn of its multi-turn session failed, timed out or was skipped,
+    /// which ends the session.
+    SessionEnded,
 }
 
 /// The result of one request (one line of `--records`).
@@ -47,6 +50,51 @@ pub struct Record {
     pub tokens_from_usage: bool,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub error: Option<String>,
+    /// Shared-prefix group, or multi-turn session group.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub group: Option<u32>,
+    /// Shared-prefix user.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub user: Option<u32>,
+    /// Multi-turn session.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub session: Option<u64>,
+    /// Multi-turn turn, 1-based.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub turn: Option<u32>,
+    /// Chat workloads: leading prompt tokens an earlier request can have left in a prefix
+    /// cache: the group's system prompt with its role tokens (first turns, shared-prefix), or
+    /// the previous turn's prompt plus its answer (later turns). `prompt_tokens` is then the
+    /// exact count under the `ai-lb-prefix` chat template.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub prefix_tokens: Option<u32>,
+}
+
+impl Record {
+    /// A record of request `id` before it is sent: outcome transport error, nothing measured.
+    pub fn new(id: u64, tag: Tag, prompt_tokens: u32, max_tokens: u32, scheduled_us: u64) -> Self {
+        Record {
+            id,
+            tag,
+            prompt_tokens,
+            max_tokens,
+            scheduled_us,
+            sent_us: scheduled_us,
+            outcome: Outcome::TransportError,
+            status: None,
+            pod: None,
+            ttft_ms: None,
+            e2e_ms: None,
+            output_tokens: 0,
+            tokens_from_usage: false,
+            error: None,
+            group: None,
+            user: None,
+            session: None,
+            turn: None,
+            prefix_tokens: None,
+        }
+    }
 }
 
 /// Nearest-rank percentile of ascending data (`p` in 0..=100); None when empty.
@@ -136,6 +184,25 @@ pub struct Counts {
     pub timeouts: u64,
     pub transport_errors: u64,
     pub skipped_in_flight_cap: u64,
+    /// Turns not sent because their session ended early (multi-turn only).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub session_ended: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+/// How multi-turn sessions ended.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Sessions {
+    pub sessions: u64,
+    /// Every turn answered (2xx, complete).
+    pub completed: u64,
+    /// Ended by a failed, timed-out or skipped turn.
+    pub ended_early: u64,
+    /// Turns not sent because of that.
+    pub turns_not_sent: u64,
 }
 
 /// Everything reported for one group of requests (all, or one tag).
@@ -174,6 +241,9 @@ pub struct Summary {
     pub peak_in_flight: u64,
     /// The most frequent error messages (up to five) and their counts.
     pub top_errors: Vec<(String, u64)>,
+    /// Multi-turn runs only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sessions: Option<Sessions>,
 }
 
 pub fn group<'a>(records: impl IntoIterator<Item = &'a Record> + Clone, wall_s: f64) -> Group {
@@ -185,6 +255,10 @@ pub fn group<'a>(records: impl IntoIterator<Item = &'a Record> + Clone, wall_s: 
         match r.outcome {
             Outcome::SkippedInFlightCap => {
                 g.counts.skipped_in_flight_cap += 1;
+                continue;
+            }
+            Outcome::SessionEnded => {
+                g.counts.session_ended += 1;
                 continue;
             }
             Outcome::Ok => {
@@ -232,7 +306,7 @@ pub fn summarize(
     }
     let lag = records
         .iter()
-        .filter(|r| r.outcome != Outcome::SkippedInFlightCap)
+        .filter(|r| r.was_sent())
         .map(|r| r.sent_us.saturating_sub(r.scheduled_us) as f64 / 1000.0)
         .collect();
     Summary {
@@ -243,7 +317,41 @@ pub fn summarize(
         in_flight_cap_hits,
         peak_in_flight,
         top_errors: top_errors(records, 5),
+        sessions: sessions(records),
     }
+}
+
+impl Record {
+    /// Whether the request left (was not skipped by the cap nor dropped with its session).
+    pub fn was_sent(&self) -> bool {
+        !matches!(
+            self.outcome,
+            Outcome::SkippedInFlightCap | Outcome::SessionEnded
+        )
+    }
+}
+
+/// How the sessions of `records` ended; None when no record belongs to a session.
+pub fn sessions(records: &[Record]) -> Option<Sessions> {
+    let mut per: BTreeMap<u64, (bool, u64)> = BTreeMap::new();
+    for r in records {
+        let Some(s) = r.session else { continue };
+        let e = per.entry(s).or_insert((true, 0));
+        e.0 &= r.outcome == Outcome::Ok;
+        if r.outcome == Outcome::SessionEnded {
+            e.1 += 1;
+        }
+    }
+    if per.is_empty() {
+        return None;
+    }
+    let completed = per.values().filter(|(ok, _)| *ok).count() as u64;
+    Some(Sessions {
+        sessions: per.len() as u64,
+        completed,
+        ended_early: per.len() as u64 - completed,
+        turns_not_sent: per.values().map(|(_, n)| n).sum(),
+    })
 }
 
 /// The `n` most frequent error messages, most frequent first (ties by message).
@@ -290,11 +398,6 @@ mod tests {
         ttft: f64,
     ) -> Record {
         Record {
-            id,
-            tag,
-            prompt_tokens: 10,
-            max_tokens: 10,
-            scheduled_us: id * 1000,
             sent_us: id * 1000 + 500,
             outcome,
             status,
@@ -303,7 +406,7 @@ mod tests {
             e2e_ms: Some(ttft * 2.0),
             output_tokens: 7,
             tokens_from_usage: true,
-            error: None,
+            ..Record::new(id, tag, 10, 10, id * 1000)
         }
     }
 
@@ -391,6 +494,41 @@ mod tests {
         assert!(
             j.get("ttft_ms").is_some() && j.get("by_tag").is_some(),
             "overall fields flattened"
+        );
+    }
+
+    #[test]
+    fn sessions_count_completed_and_ended_early() {
+        let turn = |id, s, outcome| Record {
+            session: Some(s),
+            ..rec(id, Tag::Short, outcome, Some(200), Some("a"), 1.0)
+        };
+        let rs = vec![
+            turn(0, 0, Outcome::Ok),
+            turn(1, 0, Outcome::Ok),
+            turn(2, 1, Outcome::Ok),
+            turn(3, 1, Outcome::Timeout),
+            turn(4, 1, Outcome::SessionEnded),
+            turn(5, 1, Outcome::SessionEnded),
+        ];
+        let s = summarize(&rs, 1.0, 0, 1);
+        assert_eq!(
+            s.sessions,
+            Some(Sessions {
+                sessions: 2,
+                completed: 1,
+                ended_early: 1,
+                turns_not_sent: 2
+            })
+        );
+        let c = &s.overall.counts;
+        assert_eq!((c.scheduled, c.sent, c.session_ended), (6, 4, 2));
+        assert_eq!(s.dispatch_lag_ms.count, 4, "unsent turns have no lag");
+        assert!(summarize(&rs[..0], 1.0, 0, 0).sessions.is_none());
+        let j = serde_json::to_value(summarize(&[rs[0].clone()], 1.0, 0, 0)).unwrap();
+        assert!(
+            j["counts"].get("session_ended").is_none(),
+            "zero is not written"
         );
     }
 

@@ -49,6 +49,31 @@ fn invalid_values_exit_2_naming_flag_and_value() {
         &["--hol-at", "20000ms"],
     );
     fails_with_2(
+        &[
+            "--workload",
+            "shared-prefix",
+            "--question-min",
+            "4",
+            "--dry-run",
+        ],
+        &["--question-min", "'4'"],
+    );
+    fails_with_2(&["--turns", "0"], &["--turns", "0"]);
+    fails_with_2(
+        &[
+            "--workload",
+            "multi-turn",
+            "--think-sigma",
+            "9",
+            "--dry-run",
+        ],
+        &["--think-sigma", "'9'"],
+    );
+    fails_with_2(
+        &["--workload", "shared-prefix", "--groups", "0", "--dry-run"],
+        &["--groups", "'0'"],
+    );
+    fails_with_2(
         &["--trace-in", "/nonexistent/trace.jsonl"],
         &["--trace-in", "/nonexistent/trace.jsonl"],
     );
@@ -93,6 +118,55 @@ fn seeded_trace_files_are_identical() {
     assert_eq!(a, b);
     assert_ne!(a, c);
     assert!(String::from_utf8_lossy(&a).contains("\"tag\":\"long\""));
+    assert!(
+        !String::from_utf8_lossy(&a).contains("group"),
+        "older workloads keep their line format"
+    );
+}
+
+#[test]
+fn seeded_chat_traces_are_identical_and_replayable() {
+    let dir = tempfile::tempdir().unwrap();
+    for workload in ["shared-prefix", "multi-turn"] {
+        let write = |name: &str| {
+            let p = dir.path().join(format!("{workload}-{name}"));
+            let out = Command::new(BIN)
+                .args([
+                    "--dry-run",
+                    "--workload",
+                    workload,
+                    "--rate",
+                    "50",
+                    "--duration",
+                    "5s",
+                    "--seed",
+                    "3",
+                    "--trace-out",
+                ])
+                .arg(&p)
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            (p.clone(), std::fs::read(p).unwrap())
+        };
+        let (pa, a) = write("a");
+        let (_, b) = write("b");
+        assert_eq!(a, b, "{workload}");
+        let back = Command::new(BIN)
+            .args(["--dry-run", "--trace-in"])
+            .arg(&pa)
+            .output()
+            .unwrap();
+        assert!(
+            back.status.success(),
+            "{}",
+            String::from_utf8_lossy(&back.stderr)
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -107,6 +107,7 @@ fn entry(id: u64, at_ms: u64, tag: Tag, max_tokens: u32) -> TraceEntry {
         tag,
         prompt_tokens: 20,
         max_tokens,
+        ..TraceEntry::default()
     }
 }
 
@@ -272,4 +273,177 @@ async fn closed_loop_keeps_n_in_flight_until_the_span_and_ignores_arrival_times(
     assert_eq!(ids, (0..n as u64).collect::<Vec<_>>());
     assert!(res.wall_s >= 0.3 && res.wall_s < 5.0, "{}", res.wall_s);
     assert_eq!(res.peak_in_flight, 2);
+}
+
+/// Bodies received by [`recording_chat`], in arrival order.
+type Seen = Arc<std::sync::Mutex<Vec<serde_json::Value>>>;
+
+/// Streams `"ab "` pieces (max_tokens of them) as content, or 503 when max_tokens is FAIL;
+/// keeps every request body.
+async fn recording_chat(
+    State(seen): State<Seen>,
+    Json(req): Json<serde_json::Value>,
+) -> Response<Body> {
+    let max = req["max_tokens"].as_u64().unwrap_or(0) as u32;
+    seen.lock().unwrap().push(req);
+    if max == FAIL {
+        return Response::builder()
+            .status(StatusCode::SERVICE_UNAVAILABLE)
+            .body(Body::from("no healthy upstream"))
+            .unwrap();
+    }
+    let mut parts: Vec<Bytes> = (0..max)
+        .map(|i| {
+            let role = if i == 0 { "\"role\":\"assistant\"," } else { "" };
+            Bytes::from(format!(
+                "data: {{\"choices\":[{{\"index\":0,\"delta\":{{{role}\"content\":\" ab\"}}}}]}}\n\n"
+            ))
+        })
+        .collect();
+    parts.push(Bytes::from(format!(
+        "data: {{\"choices\":[],\"usage\":{{\"completion_tokens\":{max}}}}}\n\ndata: [DONE]\n\n"
+    )));
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .header("x-fake-pod", "pod-a")
+        .body(Body::from_stream(futures::stream::iter(
+            parts.into_iter().map(Ok::<_, Infallible>),
+        )))
+        .unwrap()
+}
+
+#[tokio::test]
+async fn sessions_resend_the_conversation_and_a_failed_turn_ends_them() {
+    use ai_lb_loadgen::text::{chat_prompt_tokens, tokens};
+    use ai_lb_loadgen::workload::{TextSpec, Turn};
+    let seen: Seen = Arc::default();
+    let app = Router::new()
+        .route("/v1/chat/completions", post(recording_chat))
+        .with_state(seen.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+
+    let turn = |seed, max_tokens, think_ms: u64| Turn {
+        question: TextSpec { seed, tokens: 12 },
+        max_tokens,
+        think_us: think_ms * 1000,
+    };
+    let system = Some(TextSpec {
+        seed: 3,
+        tokens: 40,
+    });
+    let session = |id, s, turns: Vec<Turn>| TraceEntry {
+        id,
+        at_us: 1000,
+        prompt_tokens: 40 + 12 + 3,
+        max_tokens: turns[0].max_tokens,
+        group: Some(0),
+        session: Some(s),
+        system,
+        turns,
+        ..TraceEntry::default()
+    };
+    let trace = vec![
+        session(0, 0, vec![turn(1, 4, 0), turn(2, 3, 20), turn(3, 2, 5)]),
+        session(
+            3,
+            1,
+            vec![
+                turn(4, 2, 0),
+                turn(5, FAIL, 1),
+                turn(6, 2, 1),
+                turn(7, 2, 1),
+            ],
+        ),
+    ];
+    let c = client(&url).prepare(&trace);
+    let opts = RunOptions {
+        timeout: Duration::from_secs(10),
+        max_in_flight: 100,
+        live: false,
+    };
+    let r = run(c, Arc::new(trace), opts).await;
+    let outcomes: Vec<Outcome> = r.records.iter().map(|x| x.outcome).collect();
+    use Outcome::*;
+    assert_eq!(
+        outcomes,
+        vec![Ok, Ok, Ok, Ok, HttpError, SessionEnded, SessionEnded]
+    );
+    let s = summarize(&r.records, r.wall_s, r.in_flight_cap_hits, r.peak_in_flight);
+    let sessions = s.sessions.unwrap();
+    assert_eq!(
+        (sessions.sessions, sessions.completed, sessions.ended_early),
+        (2, 1, 1)
+    );
+    assert_eq!(
+        (sessions.turns_not_sent, s.overall.counts.session_ended),
+        (2, 2)
+    );
+
+    // Session 0's third request carries everything so far, answers as streamed.
+    let bodies = seen.lock().unwrap().clone();
+    assert_eq!(bodies.len(), 5, "the turns after the failure were not sent");
+    let msgs = |b: &serde_json::Value| -> Vec<(String, String)> {
+        b["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| {
+                (
+                    m["role"].as_str().unwrap().into(),
+                    m["content"].as_str().unwrap().into(),
+                )
+            })
+            .collect()
+    };
+    let all: Vec<Vec<(String, String)>> = bodies.iter().map(msgs).collect();
+    let third = all
+        .iter()
+        .find(|m| m.len() == 6 && m[1].1.starts_with("s0 t1"))
+        .expect("session 0 turn 3");
+    let roles: Vec<&str> = third.iter().map(|(r, _)| r.as_str()).collect();
+    assert_eq!(
+        roles,
+        ["system", "user", "assistant", "user", "assistant", "user"]
+    );
+    assert_eq!(third[2].1, " ab ab ab ab", "turn 1's answer as received");
+    assert_eq!(third[4].1, " ab ab ab");
+    assert!(third[5].1.starts_with("s0 t3: "));
+    let first = all
+        .iter()
+        .find(|m| m.len() == 2 && m[1].1.starts_with("s0 t1"))
+        .unwrap();
+    assert_eq!(first[0], third[0], "the system prompt is resent unchanged");
+    assert_eq!(first[1], third[1]);
+
+    // Records: exact template counts, and the previous prompt + answer as the cached prefix.
+    let rec = |id: u64| r.records.iter().find(|x| x.id == id).unwrap();
+    let m: Vec<(&str, &str)> = third
+        .iter()
+        .map(|(a, b)| (a.as_str(), b.as_str()))
+        .collect();
+    assert_eq!(rec(2).prompt_tokens, chat_prompt_tokens(&m));
+    assert_eq!(rec(0).prompt_tokens, 55);
+    assert_eq!(
+        rec(0).prefix_tokens,
+        Some(42),
+        "system + its role + the user role"
+    );
+    assert_eq!(
+        rec(1).prefix_tokens,
+        Some(rec(0).prompt_tokens + tokens(" ab ab ab ab"))
+    );
+    assert_eq!(
+        rec(2).prefix_tokens,
+        Some(rec(1).prompt_tokens + tokens(" ab ab ab"))
+    );
+    assert_eq!(
+        (rec(2).session, rec(2).turn, rec(2).group),
+        (Some(0), Some(3), Some(0))
+    );
+    // A turn leaves its think time after the previous answer ended (never earlier).
+    let end1 = rec(0).sent_us as f64 / 1000.0 + rec(0).e2e_ms.unwrap();
+    assert!(rec(1).sent_us as f64 / 1000.0 + 1.0 >= end1 + 20.0);
+    assert!(rec(1).scheduled_us <= rec(1).sent_us);
 }
