@@ -3,7 +3,10 @@
 # traces through independent Envoy sidecars in front of a heterogeneous fake-GPU pool.
 #   scripts/bench.sh                       # calibrate + sharegpt-poisson-80 (the headline run)
 #   scripts/bench.sh sharegpt-bursty-80 hol-poisson-80 fault-slowdown overhead
-#   scripts/bench.sh --smoke               # short run that only proves the suite works (CI)
+#   scripts/bench.sh prefix-poisson-80 multiturn-poisson-80   # prefix-cache workloads
+#                                          # (docs/benchmark-workloads.md)
+#   scripts/bench.sh --smoke               # short run that only proves the suite works (CI);
+#                                          # includes one shared-prefix and one multi-turn run
 # Any other flag goes to ai-lb-bench (see `ai-lb-bench --help`). Builds release binaries and
 # the wasm filter first, installs matplotlib into .venv for the plots, writes bench-results/
 # (work files: /tmp/ai-lb-bench). Set BENCH_NO_BUILD=1 to skip the builds.

@@ -1,7 +1,10 @@
-"""Plots for bench-results/: latency CDFs per policy (TTFT and e2e), for fault runs the faulty
-pod's share of requests over time, and for the freshness sweep p99 TTFT and change-to-routing
-latency against the agents' sample interval. Reads the merged per-request records the benchmark
-leaves in its work dir (<work>/<scenario>/<policy>.jsonl) and the summaries in <out>.
+"""Plots for bench-results/: latency CDFs per policy (TTFT and e2e) with the no-queue TTFT
+floor, for fault runs the faulty pod's share of requests over time, for the prefix-cache
+workloads (shared-prefix, multi-turn) each policy's TTFT distribution against the floor (first
+and later turns apart for multi-turn) and its prefix-cache hit rate, and for the freshness
+sweep p99 TTFT and change-to-routing latency against the agents' sample interval. Reads the
+merged per-request records the benchmark leaves in its work dir (<work>/<scenario>/<policy>.jsonl,
+<work>/<scenario>/floor.jsonl) and the summaries in <out>.
 Usage: plot.py WORK_DIR OUT_DIR"""
 import json
 import os
@@ -26,6 +29,64 @@ def cdf(ax, values, label):
         return
     n = len(v)
     ax.plot(v, [(i + 1) / n for i in range(n)], label=label)
+
+
+def load_floor(wdir):
+    """Per-request no-queue floor (ms) by id, if the run wrote it."""
+    f = os.path.join(wdir, "floor.jsonl")
+    if not os.path.isfile(f):
+        return {}
+    return {r["id"]: r["floor_ms"] for r in load(f)}
+
+
+def ttft_of(r, timeout):
+    if r["outcome"] == "ok" and r.get("ttft_ms") is not None:
+        return r["ttft_ms"]
+    return timeout
+
+
+def prefix_plots(scen, s, recs, floor, sdir, timeout):
+    """TTFT CDFs per policy against the floor (per turn class for multi-turn), and each
+    policy's prefix-cache hit rate from the pods' counters (n/a drawn as a note, never 0)."""
+    classes = [("all", lambda r: True)]
+    if s.get("workload") == "MultiTurn":
+        classes += [("first turns", lambda r: (r.get("turn") or 1) == 1),
+                    ("later turns", lambda r: (r.get("turn") or 1) > 1)]
+    fig, axes = plt.subplots(1, len(classes) + 1, figsize=(5.5 * (len(classes) + 1), 4))
+    for ax, (label, keep) in zip(axes, classes):
+        ids = set()
+        for p, rs in recs.items():
+            sel = [r for r in rs if keep(r) and r["outcome"] in ("ok", "timeout")]
+            ids.update(r["id"] for r in sel)
+            cdf(ax, [ttft_of(r, timeout) for r in sel], p)
+        cdf(ax, [floor[i] for i in ids if i in floor], "no-queue floor")
+        ax.set_xscale("log")
+        ax.set_xlabel(f"TTFT (ms), {label}")
+        ax.set_ylabel("fraction of requests")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="small")
+    ax = axes[-1]
+    names, rates, notes = [], [], []
+    for p in s["policies"]:
+        c = p.get("prefix_cache")
+        names.append(p["policy"])
+        if isinstance(c, dict) and c.get("hit_rate") is not None:
+            rates.append(100.0 * c["hit_rate"])
+            notes.append(f"{100.0 * c['hit_rate']:.1f} %")
+        else:
+            rates.append(0.0)
+            notes.append("n/a")
+    bars = ax.bar(names, rates)
+    for b, n in zip(bars, notes):
+        ax.annotate(n, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
+                    va="bottom")
+    ax.set_ylabel("prefix-cache hit rate (% of prompt tokens)")
+    ax.set_ylim(0, 100)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"{scen}: TTFT against the no-queue floor; prefix-cache hit rate per policy")
+    fig.tight_layout()
+    fig.savefig(os.path.join(sdir, "prefix.png"), dpi=80)
+    plt.close(fig)
 
 
 def freshness(s, sdir):
@@ -86,12 +147,13 @@ def main(work, out):
             continue
         timeout = s["client_timeout_s"] * 1000.0
         recs = {}
-        for p in POLICIES:
+        for p in [p["policy"] for p in s["policies"]] or POLICIES:
             f = os.path.join(wdir, p + ".jsonl")
             if os.path.isfile(f):
                 recs[p] = load(f)
         if not recs:
             continue
+        floor = load_floor(wdir)
         tags = ["all"] + (["short"] if s.get("workload") == "Hol" else [])
         for tag in tags:
             fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -102,6 +164,10 @@ def main(work, out):
                 e2e = [r["e2e_ms"] if r["outcome"] == "ok" and r.get("e2e_ms") is not None else timeout for r in sel]
                 cdf(axes[0], ttft, p)
                 cdf(axes[1], e2e, p)
+            if floor:
+                ids = {r["id"] for rs in recs.values() for r in rs
+                       if (tag == "all" or r["tag"] == tag) and r["outcome"] in ("ok", "timeout")}
+                cdf(axes[0], [floor[i] for i in ids if i in floor], "no-queue floor")
             for ax, name in zip(axes, ["TTFT (ms)", "e2e (ms)"]):
                 ax.set_xscale("log")
                 ax.set_xlabel(name)
@@ -112,6 +178,8 @@ def main(work, out):
             fig.tight_layout()
             fig.savefig(os.path.join(sdir, f"cdf_{tag}.png"), dpi=80)
             plt.close(fig)
+        if s.get("workload") in ("SharedPrefix", "MultiTurn"):
+            prefix_plots(scen, s, recs, floor, sdir, timeout)
         faults = [p for p in s["policies"] if p.get("fault")]
         if faults:
             fig, ax = plt.subplots(figsize=(9, 4))

@@ -1,8 +1,10 @@
 //! Decides what a run measured, from the load generator's per-request records (pure): TTFT and
 //! e2e percentiles (nearest rank) with timed-out requests counted AT the client timeout (so a
 //! policy cannot improve its p99 by timing out its slowest requests), timeout and error rates,
-//! output tokens/s, per-pod shares, shares over time windows, dispatch lag, and the ratios of
-//! one policy to another.
+//! output tokens/s, per-pod shares, shares over time windows, dispatch lag, the ratios of
+//! one policy to another, and the prefix-cache hit rate from the pods' own counters
+//! (`vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total`, in tokens, as vLLM
+//! exports them), scraped before and after a run.
 
 use std::collections::BTreeMap;
 
@@ -51,6 +53,8 @@ pub struct Summary {
     pub timeouts: usize,
     pub errors: usize,
     pub skipped: usize,
+    /// Multi-turn: turns not sent because an earlier turn of their session failed.
+    pub session_ended: usize,
     pub timeout_rate: f64,
     pub error_rate: f64,
     /// Over ok and timed-out requests; a timeout counts as `timeout_ms` (a lower bound).
@@ -94,9 +98,10 @@ pub fn summarize(records: &[&Record], timeout_ms: f64) -> Summary {
                 first_send = first_send.min(sent_ms);
             }
             Outcome::SkippedInFlightCap => s.skipped += 1,
+            Outcome::SessionEnded => s.session_ended += 1,
             Outcome::HttpError | Outcome::TransportError => s.errors += 1,
         }
-        if r.outcome != Outcome::SkippedInFlightCap {
+        if r.was_sent() {
             lag.push((r.sent_us as f64 - r.scheduled_us as f64) / 1000.0);
         }
         if r.status.is_some() {
@@ -205,6 +210,92 @@ pub fn after_cut(per_sidecar: &[Vec<Record>], cut_ms: &[Option<f64>], pod: &str)
     out
 }
 
+/// The value of a Prometheus counter in `text`, summed over its samples (any labels); None
+/// when no sample of it is present (an absent counter is not a zero one). A sample line is
+/// `name{labels} value` or `name value`; a value that does not parse makes it None too.
+pub fn counter(text: &str, name: &str) -> Option<f64> {
+    let mut sum = None;
+    for l in text.lines() {
+        let Some(rest) = l.strip_prefix(name) else {
+            continue;
+        };
+        if !(rest.starts_with('{') || rest.starts_with(' ')) {
+            continue;
+        }
+        let v = l.rsplit(' ').next()?.parse::<f64>().ok()?;
+        if !v.is_finite() {
+            return None;
+        }
+        sum = Some(sum.unwrap_or(0.0) + v);
+    }
+    sum
+}
+
+/// Prefix-cache counter names (tokens), as vLLM exports them.
+pub const HITS: &str = "vllm:prefix_cache_hits_total";
+pub const QUERIES: &str = "vllm:prefix_cache_queries_total";
+
+/// One pod's prefix-cache counters, or None when its `/metrics` lacks either.
+pub fn cache_counters(metrics: &str) -> Option<(f64, f64)> {
+    Some((counter(metrics, HITS)?, counter(metrics, QUERIES)?))
+}
+
+/// Prefix-cache use over a run, from every pod's counters before and after it.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct CacheUse {
+    /// Prompt tokens served from the cache, summed over the pods.
+    pub hits: f64,
+    /// Prompt tokens looked up.
+    pub queries: f64,
+    /// hits / queries (None when nothing was queried).
+    pub hit_rate: Option<f64>,
+    /// Per pod: (hits, queries).
+    pub per_pod: BTreeMap<String, (f64, f64)>,
+}
+
+/// What a policy's prefix-cache use reads as: measured, or "n/a" when any pod lacks the
+/// counters (never reported as 0).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(untagged)]
+pub enum CacheReport {
+    Measured(CacheUse),
+    NotAvailable(&'static str),
+}
+
+/// Written where the counters are missing.
+pub const NOT_AVAILABLE: &str = "n/a";
+
+/// The run's cache use from per-pod counters before and after it (same pods, same order).
+/// A counter that went down (the pod restarted) or is missing on any pod gives "n/a".
+pub fn cache_use(
+    before: &[(String, Option<(f64, f64)>)],
+    after: &[(String, Option<(f64, f64)>)],
+) -> CacheReport {
+    let mut per_pod = BTreeMap::new();
+    let (mut hits, mut queries) = (0.0, 0.0);
+    if before.len() != after.len() || before.is_empty() {
+        return CacheReport::NotAvailable(NOT_AVAILABLE);
+    }
+    for ((name, b), (_, a)) in before.iter().zip(after) {
+        let (Some((hb, qb)), Some((ha, qa))) = (b, a) else {
+            return CacheReport::NotAvailable(NOT_AVAILABLE);
+        };
+        let (dh, dq) = (ha - hb, qa - qb);
+        if dh < 0.0 || dq < 0.0 {
+            return CacheReport::NotAvailable(NOT_AVAILABLE);
+        }
+        hits += dh;
+        queries += dq;
+        per_pod.insert(name.clone(), (dh, dq));
+    }
+    CacheReport::Measured(CacheUse {
+        hits,
+        queries,
+        hit_rate: (queries > 0.0).then(|| hits / queries),
+        per_pod,
+    })
+}
+
 /// `a / b`, None when either is missing or `b` is 0.
 pub fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
     match (a, b) {
@@ -243,11 +334,6 @@ mod tests {
 
     fn rec(id: u64, outcome: Outcome, pod: Option<&str>, sent_ms: u64, e2e: f64) -> Record {
         Record {
-            id,
-            tag: Tag::Short,
-            prompt_tokens: 10,
-            max_tokens: 10,
-            scheduled_us: sent_ms * 1000,
             sent_us: sent_ms * 1000 + 500,
             outcome,
             status: match outcome {
@@ -260,7 +346,7 @@ mod tests {
             e2e_ms: (outcome == Outcome::Ok).then_some(e2e),
             output_tokens: if outcome == Outcome::Ok { 10 } else { 0 },
             tokens_from_usage: true,
-            error: None,
+            ..Record::new(id, Tag::Short, 10, 10, sent_ms * 1000)
         }
     }
 
@@ -332,6 +418,57 @@ mod tests {
         assert_eq!(a.sidecars_cut, 2);
         assert_eq!((a.sent_to_pod, a.timeouts), (2, 1));
         assert_eq!(a.sent_ms_after_cut, vec![100.5, 300.5]);
+    }
+
+    #[test]
+    fn counters_are_summed_and_absent_is_not_zero() {
+        let text =
+            "# HELP vllm:prefix_cache_hits_total x\n# TYPE vllm:prefix_cache_hits_total counter\n\
+                    vllm:prefix_cache_hits_total{model_name=\"m\"} 96.0\n\
+                    vllm:prefix_cache_hits_total{model_name=\"n\"} 4\n\
+                    vllm:prefix_cache_hits_total_created 1.7e9\n\
+                    vllm:prefix_cache_queries_total 200\n";
+        assert_eq!(counter(text, HITS), Some(100.0));
+        assert_eq!(cache_counters(text), Some((100.0, 200.0)));
+        assert_eq!(counter(text, "vllm:absent"), None);
+        assert_eq!(cache_counters("vllm:prefix_cache_hits_total 3\n"), None);
+        assert_eq!(counter("vllm:prefix_cache_hits_total x\n", HITS), None);
+        assert_eq!(counter("vllm:prefix_cache_hits_total NaN\n", HITS), None);
+    }
+
+    #[test]
+    fn cache_use_is_the_difference_or_not_available() {
+        let p = |v: &[Option<(f64, f64)>]| -> Vec<(String, Option<(f64, f64)>)> {
+            v.iter()
+                .enumerate()
+                .map(|(i, x)| (format!("pod-{i}"), *x))
+                .collect()
+        };
+        let before = p(&[Some((10.0, 100.0)), Some((0.0, 0.0))]);
+        let after = p(&[Some((40.0, 200.0)), Some((20.0, 100.0))]);
+        let CacheReport::Measured(u) = cache_use(&before, &after) else {
+            panic!("measured")
+        };
+        assert_eq!((u.hits, u.queries, u.hit_rate), (50.0, 200.0, Some(0.25)));
+        assert_eq!(u.per_pod["pod-1"], (20.0, 100.0));
+        let missing = p(&[Some((40.0, 200.0)), None]);
+        assert_eq!(
+            cache_use(&before, &missing),
+            CacheReport::NotAvailable("n/a")
+        );
+        let restarted = p(&[Some((0.0, 0.0)), Some((20.0, 100.0))]);
+        assert_eq!(
+            cache_use(&before, &restarted),
+            CacheReport::NotAvailable("n/a")
+        );
+        let CacheReport::Measured(idle) = cache_use(&before, &before) else {
+            panic!("measured")
+        };
+        assert_eq!(idle.hit_rate, None, "nothing queried is not a 0 % hit rate");
+        assert_eq!(
+            serde_json::to_value(cache_use(&before, &missing)).unwrap(),
+            serde_json::json!("n/a")
+        );
     }
 
     #[test]

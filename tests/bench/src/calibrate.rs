@@ -51,6 +51,86 @@ pub fn mean_output_tokens(env: &Env) -> Result<f64, Error> {
     Ok(v.iter().sum::<f64>() / v.len() as f64)
 }
 
+/// The capacity of a pool shaped `shape` from a saved calibration: each preset's measured
+/// requests/s times its pods, so a calibration serves every mix of the presets it measured
+/// (pods of one preset are identical); None when it lacks one of the pool's presets or was
+/// measured with other pod settings.
+pub fn pool_capacity(saved: &Value, shape: &PodShape) -> Option<f64> {
+    if saved["pod_settings"] != json!(pod_settings(shape)) {
+        return None;
+    }
+    shape
+        .kinds
+        .iter()
+        .map(|(preset, n)| Some(saved["per_preset"][preset]["rps"].as_f64()? * *n as f64))
+        .sum()
+}
+
+/// What besides the preset sets a pod's capacity.
+fn pod_settings(shape: &PodShape) -> String {
+    format!(
+        "max_num_seqs {}, kv_cache_tokens {}, time_scale {}",
+        shape.max_num_seqs, shape.kv_cache_tokens, shape.time_scale
+    )
+}
+
+/// The first pod of each preset in the pool, in pool order: the pods a calibration overloads.
+pub fn probes(pool: &Pool) -> Vec<(&'static str, usize)> {
+    let mut probes: Vec<(&'static str, usize)> = Vec::new();
+    for (i, pod) in pool.pods.iter().enumerate() {
+        if !probes.iter().any(|(p, _)| *p == pod.preset) {
+            probes.push((pod.preset, i));
+        }
+    }
+    probes
+}
+
+/// While `children` overload the `probes`, each probed pod's output-token rate over the last
+/// 70 % of `secs` (its own `vllm:generation_tokens_total`); then stops the children, waits for
+/// the pool to drain, and returns per preset `{tokens_per_s, rps, pods}` (rps = tokens/s over
+/// `mean_out`, pods = that preset's pods in the pool) with the pool's total tokens/s.
+pub fn measure_overload(
+    pool: &Pool,
+    probes: &[(&'static str, usize)],
+    children: Vec<std::process::Child>,
+    secs: f64,
+    mean_out: f64,
+) -> Result<(serde_json::Map<String, Value>, f64, f64), Error> {
+    let start = Instant::now();
+    std::thread::sleep(Duration::from_secs_f64(secs * 0.3));
+    let t0 = start.elapsed();
+    let read = || -> Result<Vec<f64>, Error> {
+        probes
+            .iter()
+            .map(|(_, i)| pool.generated_tokens(*i))
+            .collect()
+    };
+    let before = read();
+    std::thread::sleep(Duration::from_secs_f64(secs).saturating_sub(start.elapsed()));
+    let t1 = start.elapsed();
+    let after = read();
+    for mut c in children {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    let (before, after) = (before?, after?);
+    pool.wait_idle(Duration::from_secs(60))?;
+    let dt = (t1 - t0).as_secs_f64();
+    let mut per_preset = serde_json::Map::new();
+    let mut pool_tokens = 0.0;
+    for (k, (preset, _)) in probes.iter().enumerate() {
+        let tps =
+            (after.get(k).copied().unwrap_or(0.0) - before.get(k).copied().unwrap_or(0.0)) / dt;
+        let n = pool.pods.iter().filter(|p| p.preset == *preset).count();
+        pool_tokens += tps * n as f64;
+        per_preset.insert(
+            preset.to_string(),
+            json!({"tokens_per_s": tps, "rps": tps / mean_out, "pods": n}),
+        );
+    }
+    Ok((per_preset, pool_tokens, dt))
+}
+
 /// Overloads the first pod of each preset at `rate` req/s for `secs`; returns capacity.
 pub fn calibrate(
     env: &Env,
@@ -61,12 +141,7 @@ pub fn calibrate(
 ) -> Result<Value, Error> {
     let dir = env.work.join("calibrate");
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let mut probes = Vec::new();
-    for preset in ["h100-8b", "a100-8b"] {
-        if let Some(i) = pool.pods.iter().position(|p| p.preset == preset) {
-            probes.push((preset, i));
-        }
-    }
+    let probes = probes(pool);
     let trace = dir.join("overload.jsonl");
     let mut args = vec![
         "--dry-run".to_string(),
@@ -103,43 +178,10 @@ pub fn calibrate(
             .map_err(|e| e.to_string())?;
         children.push(c);
     }
-    let start = Instant::now();
-    let warm = Duration::from_secs_f64(secs * 0.3);
-    std::thread::sleep(warm);
-    let t0 = start.elapsed();
-    let before: Vec<f64> = probes
-        .iter()
-        .map(|(_, i)| pool.generated_tokens(*i))
-        .collect::<Result<_, _>>()?;
-    std::thread::sleep(Duration::from_secs_f64(secs).saturating_sub(start.elapsed()));
-    let t1 = start.elapsed();
-    let after: Vec<f64> = probes
-        .iter()
-        .map(|(_, i)| pool.generated_tokens(*i))
-        .collect::<Result<_, _>>()?;
-    for mut c in children {
-        let _ = c.kill();
-        let _ = c.wait();
-    }
-    pool.wait_idle(Duration::from_secs(60))?;
-    let dt = (t1 - t0).as_secs_f64();
     let mean_out = mean_output_tokens(env)?;
-    let mut per_preset = serde_json::Map::new();
-    let mut pool_tokens = 0.0;
-    for (k, (preset, _)) in probes.iter().enumerate() {
-        let tps = (after[k] - before[k]) / dt;
-        let n = if *preset == "h100-8b" {
-            shape.h100
-        } else {
-            shape.a100
-        };
-        pool_tokens += tps * n as f64;
-        per_preset.insert(
-            preset.to_string(),
-            json!({"tokens_per_s": tps, "rps": tps / mean_out, "pods": n}),
-        );
-    }
+    let (per_preset, pool_tokens, dt) = measure_overload(pool, &probes, children, secs, mean_out)?;
     Ok(json!({
+        "pod_settings": pod_settings(shape),
         "overload_rate_rps_per_pod": rate,
         "overload_secs": secs,
         "measured_window_s": dt,
@@ -224,5 +266,38 @@ pub(crate) fn ok_rps(records: &[Record]) -> f64 {
         ok.len() as f64 / ((last - first) / 1000.0)
     } else {
         0.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::topology::parse_pool;
+
+    fn shape(pool: &str) -> PodShape {
+        PodShape {
+            kinds: parse_pool(pool).unwrap(),
+            kv_events: true,
+            time_scale: 1.0,
+            max_num_seqs: 8,
+            kv_cache_tokens: 12_500,
+            sample_interval_ms: 50,
+            gpu_sample_interval_ms: None,
+        }
+    }
+
+    #[test]
+    fn a_saved_calibration_serves_every_mix_of_its_presets() {
+        let saved = json!({
+            "pod_settings": "max_num_seqs 8, kv_cache_tokens 12500, time_scale 1",
+            "per_preset": {"h100-8b": {"rps": 8.0}, "a100-8b": {"rps": 5.0}},
+        });
+        assert_eq!(pool_capacity(&saved, &shape("h100:4,a100:4")), Some(52.0));
+        assert_eq!(pool_capacity(&saved, &shape("h100:2,a100:6")), Some(46.0));
+        // A preset it did not measure, or other pod settings: calibrate again.
+        assert_eq!(pool_capacity(&saved, &shape("h100:2,l40s:2")), None);
+        let mut other = shape("h100:4");
+        other.max_num_seqs = 16;
+        assert_eq!(pool_capacity(&saved, &other), None);
     }
 }

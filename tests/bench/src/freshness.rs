@@ -162,7 +162,7 @@ impl Change {
 
     fn body(self) -> String {
         match self {
-            Change::Gpu => r#"{"gpu_utilization":0.99}"#.into(),
+            Change::Gpu => r#"{"sm_occupancy":0.99}"#.into(),
             Change::Queue(n) => format!(r#"{{"queue":{n}}}"#),
         }
     }
@@ -663,7 +663,7 @@ mod tests {
             ..Tally::default()
         };
         let v = t.json(Change::Gpu);
-        assert_eq!(v["change"]["gpu_utilization"], 0.99);
+        assert_eq!(v["change"]["sm_occupancy"], 0.99);
         assert_eq!(v["cut_ms"]["count"], 2);
     }
 

@@ -18,8 +18,11 @@ const SPECIAL: [&str; 3] = ["calibrate", "overhead", "freshness"];
 #[derive(Debug, Parser)]
 #[command(name = "ai-lb-bench", about)]
 struct Cli {
-    /// Scenarios: calibrate, overhead, freshness, <sharegpt|hol>-<poisson|bursty>-<pct>,
-    /// fault-<slowdown|slowdown-silent|errors|sigstop>. Default: sharegpt-poisson-80.
+    /// Scenarios: calibrate, overhead, freshness,
+    /// <sharegpt|hol|prefix|multiturn>-<poisson|bursty>-<pct>,
+    /// fault-<slowdown|slowdown-silent|errors|sigstop>. Default: sharegpt-poisson-80. `prefix`
+    /// and `multiturn` are loaded against their own measured capacity (saved per workload,
+    /// measured again with `calibrate`; docs/benchmark-workloads.md).
     scenarios: Vec<String>,
     /// Short run on a tiny pool, results under the work dir; checks that the suite works.
     #[arg(long)]
@@ -28,10 +31,15 @@ struct Cli {
     out: PathBuf,
     #[arg(long, default_value = "/tmp/ai-lb-bench")]
     work: PathBuf,
-    #[arg(long, default_value_t = 4)]
-    h100: usize,
-    #[arg(long, default_value_t = 4)]
-    a100: usize,
+    /// The pool: comma-separated KIND:COUNT, KIND `h100`, `a100` or `l40s` (fake-pod presets
+    /// `h100-8b`, `a100-8b`, `l40s-8b`), e.g. `h100:2,a100:6` (fast pods a minority) or
+    /// `h100:2,a100:4,l40s:2` (three kinds).
+    #[arg(long, default_value = "h100:4,a100:4")]
+    pool: String,
+    /// Pods publish vLLM's KV-cache events and agents read them (what ai-lb's prefix affinity
+    /// uses); `false` runs the pool as before prefix caching was reported.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    kv_events: bool,
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
     #[arg(long, default_value_t = 8)]
@@ -84,7 +92,8 @@ struct Cli {
     #[arg(long, default_value_t = 16)]
     hol_count: u32,
     /// Policies to compare, comma-separated (for quick iterations; the report's tables and
-    /// ratios need all three).
+    /// ratios need all three). Also `epp`: the llm-d endpoint picker's default scheduling
+    /// (`ai-lb-epp` behind Envoy's ext_proc, docs/epp-baseline.md), not run by default.
     #[arg(
         long,
         value_delimiter = ',',
@@ -100,8 +109,7 @@ fn main() -> ExitCode {
         std::env::args().skip(1).collect::<Vec<_>>().join(" ")
     );
     if cli.smoke {
-        cli.h100 = 1;
-        cli.a100 = 1;
+        cli.pool = "h100:1,a100:1".into();
         cli.sidecars = 2;
         cli.duration = 4.0;
         cli.timeout = 10.0;
@@ -122,6 +130,9 @@ fn main() -> ExitCode {
             cli.scenarios = vec![
                 "calibrate".into(),
                 "hol-poisson-80".into(),
+                // One short run of each prefix-cache workload (calibrated for it first).
+                "prefix-poisson-80".into(),
+                "multiturn-poisson-80".into(),
                 "fault-slowdown".into(),
                 "overhead".into(),
                 "freshness".into(),
@@ -156,9 +167,10 @@ fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
             return Err(format!("invalid value '{v}' for '{flag}': must be > 0"));
         }
     }
-    if cli.sidecars == 0 || cli.h100 + cli.a100 == 0 {
-        return Err("--sidecars and --h100 + --a100 must be > 0".into());
+    if cli.sidecars == 0 {
+        return Err("invalid value '0' for '--sidecars': must be > 0".into());
     }
+    let kinds = topology::parse_pool(&cli.pool)?;
     if !(1..=60_000).contains(&cli.sample_interval_ms) {
         return Err(format!(
             "invalid value '{}' for '--sample-interval-ms': must be within 1..=60000",
@@ -170,8 +182,8 @@ fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
     std::fs::create_dir_all(&cli.out)
         .map_err(|e| format!("creating {}: {e}", cli.out.display()))?;
     let shape = PodShape {
-        h100: cli.h100,
-        a100: cli.a100,
+        kinds,
+        kv_events: cli.kv_events,
         time_scale: cli.time_scale,
         max_num_seqs: cli.max_num_seqs,
         kv_cache_tokens: cli.kv_cache_tokens,
@@ -187,6 +199,12 @@ fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
         timeout_s: cli.timeout,
         seed: cli.seed,
         capacity_rps: 0.0,
+        time_scale: cli.time_scale,
+        max_num_seqs: cli.max_num_seqs,
+        kv_cache_tokens: cli.kv_cache_tokens,
+        cal_rate: cli.cal_rate,
+        cal_secs: cli.cal_secs,
+        recalibrate: cli.scenarios.iter().any(|s| s == "calibrate"),
         hol_count: cli.hol_count,
         hol_at_s: cli.duration / 3.0,
         policies: cli
@@ -239,8 +257,13 @@ fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
     }
     if want_cal || want_fresh || !loads.is_empty() {
         eprintln!(
-            "[bench] starting {} h100 + {} a100 fake pods with agents",
-            cli.h100, cli.a100
+            "[bench] starting {} fake pods with agents{}",
+            shape.describe(),
+            if shape.kv_events {
+                " (KV events on)"
+            } else {
+                ""
+            }
         );
         let mut pool = Pool::start(&shape, true)?;
         let cal_path = cli.out.join("calibrate/summary.json");
@@ -250,14 +273,25 @@ fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
                 let saved = std::fs::read_to_string(&cal_path)
                     .ok()
                     .and_then(|t| serde_json::from_str::<Value>(&t).ok())
-                    .and_then(|v| v["capacity_rps"].as_f64());
+                    .and_then(|v| calibrate::pool_capacity(&v, &shape));
                 match saved {
                     Some(c) if !want_cal => c,
                     _ => {
                         eprintln!("[bench] calibrating pool capacity");
                         let mut cal =
                             calibrate::calibrate(&env, &pool, &shape, cli.cal_rate, cli.cal_secs)?;
-                        cal["pods"] = json!(format!("{:?}", shape));
+                        cal["pods"] = json!(shape.describe());
+                        // Keep the presets this pool lacks from the previous calibration (same
+                        // pod settings), so one file serves every mix measured so far.
+                        let old = std::fs::read_to_string(&cal_path)
+                            .ok()
+                            .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+                            .filter(|o| o["pod_settings"] == cal["pod_settings"]);
+                        if let (Some(old), Some(per)) = (old, cal["per_preset"].as_object_mut()) {
+                            for (k, v) in old["per_preset"].as_object().into_iter().flatten() {
+                                per.entry(k.clone()).or_insert(v.clone());
+                            }
+                        }
                         cal["command"] = json!(cmdline);
                         let dir = cli.out.join("calibrate");
                         std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;

@@ -332,8 +332,8 @@ pub fn overhead(
         pin(std::process::id(), 0)?;
     }
     let shape = PodShape {
-        h100: 1,
-        a100: 0,
+        kinds: vec![("h100-8b", 1)],
+        kv_events: false,
         time_scale: 1.0,
         max_num_seqs: 256,
         kv_cache_tokens: 400_000,
@@ -352,6 +352,7 @@ pub fn overhead(
         256,
         100,
         None,
+        &[],
     )?;
     let upstreams = [sink];
     let agents = [grpc];

@@ -2,11 +2,22 @@
 //! collector agent (agents peered so any one's WatchPool covers the pool), and per policy a
 //! set of independent client sidecars (one Envoy process each, as in a mesh, so least_request
 //! sees only its own in-flight requests). Reuses the e2e harness to spawn and render.
+//!
+//! The `epp` policy (the llm-d endpoint-picker baseline, docs/epp-baseline.md) is ONE
+//! `ai-lb-epp` process for the pool plus, per sidecar, an Envoy rendered from
+//! envoy-config/envoy-epp.yaml whose ext_proc filter asks it. The picker of a run is started
+//! with the run's first sidecar, shared by the others, and stopped (its CPU time measured and
+//! reported, see [`EppUsage`]) once every sidecar of the run has exited; the next run starts a
+//! fresh one, with an empty prefix index.
 
 use std::collections::BTreeMap;
+use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
+
+use serde::Serialize;
 
 use ai_lb_e2e::envoy::{self, Envoy, EnvoyOptions};
 use ai_lb_e2e::process::{Proc, Spec};
@@ -22,18 +33,28 @@ pub enum Policy {
     RoundRobin,
     LeastRequest,
     AiLb,
+    /// The llm-d endpoint picker's default scheduling (`ai-lb-epp`) behind Envoy's ext_proc.
+    Epp,
 }
 
 impl Policy {
+    /// The policies compared by default (the report's tables and ratios).
     pub const ALL: [Policy; 3] = [Policy::RoundRobin, Policy::LeastRequest, Policy::AiLb];
+    /// Every policy `--policies` may name: the default three and the llm-d baseline.
+    pub const SELECTABLE: [Policy; 4] = [
+        Policy::RoundRobin,
+        Policy::LeastRequest,
+        Policy::AiLb,
+        Policy::Epp,
+    ];
 
     /// Parses a policy name as [`Policy::name`] writes it.
     pub fn parse(s: &str) -> Result<Policy, Error> {
-        Policy::ALL
+        Policy::SELECTABLE
             .into_iter()
             .find(|p| p.name() == s)
             .ok_or_else(|| {
-                format!("invalid value '{s}' for '--policies': expected round_robin, least_request or ai_lb")
+                format!("invalid value '{s}' for '--policies': expected round_robin, least_request, ai_lb or epp")
             })
     }
 
@@ -42,6 +63,7 @@ impl Policy {
             Policy::RoundRobin => "round_robin",
             Policy::LeastRequest => "least_request",
             Policy::AiLb => "ai_lb",
+            Policy::Epp => "epp",
         }
     }
 }
@@ -70,11 +92,65 @@ fn spec(bin: &Path, name: &str, args: Vec<String>, listening: &[&str]) -> Spec {
     }
 }
 
+/// The fake pod's presets a benchmark pool can mix, fastest decode first, with the short names
+/// `--pool` accepts.
+pub const PRESETS: [(&str, &str); 3] = [
+    ("h100-8b", "h100"),
+    ("a100-8b", "a100"),
+    ("l40s-8b", "l40s"),
+];
+
+/// Parses `--pool`: comma-separated `KIND:COUNT`, KIND a preset (`h100-8b`) or its short name
+/// (`h100`), e.g. `h100:4,a100:4` or `h100:2,a100:4,l40s:2`. Pods start in the order given.
+pub fn parse_pool(spec: &str) -> Result<Vec<(&'static str, usize)>, Error> {
+    let bad = |why: &str| format!("invalid value '{spec}' for '--pool': {why}");
+    let mut kinds: Vec<(&'static str, usize)> = Vec::new();
+    for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (kind, count) = part
+            .split_once(':')
+            .ok_or_else(|| bad(&format!("`{part}` is not KIND:COUNT")))?;
+        let preset = PRESETS
+            .iter()
+            .find(|(full, short)| *full == kind.trim() || *short == kind.trim())
+            .map(|(full, _)| *full)
+            .ok_or_else(|| {
+                bad(&format!(
+                    "unknown kind `{kind}` (known: h100, a100, l40s or their presets h100-8b, a100-8b, l40s-8b)"
+                ))
+            })?;
+        let n: usize = count
+            .trim()
+            .parse()
+            .map_err(|_| bad(&format!("count `{count}` is not a number")))?;
+        if kinds.iter().any(|(k, _)| *k == preset) {
+            return Err(bad(&format!("`{preset}` is listed twice")));
+        }
+        if n > 0 {
+            kinds.push((preset, n));
+        }
+    }
+    if kinds.is_empty() {
+        return Err(bad("no pods"));
+    }
+    Ok(kinds)
+}
+
+/// The short name of a preset (`h100` for `h100-8b`).
+pub fn short_name(preset: &str) -> &str {
+    PRESETS
+        .iter()
+        .find(|(full, _)| *full == preset)
+        .map_or(preset, |(_, short)| short)
+}
+
 /// How the fake pods are shaped.
 #[derive(Debug, Clone)]
 pub struct PodShape {
-    pub h100: usize,
-    pub a100: usize,
+    /// (preset, pods of it), in start order (see [`parse_pool`]).
+    pub kinds: Vec<(&'static str, usize)>,
+    /// Pods publish vLLM's KV-cache events and agents read them, so snapshots carry each pod's
+    /// prefix-cache contents (what ai-lb's `prefixAffinity` uses).
+    pub kv_events: bool,
     pub time_scale: f64,
     pub max_num_seqs: u32,
     pub kv_cache_tokens: u64,
@@ -87,11 +163,33 @@ pub struct PodShape {
     pub gpu_sample_interval_ms: Option<u64>,
 }
 
+impl PodShape {
+    /// Pods of `preset` in the pool.
+    pub fn count(&self, preset: &str) -> usize {
+        self.kinds
+            .iter()
+            .filter(|(k, _)| *k == preset)
+            .map(|(_, n)| n)
+            .sum()
+    }
+
+    /// `4 h100 + 4 a100`.
+    pub fn describe(&self) -> String {
+        self.kinds
+            .iter()
+            .map(|(k, n)| format!("{n} {}", short_name(k)))
+            .collect::<Vec<_>>()
+            .join(" + ")
+    }
+}
+
 /// One pod and its agent.
 #[derive(Debug)]
 pub struct Pod {
     pub name: String,
     pub preset: &'static str,
+    /// Its KV-event PUB endpoint (`tcp://127.0.0.1:PORT`), when it publishes.
+    pub kv_events: Option<String>,
     pub proc: Proc,
     pub addr: SocketAddr,
     pub agent: Option<Proc>,
@@ -109,10 +207,12 @@ impl Pool {
     pub fn start(shape: &PodShape, agents: bool) -> Result<Pool, Error> {
         let pod_bin = release_bin("ai-lb-fake-pod")?;
         let mut pods = Vec::new();
-        let presets = std::iter::repeat_n(("h100-8b", "h100"), shape.h100)
-            .chain(std::iter::repeat_n(("a100-8b", "a100"), shape.a100));
+        let presets = shape
+            .kinds
+            .iter()
+            .flat_map(|(k, n)| std::iter::repeat_n((*k, short_name(k)), *n));
         let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
-        for (i, (preset, short)) in presets.enumerate() {
+        for (preset, short) in presets {
             let k = counts.entry(short).or_default();
             let name = format!("{short}-{k}");
             *k += 1;
@@ -123,8 +223,11 @@ impl Pool {
                 preset.into(),
                 "--pod-name".into(),
                 name.clone(),
+                // One seed for every pod: a pod's answer text is seeded by (seed, prompt,
+                // max_tokens), so multi-turn conversations replay identically whatever pod
+                // served each turn (only pod 0's error draws use it, and its seed stays 1).
                 "--seed".into(),
-                (i + 1).to_string(),
+                "1".into(),
                 "--time-scale".into(),
                 shape.time_scale.to_string(),
                 "--max-num-seqs".into(),
@@ -132,11 +235,21 @@ impl Pool {
                 "--kv-cache-tokens".into(),
                 shape.kv_cache_tokens.to_string(),
             ];
+            let kv_events = if shape.kv_events {
+                Some(format!("tcp://127.0.0.1:{}", envoy::free_port()?))
+            } else {
+                None
+            };
+            let mut args = args;
+            if let Some(e) = &kv_events {
+                args.extend(["--kv-events-endpoint".to_string(), e.clone()]);
+            }
             let proc = Proc::spawn(&spec(&pod_bin, &name, args, &["http"]))?;
             let addr = proc.addr("http")?;
             pods.push(Pod {
                 name,
                 preset,
+                kv_events,
                 proc,
                 addr,
                 agent: None,
@@ -161,6 +274,11 @@ impl Pool {
                 .filter(|(j, _)| *j != i)
                 .map(|(_, a)| *a)
                 .collect();
+            let extra: Vec<String> = pod
+                .kv_events
+                .iter()
+                .flat_map(|e| ["--kv-events-endpoint".to_string(), e.clone()])
+                .collect();
             let p = spawn_agent(
                 &pod.name,
                 grpc[i],
@@ -170,6 +288,7 @@ impl Pool {
                 shape.max_num_seqs,
                 shape.sample_interval_ms,
                 shape.gpu_sample_interval_ms,
+                &extra,
             )?;
             pod.agent_grpc = Some(p.addr("grpc")?);
             pod.agent = Some(p);
@@ -257,6 +376,7 @@ pub fn spawn_agent(
     max_num_seqs: u32,
     sample_interval_ms: u64,
     gpu_sample_interval_ms: Option<u64>,
+    extra: &[String],
 ) -> Result<Proc, Error> {
     let agent_bin = release_bin("ai-lb-agent")?;
     let url = format!("http://{metrics_from}");
@@ -294,6 +414,7 @@ pub fn spawn_agent(
         args.push("--watch-min-interval".into());
         args.push(format!("{fastest}ms"));
     }
+    args.extend(extra.iter().cloned());
     if !peers.is_empty() {
         args.push("--peers".into());
         args.push(
@@ -368,6 +489,7 @@ pub fn plain_template(policy: Policy) -> Result<String, Error> {
         Policy::RoundRobin => "ROUND_ROBIN",
         Policy::LeastRequest => "LEAST_REQUEST",
         Policy::AiLb => return Err("ai_lb uses envoy-config/envoy.yaml".into()),
+        Policy::Epp => return Err("epp uses envoy-config/envoy-epp.yaml".into()),
     };
     Ok(t.replace("${LB_POLICY}", lb))
 }
@@ -405,6 +527,7 @@ pub fn start_sidecar(
 ) -> Result<Envoy, Error> {
     let opts = match policy {
         Policy::AiLb => EnvoyOptions::new(ailb_filter_config()?),
+        Policy::Epp => return start_epp_sidecar(upstreams, concurrency),
         p => {
             let mut o = EnvoyOptions::new("{}");
             o.template = Some(plain_template(p)?);
@@ -412,6 +535,237 @@ pub fn start_sidecar(
         }
     };
     start_with(opts, upstreams, agents, concurrency)
+}
+
+/// CPU seconds (user + system) process `pid` has used so far, from `/proc/<pid>/stat`
+/// (fields 14 and 15, in clock ticks of 1/100 s: Linux's USER_HZ). None off Linux or when the
+/// process is gone.
+pub fn cpu_secs(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces: count after it.
+    let rest = stat.get(stat.rfind(')')? + 1..)?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok());
+    // `rest` starts at field 3 (state): utime is field 14, stime field 15.
+    Some((ticks(11)? + ticks(12)?) as f64 / 100.0)
+}
+
+/// Whether process `pid` still runs (not gone, not a zombie).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rfind(')')
+            .and_then(|i| s.get(i + 1..))
+            .is_some_and(|r| !r.trim_start().starts_with('Z'))
+    })
+}
+
+/// What one `epp` run cost and did: the picker's CPU time from when it had read every pod
+/// (started with the run's first sidecar) until it was stopped (once all of them exited), the
+/// sidecar Envoys' CPU time from when each had started (its last reading, taken at most
+/// [`EPP_WATCH_EVERY`] before it exited, or when [`finish_epp`] ran), and the picker's own
+/// counters at the end.
+#[derive(Debug, Clone, Serialize)]
+pub struct EppUsage {
+    pub pods: Vec<String>,
+    pub sidecars: usize,
+    pub wall_s: f64,
+    pub epp_cpu_s: Option<f64>,
+    pub sidecars_cpu_s: f64,
+    /// Requests the picker scheduled, and its CPU per scheduled request.
+    pub picks: u64,
+    pub epp_cpu_us_per_pick: Option<f64>,
+    pub prefix_hits: u64,
+    /// The picker's totals as its `/stats` page gave them (scrape errors, 503s, ...).
+    pub counters: serde_json::Value,
+}
+
+/// How often the sidecars of an `epp` run are checked (and their CPU read).
+pub const EPP_WATCH_EVERY: Duration = Duration::from_millis(250);
+
+/// The picker of the current `epp` run.
+struct EppRun {
+    epp: ai_lb_e2e::epp::Epp,
+    pods: Vec<SocketAddr>,
+    started: Instant,
+    cpu_at_start: Option<f64>,
+    /// Sidecar pid → its CPU reading when it joined (after Envoy's start-up) and its last one.
+    sidecars: BTreeMap<u32, (f64, f64)>,
+}
+
+fn epp_run() -> &'static Mutex<Option<EppRun>> {
+    static RUN: Mutex<Option<EppRun>> = Mutex::new(None);
+    &RUN
+}
+
+fn finished_runs() -> &'static Mutex<Vec<EppUsage>> {
+    static DONE: Mutex<Vec<EppUsage>> = Mutex::new(Vec::new());
+    &DONE
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Extra `ai-lb-epp` flags for the bench: `$AI_LB_BENCH_EPP_ARGS` (whitespace-separated, e.g.
+/// `--prefix-weight 0` to compare settings), plus `--seed 1` unless it sets one.
+pub fn epp_args() -> Vec<String> {
+    let mut a: Vec<String> = std::env::var("AI_LB_BENCH_EPP_ARGS")
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(str::to_string)
+        .collect();
+    if !a.iter().any(|x| x == "--seed" || x.starts_with("--seed=")) {
+        a.extend(["--seed".to_string(), "1".to_string()]);
+    }
+    a
+}
+
+/// Where finished `epp` runs are appended as JSON lines: `$AI_LB_BENCH_EPP_USAGE`, else
+/// `<temp dir>/ai-lb-bench/epp-usage.jsonl`.
+pub fn epp_usage_log() -> PathBuf {
+    std::env::var_os("AI_LB_BENCH_EPP_USAGE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| std::env::temp_dir().join("ai-lb-bench/epp-usage.jsonl"))
+}
+
+/// Stops `run`'s picker and says what it cost (stderr, the usage log, [`take_epp_usage`]).
+fn finish(mut run: EppRun) -> EppUsage {
+    let stats = run.epp.stats().unwrap_or(serde_json::Value::Null);
+    let cpu = cpu_secs(run.epp.proc.pid())
+        .zip(run.cpu_at_start)
+        .map(|(a, b)| a - b);
+    run.epp.proc.kill();
+    let counters = stats["totals"].clone();
+    let picks = counters["picks"].as_u64().unwrap_or(0);
+    let usage = EppUsage {
+        pods: run.pods.iter().map(ToString::to_string).collect(),
+        sidecars: run.sidecars.len(),
+        wall_s: run.started.elapsed().as_secs_f64(),
+        epp_cpu_s: cpu,
+        sidecars_cpu_s: run
+            .sidecars
+            .values()
+            .map(|(first, last)| last - first)
+            .sum(),
+        picks,
+        epp_cpu_us_per_pick: cpu.filter(|_| picks > 0).map(|c| c * 1e6 / picks as f64),
+        prefix_hits: counters["prefix_hits"].as_u64().unwrap_or(0),
+        counters,
+    };
+    let line = serde_json::to_string(&usage).unwrap_or_default();
+    eprintln!("[bench] epp run finished: {line}");
+    let log = epp_usage_log();
+    let written = log
+        .parent()
+        .map_or(Ok(()), std::fs::create_dir_all)
+        .and_then(|_| {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&log)
+        })
+        .and_then(|mut f| writeln!(f, "{line}"));
+    if let Err(e) = written {
+        eprintln!("[bench] cannot append to {}: {e}", log.display());
+    }
+    lock(finished_runs()).push(usage.clone());
+    usage
+}
+
+/// One look at the current run: read its sidecars' CPU; finish it once they have all exited.
+fn watch_once() {
+    let mut g = lock(epp_run());
+    let Some(run) = g.as_mut() else { return };
+    let mut any_alive = false;
+    for (pid, (_, last)) in run.sidecars.iter_mut() {
+        if alive(*pid) {
+            any_alive = true;
+            if let Some(c) = cpu_secs(*pid) {
+                *last = c;
+            }
+        }
+    }
+    if !run.sidecars.is_empty() && !any_alive {
+        if let Some(run) = g.take() {
+            drop(g);
+            finish(run);
+        }
+    }
+}
+
+/// Starts (once) the thread that watches `epp` runs.
+fn start_watcher() {
+    static STARTED: OnceLock<()> = OnceLock::new();
+    STARTED.get_or_init(|| {
+        std::thread::spawn(|| loop {
+            std::thread::sleep(EPP_WATCH_EVERY);
+            watch_once();
+        });
+    });
+}
+
+/// Finishes the current `epp` run now if all its sidecars have exited (call after dropping
+/// them to get its [`EppUsage`] without waiting for the watcher).
+pub fn finish_epp() -> Option<EppUsage> {
+    let mut g = lock(epp_run());
+    let done = g
+        .as_ref()
+        .is_some_and(|r| !r.sidecars.is_empty() && r.sidecars.keys().all(|p| !alive(*p)));
+    if !done {
+        return None;
+    }
+    let run = g.take()?;
+    drop(g);
+    Some(finish(run))
+}
+
+/// The usage of every `epp` run finished so far, oldest first (emptied).
+pub fn take_epp_usage() -> Vec<EppUsage> {
+    std::mem::take(&mut *lock(finished_runs()))
+}
+
+/// The picker for an `epp` sidecar in front of `upstreams`: the current run's if it is for the
+/// same pods and still has a sidecar running (or none yet), else a fresh one (the previous run
+/// finished first).
+fn epp_for(upstreams: &[SocketAddr]) -> Result<SocketAddr, Error> {
+    start_watcher();
+    let mut g = lock(epp_run());
+    if let Some(run) = g.as_ref() {
+        let current = run.pods == upstreams
+            && (run.sidecars.is_empty() || run.sidecars.keys().any(|p| alive(*p)));
+        if current {
+            return Ok(run.epp.grpc);
+        }
+        if let Some(old) = g.take() {
+            finish(old);
+        }
+    }
+    let args = epp_args();
+    let arg_refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let epp = ai_lb_e2e::epp::spawn_with(&release_bin(ai_lb_e2e::epp::BIN)?, upstreams, &arg_refs)?;
+    epp.wait_scraped(Duration::from_secs(15))?;
+    let grpc = epp.grpc;
+    *g = Some(EppRun {
+        cpu_at_start: cpu_secs(epp.proc.pid()),
+        epp,
+        pods: upstreams.to_vec(),
+        started: Instant::now(),
+        sidecars: BTreeMap::new(),
+    });
+    Ok(grpc)
+}
+
+/// Starts one `epp` sidecar: Envoy from envoy-config/envoy-epp.yaml in front of `upstreams`,
+/// asking the run's picker (started with the first sidecar).
+fn start_epp_sidecar(upstreams: &[SocketAddr], concurrency: u32) -> Result<Envoy, Error> {
+    let epp = epp_for(upstreams)?;
+    let opts = ai_lb_e2e::epp::envoy_options(epp, upstreams)?;
+    let envoy = start_with(opts, upstreams, &[], concurrency)?;
+    if let Some(run) = lock(epp_run()).as_mut() {
+        let c = cpu_secs(envoy.pid()).unwrap_or(0.0);
+        run.sidecars.insert(envoy.pid(), (c, c));
+    }
+    Ok(envoy)
 }
 
 /// Starts an ai-lb sidecar as [`start_sidecar`] does, running the wasm build at `wasm` instead
@@ -554,6 +908,40 @@ mod tests {
     use super::*;
 
     #[test]
+    fn pools_parse_by_short_or_preset_name_in_order() {
+        assert_eq!(
+            parse_pool("h100:2, a100-8b:4,l40s:2").unwrap(),
+            vec![("h100-8b", 2), ("a100-8b", 4), ("l40s-8b", 2)]
+        );
+        assert_eq!(parse_pool("a100:3,h100:0").unwrap(), vec![("a100-8b", 3)]);
+        for (bad, says) in [
+            ("h100", "not KIND:COUNT"),
+            ("v100:2", "unknown kind `v100`"),
+            ("h100:x", "count `x`"),
+            ("h100:1,h100-8b:2", "listed twice"),
+            ("h100:0", "no pods"),
+        ] {
+            let e = parse_pool(bad).unwrap_err();
+            assert!(
+                e.contains("--pool") && e.contains(bad) && e.contains(says),
+                "{e}"
+            );
+        }
+        let shape = PodShape {
+            kinds: parse_pool("h100:2,a100:6").unwrap(),
+            kv_events: true,
+            time_scale: 1.0,
+            max_num_seqs: 8,
+            kv_cache_tokens: 12_500,
+            sample_interval_ms: 50,
+            gpu_sample_interval_ms: None,
+        };
+        assert_eq!(shape.count("a100-8b"), 6);
+        assert_eq!(shape.count("l40s-8b"), 0);
+        assert_eq!(shape.describe(), "2 h100 + 6 a100");
+    }
+
+    #[test]
     fn gauge_sums_labelled_samples_and_ignores_prefix_matches() {
         let text = "# HELP x\nvllm:num_requests_running{model_name=\"m\"} 3\n\
                     vllm:num_requests_running_other 9\nvllm:num_requests_running 2\n";
@@ -573,6 +961,69 @@ mod tests {
         assert!(t.contains("local: {filename: \"/x/empty.wasm\"}"), "{t}");
         assert!(t.contains("runtime: envoy.wasm.runtime.v8"));
         assert!(t.contains("value: \"clock,read-path\""), "{t}");
+    }
+
+    #[test]
+    fn epp_is_selectable_but_not_in_the_default_list() {
+        assert_eq!(Policy::parse("epp"), Ok(Policy::Epp));
+        assert_eq!(Policy::Epp.name(), "epp");
+        assert!(!Policy::ALL.contains(&Policy::Epp));
+        for p in Policy::SELECTABLE {
+            assert_eq!(Policy::parse(p.name()), Ok(p));
+        }
+        let e = Policy::parse("llm-d").unwrap_err();
+        assert!(e.contains("'llm-d'") && e.contains("epp"), "{e}");
+        assert!(plain_template(Policy::Epp).is_err());
+    }
+
+    #[test]
+    fn cpu_of_this_process_is_read_and_a_gone_pid_is_not_alive() {
+        let me = std::process::id();
+        assert!(cpu_secs(me).is_some_and(|c| c >= 0.0));
+        assert!(alive(me));
+        assert!(!alive(u32::MAX));
+        assert_eq!(cpu_secs(u32::MAX), None);
+    }
+
+    #[test]
+    fn epp_args_default_to_a_fixed_seed() {
+        // Unset in tests: only the seed.
+        if std::env::var_os("AI_LB_BENCH_EPP_ARGS").is_none() {
+            assert_eq!(epp_args(), vec!["--seed".to_string(), "1".to_string()]);
+        }
+    }
+
+    /// The `epp` policy's lifecycle: one picker shared by a run's sidecars, finished with its
+    /// CPU and picks once they exit, a fresh picker for the next run. Needs `cargo build
+    /// --bins`, `cargo build --release -p ai-lb-epp` and Envoy; run with
+    /// `cargo test -p ai-lb-bench -- --ignored epp_runs`.
+    #[test]
+    #[ignore]
+    fn epp_runs_share_one_picker_and_report_its_cpu() {
+        let pods: Vec<_> = (0..2)
+            .map(|_| ai_lb_e2e::process::spawn_fake_pod(&["--time-scale", "0.01"]).unwrap())
+            .collect();
+        let addrs: Vec<SocketAddr> = pods.iter().map(|p| p.http_addr).collect();
+        let body = r#"{"model":"meta-llama/Llama-3.1-8B-Instruct","prompt":"hi","max_tokens":2}"#;
+        for run in 0..2 {
+            let sidecars: Vec<Envoy> = (0..2)
+                .map(|_| start_sidecar(Policy::Epp, &addrs, &[], 1).unwrap())
+                .collect();
+            for s in &sidecars {
+                let r = envoy::HttpClient::new(s.listener)
+                    .post_json("/v1/completions", &[], body)
+                    .unwrap();
+                assert_eq!(r.status, 200, "{}", r.text());
+                assert_eq!(r.header("x-went-into-resp-headers"), Some("true"));
+            }
+            drop(sidecars);
+            let u = finish_epp().expect("the run is over once its sidecars exited");
+            assert_eq!((u.sidecars, u.picks), (2, 2), "run {run}: {u:?}");
+            // Read (10 ms ticks: a run this short may round to 0).
+            assert!(u.epp_cpu_s.is_some_and(|c| c >= 0.0), "{u:?}");
+            assert_eq!(u.counters["stream_errors"], 0, "{u:?}");
+        }
+        assert_eq!(take_epp_usage().len(), 2);
     }
 
     #[test]

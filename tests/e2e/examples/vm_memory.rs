@@ -147,6 +147,11 @@ fn snapshot(i: usize, addr: SocketAddr, t: u64) -> PodSnapshot {
             ecc_uncorrected_errors: Some(0),
             xid_errors: Some(0),
             last_xid: None,
+            sm_occupancy: Some(util * 0.5),
+            sm_utilization: Some(util),
+            tensor_activity: Some(util * 0.3),
+            dram_activity: Some(util * 0.7),
+            activity_source: ai_lb_proto::GpuActivitySource::Gpm as i32,
         }],
         inference: Some(InferenceStats {
             waiting: Some((wobble(i, t, 2) * 4.0) as u32),
@@ -163,12 +168,14 @@ fn snapshot(i: usize, addr: SocketAddr, t: u64) -> PodSnapshot {
             rate_window_ms: 5_000,
             inter_token_recent: Some(q(12.0 + 12.0 * util)),
             recent_window_ms: 150,
+            prefix_cache_hit_rate: Some(0.5),
         }),
         sources: vec![fresh("nvml"), fresh("model-server")],
         sample_time_unix_ms: unix_ms(),
         sequence: t + 1,
         agent_instance: format!("agent-{i:04}"),
         age_ms: 20,
+        prefix_cache: None,
     }
 }
 

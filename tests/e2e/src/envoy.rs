@@ -867,44 +867,59 @@ fn serve_stub(s: TcpStream, addr: SocketAddr, seen: SeenHeaders, stop: Arc<Atomi
 /// A free loopback port for a process that must know its peers' ports before they start
 /// (the agents' static peers): checked free by binding it, then released for the process.
 ///
-/// Drawn below the kernel's ephemeral range (`ip_local_port_range`), where the outgoing
-/// connections of a load test and every `bind(0)` take their ports: a port from `bind(0)`
-/// itself was taken by one of them before the agent bound it often enough to fail a
-/// benchmark run (`Address already in use`). Falls back to `bind(0)` when the range leaves
-/// no room below it.
+/// Drawn at random outside the kernel's ephemeral range (`ip_local_port_range`), where the
+/// outgoing connections of a load test and every `bind(0)` take their ports: a port from
+/// `bind(0)` is the one the kernel hands out next, and was taken by an outgoing connection
+/// before the agent bound it often enough to fail a benchmark run and a CI run (`Address
+/// already in use`). Below the range when it leaves 1 000 ports there, else above it, else
+/// (a range covering nearly everything) anywhere from 10 000 up, still at random.
 pub fn free_port() -> Result<u16, Error> {
     static DRAWS: AtomicU64 = AtomicU64::new(0);
-    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|t| t.split_whitespace().next()?.parse::<u16>().ok())
-        .unwrap_or(32_768);
-    const FIRST: u16 = 10_000;
-    if low > FIRST + 1_000 {
-        let span = u64::from(low - FIRST);
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
-            .unwrap_or(0);
-        let mut x = u64::from(std::process::id()) << 32 ^ u64::from(nanos);
-        for _ in 0..256 {
-            // splitmix64 over (pid, time, draw count): distinct processes and threads spread.
-            x = x
-                .wrapping_add(DRAWS.fetch_add(1, Ordering::Relaxed).wrapping_add(1))
-                .wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            let mut z = x;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            let port = FIRST + u16::try_from(z % span).unwrap_or(0);
-            if TcpListener::bind(("127.0.0.1", port)).is_ok() {
-                return Ok(port);
-            }
+    let (first, span) = port_draw_range(ephemeral_range());
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let mut x = u64::from(std::process::id()) << 32 ^ u64::from(nanos);
+    for _ in 0..256 {
+        // splitmix64 over (pid, time, draw count): distinct processes and threads spread.
+        x = x
+            .wrapping_add(DRAWS.fetch_add(1, Ordering::Relaxed).wrapping_add(1))
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        let port = first + u16::try_from(z % u64::from(span)).unwrap_or(0);
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
         }
     }
-    let l = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("bind 127.0.0.1:0: {e}"))?;
-    l.local_addr()
-        .map(|a| a.port())
-        .map_err(|e| format!("local_addr: {e}"))
+    Err("no free loopback port after 256 random draws".into())
+}
+
+/// The kernel's ephemeral port range (`ip_local_port_range`); Linux's default if unreadable.
+fn ephemeral_range() -> (u16, u16) {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|t| {
+            let mut it = t.split_whitespace().map(|v| v.parse::<u16>().ok());
+            Some((it.next()??, it.next()??))
+        })
+        .unwrap_or((32_768, 60_999))
+}
+
+/// Where [`free_port`] draws from, as (first port, number of ports), given the ephemeral range.
+fn port_draw_range((low, high): (u16, u16)) -> (u16, u16) {
+    const FIRST: u16 = 10_000;
+    const ROOM: u16 = 1_000;
+    if low >= FIRST + ROOM {
+        (FIRST, low - FIRST)
+    } else if high <= u16::MAX - ROOM {
+        (high + 1, u16::MAX - high)
+    } else {
+        (FIRST, u16::MAX - FIRST)
+    }
 }
 
 pub use crate::process::Proc;
@@ -958,6 +973,39 @@ impl PodPool {
         n: usize,
         time_scale: f64,
         pod_extra: impl Fn(usize) -> Vec<String>,
+    ) -> Result<PodPool, Error> {
+        Self::start_with_agents(n, time_scale, pod_extra, |_| Vec::new())
+    }
+
+    /// Like [`PodPool::start_with`], each pod publishing vLLM's KV events over ZeroMQ and its
+    /// agent reading them (`--kv-events-endpoint` on both), so snapshots carry the pod's
+    /// prefix-cache contents.
+    pub fn start_with_kv_events(
+        n: usize,
+        time_scale: f64,
+        pod_extra: impl Fn(usize) -> Vec<String>,
+    ) -> Result<PodPool, Error> {
+        let endpoints: Vec<String> = (0..n)
+            .map(|_| free_port().map(|p| format!("tcp://127.0.0.1:{p}")))
+            .collect::<Result<_, _>>()?;
+        Self::start_with_agents(
+            n,
+            time_scale,
+            |i| {
+                let mut v = vec!["--kv-events-endpoint".to_string(), endpoints[i].clone()];
+                v.extend(pod_extra(i));
+                v
+            },
+            |i| vec!["--kv-events-endpoint".to_string(), endpoints[i].clone()],
+        )
+    }
+
+    /// Like [`PodPool::start_with`], with extra agent flags per pod index too.
+    pub fn start_with_agents(
+        n: usize,
+        time_scale: f64,
+        pod_extra: impl Fn(usize) -> Vec<String>,
+        agent_extra: impl Fn(usize) -> Vec<String>,
     ) -> Result<PodPool, Error> {
         let pod_bin = workspace_bin("ai-lb-fake-pod")?;
         let agent_bin = workspace_bin("ai-lb-agent")?;
@@ -1021,6 +1069,7 @@ impl PodPool {
                 args.push(peers.join(","));
             }
             args.extend(AGENT_FAST_ARGS.iter().map(|s| s.to_string()));
+            args.extend(agent_extra(i));
             let name = format!("agent{i}");
             let a = spawn_listening(&name, &agent_bin, args, "grpc")?;
             agents.push(Some(a));
@@ -1043,7 +1092,7 @@ impl PodPool {
             .map(String::as_str)
     }
 
-    /// `POST /control` on pod `i` (fault injection, e.g. `{"gpu_utilization":0.97}`).
+    /// `POST /control` on pod `i` (fault injection, e.g. `{"sm_occupancy":0.97}`).
     pub fn control(&self, i: usize, json: &str) -> Result<(), Error> {
         let addr = *self.pod_addrs.get(i).ok_or_else(|| format!("no pod {i}"))?;
         let r = HttpClient::new(addr).post_json("/control", &[("connection", "close")], json)?;
@@ -1081,20 +1130,30 @@ mod tests {
     use super::*;
 
     #[test]
-    fn free_ports_are_bindable_and_below_the_ephemeral_range() {
-        let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-            .ok()
-            .and_then(|t| t.split_whitespace().next()?.parse::<u16>().ok());
+    fn free_ports_are_outside_the_ephemeral_range_and_distinct() {
+        let (low, high) = ephemeral_range();
         let ports: Vec<u16> = (0..50).map(|_| free_port().unwrap()).collect();
+        let (first, span) = port_draw_range((low, high));
         for &p in &ports {
-            if let Some(low) = low.filter(|l| *l > 11_000) {
-                assert!((10_000..low).contains(&p), "{p} not in 10000..{low}");
-            }
-            TcpListener::bind(("127.0.0.1", p)).unwrap();
+            let p32 = u32::from(p);
+            assert!(
+                (u32::from(first)..u32::from(first) + u32::from(span)).contains(&p32),
+                "{p} outside the draw range {first}+{span} (ephemeral {low}-{high})"
+            );
         }
         let mut distinct = ports.clone();
         distinct.sort_unstable();
         distinct.dedup();
         assert!(distinct.len() >= 45, "{ports:?}");
+    }
+
+    #[test]
+    fn the_draw_range_avoids_the_ephemeral_range_where_it_can() {
+        // Linux's default: below it.
+        assert_eq!(port_draw_range((32_768, 60_999)), (10_000, 22_768));
+        // A range starting low: above it.
+        assert_eq!(port_draw_range((1_024, 49_151)), (49_152, 16_384));
+        // A range covering nearly everything: anywhere from 10 000, at random.
+        assert_eq!(port_draw_range((1_024, 65_535)), (10_000, 55_535));
     }
 }

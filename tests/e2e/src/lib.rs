@@ -2,5 +2,6 @@
 //! ports chosen at run time, and tears them down when dropped.
 
 pub mod envoy;
+pub mod epp;
 pub mod process;
 pub mod ratelimit;

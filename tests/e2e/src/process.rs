@@ -218,7 +218,9 @@ impl Proc {
             let left = end.saturating_duration_since(Instant::now());
             match rx.recv_timeout(left.min(Duration::from_millis(100))) {
                 Ok((kind, addr)) => {
+                    // `tcp://HOST:PORT` (a ZeroMQ endpoint) names an address too.
                     let a: SocketAddr = addr
+                        .trim_start_matches("tcp://")
                         .parse()
                         .map_err(|_| p.failure(&format!("bad LISTENING address {addr:?}")))?;
                     p.listening.insert(kind, a);

@@ -50,8 +50,8 @@ fn guard_stat(envoy: &Envoy, name: &str) -> u64 {
 #[test]
 fn a_hot_pod_is_guarded_and_the_client_retries_elsewhere() {
     let mut pool = PodPool::start(2, 0.01).unwrap();
-    pool.control(1, r#"{"gpu_utilization":0.3}"#).unwrap();
-    pool.control(0, r#"{"gpu_utilization":0.97,"queue":8}"#)
+    pool.control(1, r#"{"sm_occupancy":0.3}"#).unwrap();
+    pool.control(0, r#"{"sm_occupancy":0.97,"queue":8}"#)
         .unwrap();
 
     // The guard of pod0: its only upstream is pod0, its only agent pod0's.
@@ -118,7 +118,7 @@ fn a_hot_pod_is_guarded_and_the_client_retries_elsewhere() {
     assert!(retries >= rejected_via_client);
 
     // Cooled down: the guard admits again.
-    pool.control(0, r#"{"gpu_utilization":0.2,"queue":0}"#)
+    pool.control(0, r#"{"sm_occupancy":0.2,"queue":0}"#)
         .unwrap();
     let r = guard
         .poll(Duration::from_secs(15), "the guard admits again", || {
@@ -131,7 +131,7 @@ fn a_hot_pod_is_guarded_and_the_client_retries_elsewhere() {
 
     // Hot again, then its agent hangs: once the signals are stale the guard admits (fail-open),
     // counted.
-    pool.control(0, r#"{"gpu_utilization":0.97,"queue":8}"#)
+    pool.control(0, r#"{"sm_occupancy":0.97,"queue":8}"#)
         .unwrap();
     guard
         .poll(Duration::from_secs(15), "the guard rejects again", || {

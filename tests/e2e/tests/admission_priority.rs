@@ -33,7 +33,7 @@ fn send(addr: std::net::SocketAddr, class: &str) -> (u16, Duration, ai_lb_e2e::e
 fn under_saturation_sheddable_is_shed_standard_waits_critical_proceeds() {
     let pool = PodPool::start(2, 0.01).unwrap();
     for i in 0..2 {
-        pool.control(i, r#"{"gpu_utilization":0.97}"#).unwrap();
+        pool.control(i, r#"{"sm_occupancy":0.97}"#).unwrap();
     }
     let envoy = envoy_for(
         &pool,
@@ -90,7 +90,7 @@ fn under_saturation_sheddable_is_shed_standard_waits_critical_proceeds() {
             (stat(&envoy, "held") > held_before).then_some(())
         })
         .unwrap();
-    pool.control(1, r#"{"gpu_utilization":0.3}"#).unwrap();
+    pool.control(1, r#"{"sm_occupancy":0.3}"#).unwrap();
     let (status, took, r) = waiter.join().unwrap();
     assert_eq!(status, 200, "{}", r.text());
     assert_eq!(

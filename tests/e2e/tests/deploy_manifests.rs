@@ -649,3 +649,18 @@ fn inference_pod_runs_the_agent_sidecar_wired_to_its_services() {
         "guard only on the model server's port"
     );
 }
+
+/// envoy-config/envoy-epp.yaml (the llm-d endpoint-picker baseline), rendered as the e2e
+/// harness and the benchmark render it, passes `envoy --mode validate`.
+#[test]
+fn rendered_epp_template_passes_envoy_validate() {
+    let epp = "127.0.0.1:9002".parse().unwrap();
+    let pods = [
+        "127.0.0.1:8001".parse().unwrap(),
+        "127.0.0.1:8002".parse().unwrap(),
+    ];
+    let opts = ai_lb_e2e::epp::envoy_options(epp, &pods).unwrap();
+    if let Err(e) = ai_lb_e2e::envoy::validate(&opts) {
+        panic!("envoy-config/envoy-epp.yaml: {e}");
+    }
+}

@@ -22,7 +22,7 @@ const FAILURES: u64 = 3;
 fn a_pod_returning_500s_is_cut_then_readmitted_through_half_open() {
     let pool = ai_lb_e2e::envoy::PodPool::start(3, 0.01).unwrap();
     for i in 0..3 {
-        pool.control(i, r#"{"gpu_utilization":0.3}"#).unwrap();
+        pool.control(i, r#"{"sm_occupancy":0.3}"#).unwrap();
     }
     let envoy = envoy_for(
         &pool,
@@ -122,7 +122,7 @@ fn a_pod_returning_500s_is_cut_then_readmitted_through_half_open() {
 fn a_sidecar_cuts_a_pod_on_its_agents_error_rate_without_sending_it_anything() {
     let pool = ai_lb_e2e::envoy::PodPool::start(3, 0.01).unwrap();
     for i in 0..3 {
-        pool.control(i, r#"{"gpu_utilization":0.3}"#).unwrap();
+        pool.control(i, r#"{"sm_occupancy":0.3}"#).unwrap();
     }
     // Sidecar A only carries traffic: its breakers never open (never 1000 failures in a row,
     // never 1000 outcomes in a window, its own or the agent's). Sidecar B acts on the agent's
@@ -227,7 +227,7 @@ fn a_sidecar_cuts_a_pod_on_its_agents_error_rate_without_sending_it_anything() {
 fn half_open_probes_pass_at_their_first_token_not_at_the_end_of_a_long_stream() {
     let pool = ai_lb_e2e::envoy::PodPool::start(2, 1.0).unwrap();
     for i in 0..2 {
-        pool.control(i, r#"{"gpu_utilization":0.3}"#).unwrap();
+        pool.control(i, r#"{"sm_occupancy":0.3}"#).unwrap();
     }
     let envoy = envoy_for(
         &pool,

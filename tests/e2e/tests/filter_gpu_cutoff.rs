@@ -12,9 +12,9 @@ use serde_json::json;
 fn a_pod_at_97_percent_gpu_receives_none_of_1000_requests() {
     let pool = ai_lb_e2e::envoy::PodPool::start(3, 0.01).unwrap();
     for i in 1..3 {
-        pool.control(i, r#"{"gpu_utilization":0.3}"#).unwrap();
+        pool.control(i, r#"{"sm_occupancy":0.3}"#).unwrap();
     }
-    pool.control(0, r#"{"gpu_utilization":0.97}"#).unwrap();
+    pool.control(0, r#"{"sm_occupancy":0.97}"#).unwrap();
     let envoy = envoy_for(&pool, config(json!({})));
     let hot = pool.pod_addrs[0].to_string();
     wait_scoreboard(&envoy, "every pod fresh and the hot pod cut", 30, |sb| {

@@ -15,9 +15,9 @@ use serde_json::json;
 fn a_frozen_model_server_is_cut_and_back_in_rotation_once_it_answers() {
     let pool = ai_lb_e2e::envoy::PodPool::start(3, 0.01).unwrap();
     // The frozen pod's GPU reads idle throughout: the best score, if nothing else is known.
-    pool.control(0, r#"{"gpu_utilization":0.0}"#).unwrap();
+    pool.control(0, r#"{"sm_occupancy":0.0}"#).unwrap();
     for i in 1..3 {
-        pool.control(i, r#"{"gpu_utilization":0.5}"#).unwrap();
+        pool.control(i, r#"{"sm_occupancy":0.5}"#).unwrap();
     }
     let envoy = envoy_for(&pool, config(json!({})));
     let frozen = pool.pod_addrs[0].to_string();

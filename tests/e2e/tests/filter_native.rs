@@ -54,9 +54,9 @@ fn per_pod(envoy: &Envoy, pool: &PodPool, name: &str) -> Vec<u64> {
 fn the_native_module_keeps_a_hot_pod_out_and_reads_the_model_from_the_body() {
     let pool = PodPool::start(3, 0.01).unwrap();
     for i in 1..3 {
-        pool.control(i, r#"{"gpu_utilization":0.3}"#).unwrap();
+        pool.control(i, r#"{"sm_occupancy":0.3}"#).unwrap();
     }
-    pool.control(0, r#"{"gpu_utilization":0.97}"#).unwrap();
+    pool.control(0, r#"{"sm_occupancy":0.97}"#).unwrap();
     let filter = config(json!({"modelHeader": "x-ai-lb-model"}));
     let envoy = Envoy::start(&native_opts(&pool, &filter, &pool.agent_addrs)).unwrap();
     let hot = pool.pod_addrs[0].to_string();
@@ -260,7 +260,7 @@ fn open_pod0(envoy: &Envoy, pool: &PodPool) {
 fn a_breaker_one_worker_opens_is_open_on_every_worker() {
     let pool = PodPool::start(3, 0.01).unwrap();
     for i in 0..3 {
-        pool.control(i, r#"{"gpu_utilization":0.3}"#).unwrap();
+        pool.control(i, r#"{"sm_occupancy":0.3}"#).unwrap();
     }
     let filter = config(json!({
         "breaker": {"consecutiveFailures": 3, "baseCooldownMs": 60000, "halfOpenProbes": 2,
@@ -347,7 +347,7 @@ fn a_breaker_one_worker_opens_is_open_on_every_worker() {
 fn half_open_probes_pass_at_their_first_token() {
     let pool = PodPool::start(2, 1.0).unwrap();
     for i in 0..2 {
-        pool.control(i, r#"{"gpu_utilization":0.3}"#).unwrap();
+        pool.control(i, r#"{"sm_occupancy":0.3}"#).unwrap();
     }
     let filter = config(json!({
         "breaker": {"consecutiveFailures": 3, "baseCooldownMs": 1000, "halfOpenProbes": 2,
@@ -406,9 +406,9 @@ fn half_open_probes_pass_at_their_first_token() {
 fn steering_by_upstream_override_host_keeps_the_hot_pod_out_on_a_least_request_cluster() {
     let pool = PodPool::start(3, 0.01).unwrap();
     for i in 1..3 {
-        pool.control(i, r#"{"gpu_utilization":0.3}"#).unwrap();
+        pool.control(i, r#"{"sm_occupancy":0.3}"#).unwrap();
     }
-    pool.control(0, r#"{"gpu_utilization":0.97}"#).unwrap();
+    pool.control(0, r#"{"sm_occupancy":0.97}"#).unwrap();
     let filter = config(json!({}));
     let mut opts = native_opts(&pool, &filter, &pool.agent_addrs);
     opts.filter_config = envoy::native_with_steering(&opts.filter_config, "overrideHost").unwrap();

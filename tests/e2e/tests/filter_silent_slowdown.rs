@@ -70,7 +70,7 @@ fn a_pod_slowed_without_a_gpu_signal_loses_its_share_and_gets_it_back() {
     // Same GPU reading everywhere, and no throttle reason even while slowed: the GPU says
     // nothing, only the decode speed differs.
     for i in 0..3 {
-        pool.control(i, r#"{"gpu_utilization":0.5,"throttle":false}"#)
+        pool.control(i, r#"{"sm_occupancy":0.5,"throttle":false}"#)
             .unwrap();
     }
     // One draw in proportion to score: the share shows the draw weight alone. (With the

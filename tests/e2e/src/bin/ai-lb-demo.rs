@@ -3,9 +3,14 @@
 //! generator. Every second it prints where requests go (per-pod share), each pod's GPU, score,
 //! cut reason and breaker state, read from the filter's status path. A scripted timeline makes
 //! a pod hot, makes another fail, then heals both, so traffic visibly moves away and back.
+//! The pods publish vLLM's KV-cache events and the agents push what each pod caches, so with the
+//! default shared-prefix traffic (a few applications, each with its own long system prompt) the
+//! table also shows each pod's cached prefix blocks, its hit rate, and how often the filter sent
+//! a request to a pod holding its prefix.
 //!
 //! Run it through `scripts/demo.sh` (which installs and builds everything first), or directly:
-//! `target/debug/ai-lb-demo [--duration SECS] [--rate REQ_PER_S] [--pods N] [--time-scale X]`.
+//! `target/debug/ai-lb-demo [--duration SECS] [--rate REQ_PER_S] [--pods N] [--time-scale X]
+//! [--workload shared-prefix|multi-turn|sharegpt]`.
 //! `--duration 0` runs until Ctrl-C with no scripted faults, so you can inject your own.
 
 use std::collections::BTreeMap;
@@ -24,7 +29,37 @@ struct Args {
     rate: f64,
     pods: usize,
     time_scale: f64,
+    workload: &'static str,
 }
+
+/// The load generator's workloads the demo runs, with the flags that shape them.
+const WORKLOADS: &[(&str, &[&str])] = &[
+    (
+        "shared-prefix",
+        &[
+            "--groups",
+            "6",
+            "--system-tokens",
+            "1500",
+            "--question-tokens",
+            "150",
+            "--answer-tokens",
+            "120",
+        ],
+    ),
+    (
+        "multi-turn",
+        &[
+            "--groups",
+            "6",
+            "--question-tokens",
+            "150",
+            "--answer-tokens",
+            "120",
+        ],
+    ),
+    ("sharegpt", &[]),
+];
 
 fn parse_args() -> Result<Args, String> {
     let mut a = Args {
@@ -32,13 +67,15 @@ fn parse_args() -> Result<Args, String> {
         rate: 15.0,
         pods: 4,
         time_scale: 1.0,
+        workload: "shared-prefix",
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         if flag == "-h" || flag == "--help" {
             println!(
                 "usage: ai-lb-demo [--duration SECS (60; 0 = until Ctrl-C)] [--rate REQ_PER_S (15)] \
-                 [--pods N (4, 3..=8)] [--time-scale X (1.0)]"
+                 [--pods N (4, 3..=8)] [--time-scale X (1.0)] \
+                 [--workload shared-prefix|multi-turn|sharegpt (shared-prefix)]"
             );
             std::process::exit(0);
         }
@@ -69,6 +106,13 @@ fn parse_args() -> Result<Args, String> {
                     .filter(|x: &f64| x.is_finite() && *x > 0.0 && *x <= 10.0)
                     .ok_or_else(|| bad("a factor in (0, 10]"))?
             }
+            "--workload" => {
+                a.workload = WORKLOADS
+                    .iter()
+                    .map(|(w, _)| *w)
+                    .find(|w| *w == value)
+                    .ok_or_else(|| bad("shared-prefix, multi-turn or sharegpt"))?
+            }
             _ => return Err(format!("unknown flag {flag} (try --help)")),
         }
     }
@@ -98,8 +142,8 @@ const TIMELINE: &[Step] = &[
     },
     Step {
         at_s: 12,
-        say: "pod0 forced to 97% GPU: above the 95% hard limit, it is cut off (score 0)",
-        faults: &[(0, r#"{"gpu_utilization":0.97}"#)],
+        say: "pod0's GPU forced to 97% SM occupancy: above the 95% hard limit, it is cut off (score 0)",
+        faults: &[(0, r#"{"sm_occupancy":0.97}"#)],
     },
     Step {
         at_s: 24,
@@ -141,7 +185,8 @@ fn run() -> Result<(), String> {
         "starting {} simulated GPU pods with their agents (time scale {})...",
         args.pods, args.time_scale
     );
-    let pool = PodPool::start_with(args.pods, args.time_scale, |i| {
+    // Each pod publishes its KV-cache events; its agent reads them and reports the cache.
+    let pool = PodPool::start_with_kv_events(args.pods, args.time_scale, |i| {
         vec!["--preset".to_string(), preset(i).to_string()]
     })?;
     println!("starting Envoy 1.40 with the ai-lb filter (envoy-config/envoy.yaml + filter-config.json)...");
@@ -160,8 +205,14 @@ fn run() -> Result<(), String> {
         envoy.listener
     );
     for (i, a) in pool.pod_addrs.iter().enumerate() {
+        // A100s have no GPM, so no SM occupancy to force: fill their queue instead.
+        let (what, body) = if preset(i) == "h100-8b" {
+            ("make it hot", r#"{"sm_occupancy":0.97}"#)
+        } else {
+            ("fill its queue", r#"{"queue":64}"#)
+        };
         println!(
-            "pod{i} ({}): make it hot with  curl -s -XPOST http://{a}/control -d '{{\"gpu_utilization\":0.97}}'",
+            "pod{i} ({}): {what:<14} curl -s -XPOST http://{a}/control -d '{body}'",
             preset(i)
         );
     }
@@ -173,7 +224,8 @@ fn run() -> Result<(), String> {
     } else {
         args.duration_s
     };
-    let mut loadgen = spawn_loadgen(envoy.listener, args.rate, duration, &results)?;
+    println!("traffic: {} at {} req/s", args.workload, args.rate);
+    let mut loadgen = spawn_loadgen(envoy.listener, args.rate, duration, args.workload, &results)?;
 
     let scripted = args.duration_s >= 55;
     let tty = std::io::stdout().is_terminal();
@@ -205,6 +257,7 @@ fn run() -> Result<(), String> {
         }
         print_table(
             &pool,
+            &prefix_stats(&envoy),
             &board,
             &picks,
             &last_picks,
@@ -253,10 +306,16 @@ fn spawn_loadgen(
     listener: SocketAddr,
     rate: f64,
     duration_s: u64,
+    workload: &str,
     json: &std::path::Path,
 ) -> Result<Child, String> {
     let bin = workspace_bin("ai-lb-loadgen")?;
+    let shape = WORKLOADS
+        .iter()
+        .find(|(w, _)| *w == workload)
+        .map_or(&[][..], |(_, f)| *f);
     Command::new(&bin)
+        .args(shape)
         .args([
             "--url".to_string(),
             format!("http://{listener}"),
@@ -265,7 +324,7 @@ fn spawn_loadgen(
             "--duration".into(),
             format!("{duration_s}s"),
             "--workload".into(),
-            "sharegpt".into(),
+            workload.to_string(),
             "--seed".into(),
             "7".into(),
             "--timeout".into(),
@@ -329,18 +388,51 @@ fn wait_until_fresh(envoy: &Envoy, pool: &PodPool) -> Result<(), String> {
     }
 }
 
-fn gpu_of(addr: &SocketAddr) -> Option<f64> {
-    let r = HttpClient::new(*addr)
-        .with_timeout(PROBE_TIMEOUT)
-        .get("/sim/gpu", &[("connection", "close")])
-        .ok()?;
-    let v: Value = serde_json::from_slice(&r.body).ok()?;
-    v["gpus"][0]["utilization"].as_f64()
+/// The GPU column: the reading the filter scored the pod on and its value, from the filter's
+/// own status (`gpuSignal`, `gpu`), e.g. ` 32% smOccupancy`; `-  none` when the pod reports
+/// no reading the filter uses (NVML's time fraction alone is not one, see `cutoffs.gpuSignal`).
+fn gpu_cell(row: Option<&Value>) -> String {
+    let signal = row.and_then(|r| r["gpuSignal"].as_str());
+    let value = row.and_then(|r| r["gpu"].as_f64());
+    match (signal, value) {
+        (Some(s), Some(v)) => format!("{:>3.0}% {s:<12}", v * 100.0),
+        _ => format!("  -  {:<12}", "none"),
+    }
+}
+
+/// The filter's prefix-affinity counters, summed over every worker (Envoy's stats).
+#[derive(Default)]
+struct PrefixStats {
+    keyed: u64,
+    hit: u64,
+    spill: u64,
+    rendezvous: u64,
+    blocks: u64,
+    blocks_held: u64,
+}
+
+fn prefix_stats(envoy: &Envoy) -> PrefixStats {
+    let stats = envoy.stats().unwrap_or_default();
+    let get = |k: &str| {
+        stats
+            .get(&format!("wasmcustom.ailb.prefix.{k}"))
+            .copied()
+            .unwrap_or(0)
+    };
+    PrefixStats {
+        keyed: get("keyed"),
+        hit: get("hit"),
+        spill: get("spill"),
+        rendezvous: get("rendezvous"),
+        blocks: get("blocks"),
+        blocks_held: get("blocks_held"),
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
 fn print_table(
     pool: &PodPool,
+    prefix: &PrefixStats,
     board: &Value,
     picks: &BTreeMap<String, u64>,
     last: &BTreeMap<String, u64>,
@@ -369,7 +461,7 @@ fn print_table(
     }
     out.push_str(&format!("t={t:>3}s  {phase}\n"));
     out.push_str(
-        "pod   preset   address              gpu   score  cut            breaker    share(1s) share(all)  metrics age\n",
+        "pod   preset   address              gpu (signal)       score  cut            breaker    share(1s) share(all)  cache blk  hit%  metrics age\n",
     );
     for (i, addr) in pool.pod_addrs.iter().enumerate() {
         let a = addr.to_string();
@@ -385,11 +477,16 @@ fn print_table(
             .as_u64()
             .map(|a| format!("{a} ms"))
             .unwrap_or_else(|| "-".into());
-        let gpu = gpu_of(addr)
-            .map(|g| format!("{:>3.0}%", g * 100.0))
-            .unwrap_or_else(|| "  -".into());
+        let gpu = gpu_cell(row);
+        // Key blocks (64 tokens) its agent reports cached, and its model server's hit rate.
+        let blocks = field("prefixKeys")
+            .as_u64()
+            .map_or("-".to_string(), |k| k.to_string());
+        let hit = field("prefixHitRate")
+            .as_f64()
+            .map_or("  -".to_string(), |h| format!("{:>3.0}", h * 100.0));
         out.push_str(&format!(
-            "pod{i}  {:<8} {:<20} {gpu}  {score:>5}  {cut:<14} {breaker:<10} {:>9} {:>10}  {age}\n",
+            "pod{i}  {:<8} {:<20} {gpu}  {score:>5}  {cut:<14} {breaker:<10} {:>9} {:>10}  {blocks:>9}  {hit:>4}  {age}\n",
             preset(i),
             a,
             pct(*delta.get(&a).unwrap_or(&0), sum_delta),
@@ -399,6 +496,16 @@ fn print_table(
     out.push_str(&format!(
         "requests steered by ai-lb in the last second: {sum_delta}, since the start: {sum_total}\n"
     ));
+    if prefix.keyed > 0 {
+        out.push_str(&format!(
+            "prefix affinity since the start: {} prompts keyed; {} sent to a pod caching their prefix, {} spilled (that pod would queue them), {} new prefixes to their rendezvous pod; {:.0}% of prompt blocks expected cached\n",
+            prefix.keyed,
+            prefix.hit,
+            prefix.spill,
+            prefix.rendezvous,
+            100.0 * prefix.blocks_held as f64 / prefix.blocks.max(1) as f64,
+        ));
+    }
     if !tty {
         out.push('\n');
     }

@@ -167,7 +167,7 @@ pub fn kv_pool(kv_tokens: impl Fn(usize) -> u64) -> PodPool {
     })
     .unwrap();
     for i in 0..2 {
-        pool.control(i, r#"{"gpu_utilization":0.3}"#).unwrap();
+        pool.control(i, r#"{"sm_occupancy":0.3}"#).unwrap();
     }
     pool
 }
