@@ -4,6 +4,8 @@ per scenario, ai_lb's ratio to each baseline that ran (p99 TTFT, p99 e2e, throug
 for the prefix-cache workloads, each policy's hit rate. No dependencies.
 
     tests/bench/glance.py bench-results/sharegpt-poisson-80 bench-results/prefix-poisson-80 ...
+    tests/bench/glance.py --absolute <dirs>   # per scenario: the no-queue floor and every
+                                              # policy's p99 TTFT, p99 e2e, tok/s, hit rate, CPU
 """
 import json
 import sys
@@ -67,5 +69,52 @@ def main(dirs):
         print("| " + " | ".join(r) + " |")
 
 
+POLICIES = ["round_robin", "least_request", "epp", "ai_lb"]
+
+
+def ms(x):
+    return "–" if x is None else f"{x:,.0f}".replace(",", " ")
+
+
+def absolute(dirs):
+    """One table: per scenario a row per measure, a column per policy (and the floor)."""
+    print("| scenario | measure | no-queue floor | " + " | ".join(POLICIES) + " |")
+    print("|---|---|---|" + "---|" * len(POLICIES))
+    for d in dirs:
+        path = Path(d) / "summary.json"
+        try:
+            v = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            print(f"skipping {path}: {e}", file=sys.stderr)
+            continue
+        by = {p["policy"]: p for p in v["policies"]}
+        name = v.get("scenario", d)
+        floor = v.get("floor_ttft_ms") or {}
+        rows = [
+            ("p99 TTFT ms", ms(floor.get("p99")), lambda p: ms(pct(p, "ttft_ms"))),
+            ("p99 e2e ms", "", lambda p: ms(pct(p, "e2e_ms"))),
+            ("out tok/s", "", lambda p: ms(p["all"]["output_tokens_per_s"])),
+        ]
+        chat = any(isinstance(p.get("prefix_cache"), dict)
+                   and (p["prefix_cache"].get("hit_rate") or 0) > 0.01 for p in by.values())
+        if chat:
+            rows.append(("hit rate", "", hit))
+        if any(p.get("cpu_s") for p in by.values()):
+            rows.append(("CPU s (sidecars+picker)", "", lambda p: cpu(p)))
+        for i, (measure, fl, f) in enumerate(rows):
+            cells = [name if i == 0 else "", measure, fl]
+            cells += [f(by[k]) if k in by else "–" for k in POLICIES]
+            print("| " + " | ".join(cells) + " |")
+
+
+def cpu(p):
+    c = p.get("cpu_s") or {}
+    total = (c.get("sidecars") or 0) + ((p.get("epp") or {}).get("epp_cpu_s") or 0)
+    return f"{total:.1f}" if total else "–"
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:2] == ["--absolute"]:
+        absolute(sys.argv[2:])
+    else:
+        main(sys.argv[1:])
