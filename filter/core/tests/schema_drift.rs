@@ -102,10 +102,11 @@ fn config_with(path: &str, value: &Value) -> Value {
 #[test]
 fn schema_defaults_and_bounds_agree_with_the_parser() {
     let schema = plugin_config_schema();
-    // The sections that are off unless present (admission, bigRequestHold) are on with
-    // every default in the base and in every config compared with it.
+    // The sections that are off unless present (admission, bigRequestHold, prefixAffinity)
+    // are on with every default in the base and in every config compared with it.
     let mut on = config_with("admission", &serde_json::json!({}));
     on["bigRequestHold"] = serde_json::json!({});
+    on["prefixAffinity"] = serde_json::json!({});
     let base = FilterConfig::from_json(&serde_json::to_vec(&on).unwrap()).unwrap();
     let mut checked = 0;
     for (path, prop) in properties(&schema) {
@@ -114,7 +115,7 @@ fn schema_defaults_and_bounds_agree_with_the_parser() {
         }
         let wrap = |v: &Value| {
             let mut c = config_with(&path, v);
-            for section in ["admission", "bigRequestHold"] {
+            for section in ["admission", "bigRequestHold", "prefixAffinity"] {
                 if !path.starts_with(section) {
                     c[section] = serde_json::json!({});
                 }
