@@ -630,6 +630,14 @@ mod tests {
         m
     }
 
+    /// An exchange that has passed a whole request (headers to `path`, then `req`) to `r`.
+    fn requested(path: &str, req: &[u8], r: &FakeRouter, stats: &Stats) -> Exchange {
+        let mut x = Exchange::new();
+        x.on_message(headers(&[(":path", path)], false), r, stats);
+        x.on_message(body(req, true), r, stats);
+        x
+    }
+
     fn body(b: &[u8], eos: bool) -> ProcessingRequest {
         ProcessingRequest {
             request: Some(processing_request::Request::RequestBody(HttpBody {
@@ -886,13 +894,7 @@ mod tests {
     fn a_buffered_response_is_sent_back_whole_at_its_end_and_its_usage_counted() {
         let r = router(Some("1.1.1.1:1"));
         let stats = Stats::new(1);
-        let mut x = Exchange::new();
-        x.on_message(
-            headers(&[(":path", "/v1/chat/completions")], false),
-            &r,
-            &stats,
-        );
-        x.on_message(body(CHAT, true), &r, &stats);
+        let mut x = requested("/v1/chat/completions", CHAT, &r, &stats);
         let s = x.on_message(
             resp_headers(&[(":status", "200"), ("content-type", "application/json")]),
             &r,
@@ -924,13 +926,7 @@ mod tests {
     fn a_streamed_response_is_echoed_chunk_by_chunk() {
         let r = router(Some("1.1.1.1:1"));
         let stats = Stats::new(1);
-        let mut x = Exchange::new();
-        x.on_message(
-            headers(&[(":path", "/v1/chat/completions")], false),
-            &r,
-            &stats,
-        );
-        x.on_message(body(CHAT, true), &r, &stats);
+        let mut x = requested("/v1/chat/completions", CHAT, &r, &stats);
         x.on_message(
             resp_headers(&[("content-type", "text/event-stream")]),
             &r,
@@ -951,10 +947,9 @@ mod tests {
     fn stream_true_in_the_request_makes_the_response_a_stream() {
         let r = router(Some("1.1.1.1:1"));
         let stats = Stats::new(1);
-        let mut x = Exchange::new();
-        x.on_message(headers(&[(":path", "/v1/completions")], false), &r, &stats);
-        x.on_message(
-            body(br#"{"model":"m","prompt":"p","stream":true}"#, true),
+        let mut x = requested(
+            "/v1/completions",
+            br#"{"model":"m","prompt":"p","stream":true}"#,
             &r,
             &stats,
         );
@@ -971,9 +966,12 @@ mod tests {
     fn trailers_flush_a_buffered_body_and_are_answered_request_trailers_ignored() {
         let r = router(Some("1.1.1.1:1"));
         let stats = Stats::new(1);
-        let mut x = Exchange::new();
-        x.on_message(headers(&[(":path", "/v1/completions")], false), &r, &stats);
-        x.on_message(body(br#"{"model":"m","prompt":"p"}"#, true), &r, &stats);
+        let mut x = requested(
+            "/v1/completions",
+            br#"{"model":"m","prompt":"p"}"#,
+            &r,
+            &stats,
+        );
         let s = x.on_message(
             ProcessingRequest {
                 request: Some(processing_request::Request::RequestTrailers(
