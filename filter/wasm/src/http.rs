@@ -198,6 +198,9 @@ impl Request {
         let Ok(mut guard) = self.state.try_borrow_mut() else {
             return Gate::Route;
         };
+        // As for a pick: an idle VM's view may be older than refreshMs (it ticks slowly), and
+        // judging saturation on it shed or let through by a pool state up to a tick old.
+        crate::root::refresh_view_if_old(&mut guard, pool, now);
         let State {
             router,
             admission,
