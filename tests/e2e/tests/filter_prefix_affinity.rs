@@ -8,6 +8,7 @@
 mod filter_common;
 
 use std::collections::BTreeMap;
+use std::sync::Mutex;
 
 use ai_lb_e2e::envoy::{self, Envoy, EnvoyOptions, HttpClient, PodPool};
 use filter_common::*;
@@ -17,6 +18,11 @@ const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
 
 /// A chat body: group `g`'s system prompt (about 1 500 tokens, the same for every request of
 /// the group) and question `q`.
+/// The two tests run one after the other: each starts four pods publishing KV events, four
+/// agents and an Envoy, and both at once on two cores left three agents' updates 15 s late in one
+/// run (the native test timed out waiting for the cache report; noted for investigation).
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
 fn chat(g: u32, q: u32) -> String {
     let system: String = (0..1500).map(|i| format!("s{g:02}{}", i % 10)).collect();
     json!({"model": MODEL, "max_tokens": 4, "messages": [
@@ -56,6 +62,7 @@ fn prefix_keys(sb: &Value, addr: &str) -> Option<u64> {
 
 #[test]
 fn a_shared_prefix_stays_on_the_pod_that_caches_it_and_spills_when_it_queues() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let pool = PodPool::start_with_kv_events(4, 0.01, |_| Vec::new()).unwrap();
     let envoy = envoy_for(&pool, config(json!({"prefixAffinity": {}})));
     scenario(&envoy, &pool, true);
@@ -63,6 +70,7 @@ fn a_shared_prefix_stays_on_the_pod_that_caches_it_and_spills_when_it_queues() {
 
 #[test]
 fn the_native_module_keeps_a_shared_prefix_on_its_pod_too() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let pool = PodPool::start_with_kv_events(4, 0.01, |_| Vec::new()).unwrap();
     let filter = config(json!({"prefixAffinity": {}}));
     let mut opts =
