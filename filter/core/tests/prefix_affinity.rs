@@ -124,6 +124,24 @@ fn prompt(group: u32, system_tokens: usize, q: u32) -> (PromptKeys, RequestSize)
     (keys, size)
 }
 
+/// The pods six sidecars (a fresh router each, drawing with `seed(sidecar)`) pick for `q` at
+/// t = 1000, each pick counted once by `counted` (the counter the test expects it under).
+fn from_six_sidecars(
+    pods: &[Pod],
+    q: &PromptKeys,
+    size: RequestSize,
+    seed: impl Fn(u64) -> u64,
+    counted: impl Fn(&Router) -> u64,
+) -> std::collections::BTreeSet<String> {
+    let mut seen = std::collections::BTreeSet::new();
+    for sidecar in 0..6u64 {
+        let mut r = router(pods, Some("{}"));
+        seen.insert(pick(&mut r, q, size, 1000, seed(sidecar)));
+        assert_eq!(counted(&r), 1, "sidecar {sidecar}");
+    }
+    seen
+}
+
 fn pick(r: &mut Router, q: &PromptKeys, size: RequestSize, now: u64, seed: u64) -> String {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     match r.decide_with(0, None, size, Some(q), now, &mut rng) {
@@ -277,18 +295,13 @@ fn a_new_long_prefix_meets_on_one_pod_from_every_sidecar() {
     let pods = vec![Pod::default(); 8];
     for group in 0..20 {
         let (q, size) = prompt(10 + group, 1500, 0);
-        let mut seen = std::collections::BTreeSet::new();
-        for sidecar in 0..6u64 {
-            let mut r = router(&pods, Some("{}"));
-            seen.insert(pick(
-                &mut r,
-                &q,
-                size,
-                1000,
-                sidecar * 7919 + u64::from(group),
-            ));
-            assert_eq!(r.counters().prefix_rendezvous, 1);
-        }
+        let seen = from_six_sidecars(
+            &pods,
+            &q,
+            size,
+            |sidecar| sidecar * 7919 + u64::from(group),
+            |r| r.counters().prefix_rendezvous,
+        );
         assert_eq!(seen.len(), 1, "group {group}: {seen:?}");
     }
     // A short one (under rendezvousMinTokens) is picked as any request.
@@ -376,18 +389,13 @@ fn every_sidecar_spills_a_queued_prefix_to_the_same_pod() {
         let (q, size) = prompt(30 + group, 1500, 0);
         pods[0].held = q.keys.clone();
         (pods[0].running, pods[0].waiting) = (8, 4);
-        let mut seen = std::collections::BTreeSet::new();
-        for sidecar in 0..6u64 {
-            let mut r = router(&pods, Some("{}"));
-            seen.insert(pick(
-                &mut r,
-                &q,
-                size,
-                1000,
-                sidecar * 31 + u64::from(group),
-            ));
-            assert_eq!(r.counters().prefix_spill, 1);
-        }
+        let seen = from_six_sidecars(
+            &pods,
+            &q,
+            size,
+            |sidecar| sidecar * 31 + u64::from(group),
+            |r| r.counters().prefix_spill,
+        );
         assert_eq!(seen.len(), 1, "group {group}: {seen:?}");
         assert!(!seen.contains(&addr(0)));
     }
