@@ -372,13 +372,59 @@ fn a_queued_holder_spills_to_another_holder_with_a_free_seat() {
     let (q, size) = prompt(20, 1500, 0);
     let mut pods = vec![Pod::default(); 6];
     pods[0].held = q.keys.clone();
-    (pods[0].running, pods[0].waiting) = (8, 2);
+    // Eight waiting behind eight running: a wait of about two service rounds, past the slack
+    // (one round for the whole prompt) its extra blocks earn it.
+    (pods[0].running, pods[0].waiting) = (8, 8);
     // Pod 4 holds the system prompt's first ten blocks and has free seats.
     pods[4].held = held_by(&q, 10);
     pods[4].running = 6;
     for seed in 0..100 {
         let mut r = router(&pods, Some("{}"));
         assert_eq!(pick(&mut r, &q, size, 1000, seed), addr(4), "seed {seed}");
+    }
+}
+
+#[test]
+fn a_conversations_pod_with_a_short_queue_beats_a_system_prompt_holder_with_a_free_seat() {
+    // A later turn of a conversation: pod 2 holds the whole conversation and has one request
+    // waiting (a wait of a quarter of a service round); pods 0, 1 and 3-5 hold only the
+    // system prompt's first blocks and have free seats. Recomputing most of the prompt
+    // elsewhere costs more than the short wait: the conversation's pod takes it.
+    let (q, size) = prompt(21, 1500, 0);
+    let mut pods = vec![Pod::default(); 6];
+    for p in pods.iter_mut() {
+        p.held = held_by(&q, 4);
+        p.running = 4;
+    }
+    pods[2].held = q.keys.clone();
+    (pods[2].running, pods[2].waiting) = (8, 1);
+    for seed in 0..100 {
+        let mut r = router(&pods, Some("{}"));
+        assert_eq!(pick(&mut r, &q, size, 1000, seed), addr(2), "seed {seed}");
+    }
+    // With no slack (affinity only breaks ties within a tier), the free seat wins.
+    for seed in 0..100 {
+        let mut r = router(&pods, Some(r#"{"queueSlackRounds":0}"#));
+        assert_ne!(pick(&mut r, &q, size, 1000, seed), addr(2), "seed {seed}");
+    }
+}
+
+#[test]
+fn a_prompt_no_pod_holds_is_balanced_by_load_not_sent_to_its_rendezvous_pod() {
+    // Traffic whose prompts never recur: the rendezvous pod of a long prompt is one more
+    // candidate, and loses to a less loaded one (it only wins ties).
+    let (q, size) = prompt(22, 1500, 0);
+    let idle = vec![Pod::default(); 8];
+    let meet = pick(&mut router(&idle, Some("{}")), &q, size, 1000, 1);
+    let i = (0..8).find(|&i| addr(i) == meet).unwrap();
+    let mut pods = idle.clone();
+    for (j, p) in pods.iter_mut().enumerate() {
+        p.running = if j == i { 6 } else { 2 };
+    }
+    for seed in 0..100 {
+        let mut r = router(&pods, Some("{}"));
+        assert_ne!(pick(&mut r, &q, size, 1000, seed), meet, "seed {seed}");
+        assert_eq!(r.counters().prefix_rendezvous, 0);
     }
 }
 

@@ -18,14 +18,17 @@
 //! holding more leading blocks) is a candidate, and, for a prompt of at least
 //! `rendezvousMinTokens`, the rendezvous pod of the pods that do not hold it
 //! ([`own::rendezvous`] over the key of its first 256 tokens: every sidecar computes the same
-//! one, so a new prefix is cached once and a queued holder's spills all go to one second pod).
+//! one, so a queued holder's spills all go to one second pod; where no pod holds the prompt it
+//! wins only ties of load, so an idle pool caches a new prefix once and prompts that never
+//! recur stay balanced by load).
 //! A candidate's KV need is the request's less the tokens it holds. Candidates are compared as
 //! before, by the tier of their wait first (starts at once, queues, does not fit the KV cache):
 //! a holder whose queue has formed loses to a pod that would start the request at once, so a
 //! hot prefix spills instead of queueing (bounded load by wait, not by counts). Within a tier
 //! the holder wins: at once, the one holding more blocks, then the rendezvous pod; when both
 //! queue, the holder unless its wait is longer by more than `queueSlackRounds` service rounds
-//! times the share it holds. Prefix affinity never overrides a cut or a breaker: only pods with
+//! times the share it holds. Two holders are compared by that measure across tiers too (a
+//! conversation's pod with a short queue beats a pod holding only its system prompt). Prefix affinity never overrides a cut or a breaker: only pods with
 //! a draw weight are candidates.
 
 pub mod config;
