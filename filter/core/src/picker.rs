@@ -966,8 +966,7 @@ fn affinity_candidate(
             continue;
         }
         let k = key(id);
-        let slack = cfg.queue_slack_rounds;
-        let n = q.keys.len();
+        let (slack, n) = (cfg.queue_slack_rounds, q.keys.len());
         let wins = holder.is_none_or(|(b, kb, hb)| {
             match (holder_wait(k, h, n, slack), holder_wait(kb, hb, n, slack)) {
                 (Some(w), Some(wb)) if w != wb => return w < wb,
@@ -1731,8 +1730,8 @@ impl Router {
             // goes where every sidecar spills it). A prompt no pod holds gets no rank from its
             // rendezvous pod: that pod competes by load alone and wins only ties, so traffic
             // whose prompts never recur (no shared prefix) is balanced as without affinity
-            // (with a bonus there, ShareGPT-like traffic at 80 % load had 0.64-0.70x
-            // least_request's p99 TTFT against 0.43-0.46x with affinity off).
+            // (with a rank there, every long prompt went to its hash-chosen pod whenever that
+            // pod had a free seat, however loaded).
             let min_match = aff_cfg.map_or(usize::MAX, |c| c.min_match_blocks as usize);
             let held_enough = |id: u32| -> usize {
                 let h = held(id);
@@ -1788,13 +1787,9 @@ impl Router {
                         _ => {}
                     }
                 }
-                // Prefix affinity, within a tier of wait (a holder whose queue formed loses to
-                // a pod that starts the request at once: the prefix spills). At once, the one
-                // holding more of the prompt; both queued, the holder unless its wait is
-                // longer by more than `queueSlackRounds` times the share it holds.
-                // Two holders where neither waits for KV cache: by their waits less the slack
-                // the share each holds earns (a conversation's pod with a short queue over a
-                // pod holding only its system prompt).
+                // Prefix affinity. Two holders where neither waits for KV cache: by their waits
+                // less the slack the share each holds earns (a conversation's pod with a short
+                // queue over a pod holding only its system prompt with a free seat).
                 if let Some(q) = prompt {
                     let n = q.keys.len();
                     let (hb, ha) = (held_enough(b), held_enough(a));
@@ -1808,6 +1803,10 @@ impl Router {
                         }
                     }
                 }
+                // Otherwise within a tier of wait only (a holder whose queue formed loses to a
+                // pod that starts the request at once: the prefix spills). At once, the one
+                // holding more of the prompt; both queued, the holder unless its wait is
+                // longer by more than `queueSlackRounds` times the share it holds.
                 if prompt.is_some() && kb.0 == ka.0 {
                     let (vb, va) = (affinity_of(b), affinity_of(a));
                     match kb.0 {
