@@ -132,12 +132,31 @@ def freshness(s, sdir):
     print("plots written for freshness")
 
 
+# A summary is written when its run's records are complete; records written after it, or long
+# before it, are another run's (the work dir keeps the latest run of each scenario name, whatever
+# its pool or --out, so a later run on another pool or a copied summary must not be replotted
+# with them).
+RUN_GAP_S = 600
+
+
+def records_match(summ, wdir):
+    recs = [os.path.join(wdir, f) for f in os.listdir(wdir) if f.endswith(".jsonl")]
+    if not recs:
+        return False
+    t_summ = os.path.getmtime(summ)
+    t_recs = max(os.path.getmtime(f) for f in recs)
+    return t_recs <= t_summ + 1 and t_summ - t_recs <= RUN_GAP_S
+
+
 def main(work, out):
     for scen in sorted(os.listdir(out)):
         sdir = os.path.join(out, scen)
         summ = os.path.join(sdir, "summary.json")
         wdir = os.path.join(work, scen)
         if not os.path.isfile(summ) or not os.path.isdir(wdir):
+            continue
+        if not records_match(summ, wdir):
+            print(f"no plots for {scen}: the records in {wdir} are another run's")
             continue
         s = json.load(open(summ))
         if "points" in s:

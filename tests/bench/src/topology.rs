@@ -143,6 +143,15 @@ pub fn short_name(preset: &str) -> &str {
         .map_or(preset, |(_, short)| short)
 }
 
+/// Extra flags for every fake pod, from `AI_LB_BENCH_POD_ARGS` (split on whitespace), for A/B
+/// runs against a pod model the suite does not use by default (for example
+/// `--gpu-util-model graded`, the utilisation of the 2026-12-04 report).
+fn extra_pod_args() -> Vec<String> {
+    std::env::var("AI_LB_BENCH_POD_ARGS")
+        .map(|v| v.split_whitespace().map(str::to_string).collect())
+        .unwrap_or_default()
+}
+
 /// How the fake pods are shaped.
 #[derive(Debug, Clone)]
 pub struct PodShape {
@@ -244,6 +253,7 @@ impl Pool {
             if let Some(e) = &kv_events {
                 args.extend(["--kv-events-endpoint".to_string(), e.clone()]);
             }
+            args.extend(extra_pod_args());
             let proc = Proc::spawn(&spec(&pod_bin, &name, args, &["http"]))?;
             let addr = proc.addr("http")?;
             pods.push(Pod {
