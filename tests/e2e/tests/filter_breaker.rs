@@ -104,6 +104,16 @@ fn a_pod_returning_500s_is_cut_then_readmitted_through_half_open() {
     });
     served_again.unwrap();
     assert!(envoy.stat("wasmcustom.ailb.breaker_half_opened").unwrap() >= 1);
+    // One name per stat: the core's own breaker counters (`breaker.opened` and so on, counted
+    // in the worker that saw the transition) are not exported beside the shared-state ones.
+    let stats = envoy.stats().unwrap();
+    for dup in ["opened", "half_opened", "closed"] {
+        let name = format!("wasmcustom.ailb.breaker.{dup}");
+        assert!(
+            !stats.contains_key(&name),
+            "{name} exported beside ailb.breaker_{dup}"
+        );
+    }
     envoy
         .poll(
             Duration::from_secs(5),
