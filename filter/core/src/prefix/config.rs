@@ -63,14 +63,14 @@ pub(crate) struct RawPrefixAffinity {
         schemars(extend("default" = 1, "minimum" = 1, "maximum" = 65_536))
     )]
     min_match_blocks: Option<u64>,
-    /// Where both candidates would queue, a pod holding the whole prompt wins over one holding none unless its wait is longer by more than this many service rounds (scaled by the share of the prompt it holds). 0: affinity only breaks ties within a tier.
+    /// Where both candidates would queue, a pod holding the whole prompt wins over one holding none unless its wait is longer by more than this many service rounds (scaled by the share of the prompt it holds). Two pods that both hold some of the prompt are compared this way even when one has a free seat: a conversation's pod with a short queue beats a pod holding only its system prompt. 0: affinity only breaks ties within a tier.
     #[serde(default)]
     #[cfg_attr(
         feature = "schema",
         schemars(extend("default" = 1.0, "minimum" = 0, "maximum" = 100))
     )]
     queue_slack_rounds: Option<f64>,
-    /// A prompt at least this many tokens long has a rendezvous pod: the highest hash of the key of its first 256 tokens and the pod's address among the pods that do not hold it, the same pod for every sidecar. Where no pod holds the prompt it goes there (when that pod's wait is in the same tier as the drawn candidates'), so a new prefix is cached in one place, not on every pod a sidecar drew within one report's age; where a holder would queue it, it spills there, so every sidecar spills it to the same second pod. 0: every prompt with a key block.
+    /// A prompt at least this many tokens long has a rendezvous pod: the highest hash of the key of its first 256 tokens and the pod's address among the pods that do not hold it, the same pod for every sidecar. Where a holder would queue the request, it spills there, so every sidecar spills it to the same second pod. Where no pod holds the prompt that pod is one more candidate compared by load, winning ties (an idle pool caches a new prefix in one place), never preferred over a less loaded pod (prompts that never recur stay balanced by load). 0: every prompt with a key block.
     #[serde(default)]
     #[cfg_attr(
         feature = "schema",
