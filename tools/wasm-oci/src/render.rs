@@ -19,6 +19,10 @@ use crate::Error;
 
 /// The `sha256` value of the templates in istio/.
 pub const TEMPLATE_MARKER: &str = "NOT-RENDERED: run istio/render.sh (docs/install-istio.md)";
+/// Comment lines starting with this (after indentation) speak of the template only (its marker,
+/// how to render it); the render drops them, so the rendered files do not describe themselves
+/// as templates.
+pub const TEMPLATE_ONLY_COMMENT: &str = "# (template)";
 /// The file that marks a directory as rendered output (so a second render may replace it).
 pub const RENDER_STAMP: &str = ".ai-lb-rendered";
 const SCHEMES: [&str; 4] = ["oci://", "https://", "http://", "file://"];
@@ -78,14 +82,15 @@ pub fn render(
         let text = std::fs::read_to_string(&src).map_err(|e| Error::io("reading", &src, e))?;
         let (body, found) = render_text(&src, &text, image, url)?;
         let mut header = format!(
-            "# Rendered from {} by `ai-lb-wasm-oci render` (tools/wasm-oci): edit that file and\n\
-             # render again (docs/install-istio.md).\n",
+            "# Rendered by `ai-lb-wasm-oci render` (tools/wasm-oci) from {}:\n\
+             # edit that and render again (docs/install-istio.md).\n",
             src.display()
         );
         if !found.is_empty() {
             header.push_str(&format!(
-                "# Module checksums of this build: {} is the image manifest digest (oci:// URLs),\n\
-                 # {} the sha256 of the .wasm (https:// URLs).\n",
+                "# This build's module checksums:\n\
+                 #   image manifest digest (oci:// URLs): {}\n\
+                 #   sha256 of the .wasm (https:// URLs): {}\n",
                 image.manifest_digest, image.module_sha256
             ));
         }
@@ -147,9 +152,10 @@ fn yaml_files(dir: &Path) -> Result<Vec<String>, Error> {
     Ok(names)
 }
 
-/// Replaces the markers of one file's text. Each YAML document holding a marker must hold
-/// exactly one module URL (an uncommented `url:` or `uri:` with an oci/https/http/file
-/// scheme): the marker gets that URL's checksum. Returns the text and (url, checksum) pairs.
+/// Replaces the markers of one file's text and drops its [`TEMPLATE_ONLY_COMMENT`] lines.
+/// Each YAML document holding a marker must hold exactly one module URL (an uncommented
+/// `url:` or `uri:` with an oci/https/http/file scheme): the marker gets that URL's checksum.
+/// Returns the text and (url, checksum) pairs.
 pub fn render_text(
     path: &Path,
     text: &str,
@@ -215,7 +221,12 @@ pub fn render_text(
         lines[markers[0]] = lines[markers[0]].replace(TEMPLATE_MARKER, &sum);
         found.push((module_url, sum));
     }
-    Ok((lines.concat(), found))
+    let kept: String = lines
+        .iter()
+        .filter(|l| !l.trim_start().starts_with(TEMPLATE_ONLY_COMMENT))
+        .map(String::as_str)
+        .collect();
+    Ok((kept, found))
 }
 
 /// The byte range of the module URL on an uncommented `url:`/`uri:` line, if it has one.
@@ -334,6 +345,7 @@ mod tests {
     fn template(url: &str) -> String {
         format!(
             "kind: WasmPlugin\nspec:\n  url: {url}\n  # url: https://example.com/x.wasm\n  \
+             # (template) the marker below is no digest\n  \
              sha256: \"{TEMPLATE_MARKER}\"\n---\nkind: Service\nmetadata:\n  name: s\n"
         )
     }
@@ -348,6 +360,11 @@ mod tests {
             vec![("oci://r/x:1".into(), img.manifest_sha256().into())]
         );
         assert!(out.contains(&format!("sha256: \"{}\"", img.manifest_sha256())));
+        assert!(!out.contains("(template)"), "{out}");
+        assert!(
+            out.contains("  # url: https://example.com/x.wasm\n"),
+            "{out}"
+        );
         check_rendered(p, &out).unwrap();
 
         let (out, found) =

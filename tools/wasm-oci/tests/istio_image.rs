@@ -414,6 +414,10 @@ fn rendered_manifests_carry_this_builds_digest_and_no_placeholder() {
     for name in yaml_names(&out) {
         let text = std::fs::read_to_string(out.join(&name)).unwrap();
         assert!(!text.contains(MARKER), "{name}: template marker left");
+        assert!(
+            !text.contains(ai_lb_wasm_oci::render::TEMPLATE_ONLY_COMMENT),
+            "{name}: a template-only comment left"
+        );
         assert!(!text.contains(&"0".repeat(64)), "{name}: all-zero digest");
         let mut sums = Vec::new();
         for doc in yaml_docs(&text) {
