@@ -2,7 +2,9 @@
 # Runs every test of ai-lb: formatting, clippy (native and wasm32), unit, property, integration
 # and end-to-end tests (a real Envoy 1.40 with the wasm filter, agents and fake GPU pods on
 # loopback), the deployment checks, compiles the benchmarks, and runs the benchmark suite's
-# smoke mode (numbers are not asserted).
+# smoke mode (numbers are not asserted), then the docker-compose stack for real: images built
+# here on local base images, the stack up, its checks and faults (scripts/compose.sh check;
+# AI_LB_SKIP_COMPOSE=1 skips it, loudly, on a machine without Docker).
 # Installs what it needs first (scripts/setup.sh). Usage: scripts/test.sh
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -36,5 +38,17 @@ cargo bench --workspace --no-run --locked
 step "benchmark suite, smoke run (a tiny pool; proves the suite works, asserts no numbers)"
 CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$root/target}" scripts/bench.sh --smoke
 
+step "docker-compose stack: images, checks, faults (scripts/compose.sh check)"
+if [ "${AI_LB_SKIP_COMPOSE:-0}" = 1 ]; then
+  echo "SKIPPED the docker-compose stack (AI_LB_SKIP_COMPOSE=1): not tested on this run"
+  compose_skipped=1
+else
+  scripts/compose.sh check
+fi
+
 echo
-echo "all checks passed"
+if [ "${compose_skipped:-0}" = 1 ]; then
+  echo "all checks passed except the docker-compose stack, which was SKIPPED"
+else
+  echo "all checks passed"
+fi

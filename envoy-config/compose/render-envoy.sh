@@ -6,7 +6,9 @@
 #   render-envoy.sh TEMPLATE OUTPUT [envoy args...]
 #
 # FILTER_CONFIG may be given as a file instead (FILTER_CONFIG_FILE): its JSON is turned into
-# one YAML double-quoted string, as the template expects. Placeholders are replaced literally
+# one YAML double-quoted string, as the template expects. With NATIVE_AGENTS (a JSON object,
+# pool -> ["ip:port", ...]) the file is wrapped as the native module's config instead:
+# {"filter": <file>, "agents": <NATIVE_AGENTS>} (envoy-native.yaml). Placeholders are replaced literally
 # (no regex, no shell evaluation); comment lines are copied as they are; a placeholder whose
 # variable is unset stops the start-up with its name, rather than starting a broken Envoy.
 # With RENDER_ONLY=1 it renders and exits (used by tests/e2e/tests/deploy_compose.rs).
@@ -18,7 +20,11 @@ shift 2
 
 if [ -n "${FILTER_CONFIG_FILE:-}" ]; then
     # JSON -> one line -> YAML double-quoted scalar (escape backslashes, then quotes).
-    FILTER_CONFIG=\"$(tr '\n\r\t' '   ' < "$FILTER_CONFIG_FILE" | sed -e 's/\\/\\\\/g' -e 's/"/\\"/g')\"
+    json=$(cat "$FILTER_CONFIG_FILE")
+    if [ -n "${NATIVE_AGENTS:-}" ]; then
+        json="{\"filter\": $json, \"agents\": $NATIVE_AGENTS}"
+    fi
+    FILTER_CONFIG=\"$(printf '%s' "$json" | tr '\n\r\t' '   ' | sed -e 's/\\/\\\\/g' -e 's/"/\\"/g')\"
     export FILTER_CONFIG
 fi
 

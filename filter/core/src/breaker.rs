@@ -70,6 +70,18 @@ pub enum TripReason {
 }
 
 impl TripReason {
+    /// Every reason (for glue that defines one stat per reason up front).
+    pub const ALL: [TripReason; 8] = [
+        TripReason::HardwareFault,
+        TripReason::ServerErrors,
+        TripReason::Resets,
+        TripReason::ConnectFailures,
+        TripReason::Timeouts,
+        TripReason::SlowTtft,
+        TripReason::FailureRate,
+        TripReason::AgentErrorRate,
+    ];
+
     pub fn as_str(&self) -> &'static str {
         match self {
             TripReason::HardwareFault => "hardware_fault",

@@ -29,7 +29,17 @@ pub struct Metrics {
     pods: HashMap<String, PodMetrics>,
     /// Last exported values of the core's counters (exported as deltas).
     last_core: HashMap<&'static str, u64>,
+    /// `declare_event_counters` has run.
+    events_declared: bool,
 }
+
+/// Counters the glue itself counts, of events that may not have happened yet.
+const STREAM_COUNTERS: [&str; 4] = [
+    "ailb.stream.opens",
+    "ailb.stream.failures",
+    "ailb.stream.decode_errors",
+    "ailb.stream.closes",
+];
 
 impl Metrics {
     fn id(&mut self, kind: MetricType, name: &str) -> Option<u32> {
@@ -48,6 +58,29 @@ impl Metrics {
         }
         if let Some(id) = self.id(MetricType::Counter, name) {
             host::increment_metric(id, i64::try_from(by).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// Defines counter `name` at 0 if it is not defined yet, so that a count of events that
+    /// have not happened reads 0 in Envoy's stats (and a dashboard shows 0, not "no data").
+    pub fn declare(&mut self, name: &str) {
+        let _ = self.id(MetricType::Counter, name);
+    }
+
+    /// Defines, once per VM, the glue's own event counters at 0: the agent stream's and the
+    /// breaker transitions (`ailb.breaker_opened.<reason>` for every reason).
+    pub fn declare_event_counters(&mut self) {
+        if self.events_declared {
+            return;
+        }
+        self.events_declared = true;
+        for name in STREAM_COUNTERS {
+            self.declare(name);
+        }
+        self.declare("ailb.breaker_half_opened");
+        self.declare("ailb.breaker_closed");
+        for r in ai_lb_filter_core::breaker::TripReason::ALL {
+            self.declare(&format!("ailb.breaker_opened.{}", r.as_str()));
         }
     }
 
@@ -128,7 +161,16 @@ impl Metrics {
             if name.starts_with("breaker.") {
                 continue;
             }
-            let last = self.last_core.insert(name, *value).unwrap_or(0);
+            let Some(last) = self.last_core.insert(name, *value) else {
+                // First export: every core counter exists from here on, 0 or not.
+                let stat = format!("ailb.{name}");
+                self.declare(&stat);
+                self.inc(&stat, *value);
+                if name.starts_with("fallback.") || *name == "fail_open" {
+                    fallbacks += value;
+                }
+                continue;
+            };
             let delta = value.saturating_sub(last);
             if delta > 0 {
                 if name.starts_with("fallback.") || *name == "fail_open" {

@@ -368,6 +368,7 @@ impl Root {
         } = &mut *s;
         let counters = router.counters().iter();
         self.unsteered += metrics.export_core(&counters);
+        metrics.declare_event_counters();
         if self.unsteered > 0 && now.saturating_sub(self.last_unsteered_log_ms) >= LOG_EVERY_MS {
             self.last_unsteered_log_ms = now;
             let live = self.pools.iter().any(|p| p.sub.live());

@@ -3,7 +3,7 @@
 //! records cannot tell how many requests a failing pod still received. A background thread
 //! samples every 250 ms each pod's own count of finished requests (`vllm:request_success_total`,
 //! summed over `finished_reason`, injected errors included) and, per sidecar (ai-lb only), its
-//! breaker-opening counter (`wasmcustom.ailb.breaker.opened`), its picks of the faulty pod and
+//! breaker-opening counters (`wasmcustom.ailb.breaker_opened.<reason>`, summed), its picks of the faulty pod and
 //! all its steered requests. The pod-side share after the first opening (any sidecar's) is the
 //! strict measure; the per-sidecar one, picks of the pod after that sidecar's own breaker first
 //! opened, is what one breaker lets through (first attempts only: Envoy's retries are not
@@ -63,13 +63,23 @@ fn sidecar_stats(admin: SocketAddr, faulty: &str) -> SidecarStats {
     let Ok(r) = http_get(admin, "/stats") else {
         return SidecarStats::default();
     };
-    let text = r.text();
+    parse_sidecar_stats(&r.text(), faulty)
+}
+
+/// [`sidecar_stats`] from the text of Envoy's `/stats`.
+fn parse_sidecar_stats(text: &str, faulty: &str) -> SidecarStats {
     let picks_key = format!("wasmcustom.ailb.endpoint.{faulty}.picks: ");
     let mut st = SidecarStats::default();
     for l in text.lines() {
         let value = |prefix: &str| l.strip_prefix(prefix).and_then(|v| v.trim().parse().ok());
-        if let Some(v) = value("wasmcustom.ailb.breaker.opened: ") {
-            st.opened = v;
+        if let Some(v) = l
+            .strip_prefix("wasmcustom.ailb.breaker_opened.")
+            .and_then(|rest| rest.split_once(": "))
+            .and_then(|(_, v)| v.trim().parse::<u64>().ok())
+        {
+            // One counter per trip reason (the shared-state breaker's; the core's
+            // `breaker.opened` is not exported since 02d49fd).
+            st.opened += v;
         } else if let Some(v) = value("wasmcustom.ailb.steered: ") {
             st.steered = v;
         } else if let Some(v) = value(&picks_key) {
@@ -302,6 +312,19 @@ mod tests {
             opened,
             sidecars: Vec::new(),
         }
+    }
+
+    #[test]
+    fn sidecar_stats_sum_breaker_openings_over_reasons() {
+        let text = "wasmcustom.ailb.breaker_opened.server_errors: 2\n\
+                    wasmcustom.ailb.breaker_opened.connect_failures: 1\n\
+                    wasmcustom.ailb.breaker_opened.timeouts: 0\n\
+                    wasmcustom.ailb.breaker_half_opened: 5\n\
+                    wasmcustom.ailb.steered: 40\n\
+                    wasmcustom.ailb.endpoint.10.0.0.1:8000.picks: 7\n\
+                    wasmcustom.ailb.endpoint.10.0.0.2:8000.picks: 9\n";
+        let st = parse_sidecar_stats(text, "10.0.0.1:8000");
+        assert_eq!((st.opened, st.picks, st.steered), (3, 7, 40));
     }
 
     fn sc(opened: u64, picks: u64, steered: u64) -> SidecarStats {

@@ -1,13 +1,14 @@
-//! Decides whether envoy-config/docker-compose.yml is a runnable stack without running it (no
-//! compose tool or Docker here): the services exist, each has an image or a build whose
-//! Dockerfile exists, healthchecks, dependencies and shared network namespaces point at real
-//! services, the fixed addresses agree between pods, agents, Envoy's endpoints and Prometheus'
-//! targets, and Envoy's config rendered exactly as the container renders it passes
-//! `envoy --mode validate`.
+//! Decides whether envoy-config/docker-compose.yml is a coherent stack without running it (fast,
+//! no Docker): the services exist, each has a pinned image or a build whose Dockerfile target
+//! exists, every image the stack runs has a health check (in the Dockerfile or the compose file),
+//! dependencies and shared network namespaces point at real services, the fixed addresses agree
+//! between pods, agents, both Envoys' endpoints and Prometheus' targets, and each Envoy's config
+//! rendered exactly as its container renders it passes `envoy --mode validate`. The stack itself
+//! is brought up, checked and faulted by `scripts/compose.sh check` (tests/compose/check.py).
 
 mod deploy_support;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -35,33 +36,115 @@ fn service(c: &Value, name: &str) -> Value {
     c["services"][name].clone()
 }
 
-const PODS: [&str; 3] = ["pod-0", "pod-1", "pod-2"];
-const AGENTS: [&str; 3] = ["agent-0", "agent-1", "agent-2"];
+const PODS: [&str; 4] = ["pod-0", "pod-1", "pod-2", "pod-3"];
+const SERVERS: [&str; 4] = ["server-0", "server-1", "server-2", "server-3"];
+const AGENTS: [&str; 4] = ["agent-0", "agent-1", "agent-2", "agent-3"];
+const ENVOYS: [&str; 2] = ["envoy-wasm", "envoy-native"];
+
+/// One stage of the repository's Dockerfile: its instructions, continuation lines joined.
+#[derive(Debug, Default, Clone)]
+struct Stage {
+    from: String,
+    lines: Vec<String>,
+}
+
+fn dockerfile_stages() -> BTreeMap<String, Stage> {
+    let text = std::fs::read_to_string(repo_root().join("Dockerfile"))
+        .unwrap_or_else(|e| panic!("Dockerfile: {e}"));
+    let mut joined = Vec::new();
+    let mut cur = String::new();
+    for line in text.lines() {
+        let t = line.trim();
+        if t.starts_with('#') || t.is_empty() {
+            continue;
+        }
+        if let Some(body) = t.strip_suffix('\\') {
+            cur.push_str(body);
+            cur.push(' ');
+        } else {
+            cur.push_str(t);
+            joined.push(std::mem::take(&mut cur));
+        }
+    }
+    let mut stages = BTreeMap::new();
+    let mut name: Option<String> = None;
+    for l in joined {
+        let words: Vec<&str> = l.split_whitespace().collect();
+        if words.first() == Some(&"FROM") {
+            let n = match words.as_slice() {
+                [_, from, as_kw, n] if as_kw.eq_ignore_ascii_case("as") => {
+                    stages.insert(
+                        n.to_string(),
+                        Stage {
+                            from: from.to_string(),
+                            lines: vec![],
+                        },
+                    );
+                    n.to_string()
+                }
+                _ => panic!("Dockerfile: every stage is named (FROM image AS name): {l}"),
+            };
+            name = Some(n);
+        } else if let Some(stage) = name.as_ref().and_then(|n| stages.get_mut(n)) {
+            stage.lines.push(l);
+        }
+    }
+    stages
+}
+
+fn build_target(svc: &Value) -> Option<String> {
+    svc["build"]["target"].as_str().map(String::from)
+}
+
+/// The Dockerfile stage behind a service: its own build target, or the target of the service
+/// that builds the image it names.
+fn stage_of(c: &Value, name: &str) -> Option<String> {
+    let svc = service(c, name);
+    if let Some(t) = build_target(&svc) {
+        return Some(t);
+    }
+    let image = svc["image"].as_str()?;
+    services(c)
+        .into_iter()
+        .find(|(_, s)| s["image"].as_str() == Some(image) && s["build"].is_mapping())
+        .and_then(|(_, s)| build_target(&s))
+}
 
 #[test]
-fn required_services_exist_with_image_or_existing_dockerfile() {
+fn required_services_exist_with_pinned_image_or_a_dockerfile_target() {
     let c = compose();
     let names: BTreeSet<String> = services(&c).into_iter().map(|(n, _)| n).collect();
     for want in PODS
         .iter()
+        .chain(&SERVERS)
         .chain(&AGENTS)
-        .chain(&["envoy", "loadgen", "prometheus", "grafana"])
+        .chain(&ENVOYS)
+        .chain(&["loadgen-wasm", "loadgen-native", "prometheus", "grafana"])
     {
         assert!(
             names.contains(*want),
             "docker-compose.yml lacks service {want}"
         );
     }
+    let stages = dockerfile_stages();
     for (name, svc) in services(&c) {
-        let build = &svc["build"];
-        if build.is_mapping() {
-            let ctx = compose_dir().join(build["context"].as_str().unwrap_or("."));
-            let dockerfile = ctx.join(build["dockerfile"].as_str().unwrap_or("Dockerfile"));
-            assert!(
-                dockerfile.is_file(),
-                "service {name}: Dockerfile {} does not exist",
-                dockerfile.display()
+        if svc["build"].is_mapping() {
+            assert_eq!(
+                svc["build"]["dockerfile"].as_str(),
+                Some("Dockerfile"),
+                "{name}: one Dockerfile at the repository root"
             );
+            let t = build_target(&svc).unwrap_or_else(|| panic!("{name}: build without target"));
+            assert!(
+                stages.contains_key(&t),
+                "{name}: Dockerfile has no stage {t}"
+            );
+            for arg in ["RUST_IMAGE", "RUNTIME_IMAGE", "ENVOY_IMAGE"] {
+                assert!(
+                    svc["build"]["args"][arg].is_string(),
+                    "{name}: build arg {arg} (local bases on machines without a registry)"
+                );
+            }
         } else {
             let image = svc["image"]
                 .as_str()
@@ -70,30 +153,60 @@ fn required_services_exist_with_image_or_existing_dockerfile() {
                 image.contains(':'),
                 "service {name}: pin the image tag ({image})"
             );
+            assert!(
+                stage_of(&c, &name).is_some() || name == "grafana",
+                "service {name}: image {image} is built by no service"
+            );
         }
     }
+    // The Envoy stages start from the 1.40 image (public default, local base by argument).
+    let text = std::fs::read_to_string(repo_root().join("Dockerfile")).unwrap_or_default();
     assert!(
-        service(&c, "envoy")["image"]
-            .as_str()
-            .is_some_and(|i| i.starts_with("envoyproxy/envoy:v1.40")),
-        "Envoy must be the official 1.40 image"
+        text.contains("ARG ENVOY_IMAGE=envoyproxy/envoy:v1.40"),
+        "Envoy must default to the official 1.40 image"
     );
+    for e in ENVOYS {
+        assert_eq!(stages[e].from, "${ENVOY_IMAGE}", "{e}");
+    }
 }
 
 #[test]
-fn services_have_healthchecks_and_valid_dependencies() {
+fn images_run_as_non_root_with_health_checks_and_dependencies_are_valid() {
     let c = compose();
+    let stages = dockerfile_stages();
     let names: BTreeSet<String> = services(&c).into_iter().map(|(n, _)| n).collect();
-    for (name, svc) in services(&c) {
-        let one_shot = svc["restart"].as_str() == Some("no");
-        if !one_shot {
-            let test = &svc["healthcheck"]["test"];
+    for (stage, body) in &stages {
+        if stage == "build" {
+            continue;
+        }
+        assert!(
+            body.lines
+                .iter()
+                .any(|l| l.starts_with("USER ") && !l.contains(" root") && !l.contains(" 0:")),
+            "Dockerfile stage {stage}: set a non-root USER"
+        );
+        if stage != "loadgen" {
             assert!(
-                test.as_sequence().is_some_and(|t| !t.is_empty()),
-                "service {name}: no healthcheck"
+                body.lines.iter().any(|l| l.starts_with("HEALTHCHECK ")),
+                "Dockerfile stage {stage}: no HEALTHCHECK"
             );
         }
-        let deps: Vec<String> = match &svc["depends_on"] {
+    }
+    let healthy = |name: &str| -> bool {
+        let svc = service(&c, name);
+        if svc["healthcheck"]["disable"].as_bool() == Some(true) {
+            return false;
+        }
+        svc["healthcheck"]["test"].is_sequence()
+            || stage_of(&c, name).is_some_and(|st| {
+                stages[&st]
+                    .lines
+                    .iter()
+                    .any(|l| l.starts_with("HEALTHCHECK "))
+            })
+    };
+    let deps_of = |name: &str| -> Vec<String> {
+        match &service(&c, name)["depends_on"] {
             Value::Mapping(m) => m
                 .keys()
                 .filter_map(|k| k.as_str().map(String::from))
@@ -103,14 +216,17 @@ fn services_have_healthchecks_and_valid_dependencies() {
                 .filter_map(|k| k.as_str().map(String::from))
                 .collect(),
             _ => vec![],
-        };
+        }
+    };
+    for (name, svc) in services(&c) {
+        let deps = deps_of(&name);
         for d in &deps {
             assert!(names.contains(d), "service {name} depends on unknown {d}");
             let cond = svc["depends_on"][d.as_str()]["condition"].as_str();
             if cond == Some("service_healthy") {
                 assert!(
-                    service(&c, d)["healthcheck"].is_mapping(),
-                    "service {name} waits for {d} to be healthy, but {d} has no healthcheck"
+                    healthy(d),
+                    "service {name} waits for {d} to be healthy, but {d} has no health check"
                 );
             }
         }
@@ -122,8 +238,16 @@ fn services_have_healthchecks_and_valid_dependencies() {
                 names.contains(target),
                 "service {name}: network_mode names unknown {target}"
             );
+            // Directly or through another dependency: the namespace must exist first.
+            let mut seen = BTreeSet::new();
+            let mut todo = deps.clone();
+            while let Some(d) = todo.pop() {
+                if seen.insert(d.clone()) {
+                    todo.extend(deps_of(&d));
+                }
+            }
             assert!(
-                deps.iter().any(|d| d == target),
+                seen.contains(target),
                 "service {name} shares {target}'s network: depend on it"
             );
         }
@@ -135,16 +259,6 @@ fn services_have_healthchecks_and_valid_dependencies() {
                     .unwrap_or_else(|| panic!("service {name}: volume without source"))
                     .to_string(),
             };
-            if host.contains("/target/") {
-                // Build output (the wasm module), produced by cargo build: must not be
-                // silently replaced by an empty directory when missing.
-                assert_eq!(
-                    vol["bind"]["create_host_path"].as_bool(),
-                    Some(false),
-                    "service {name}: mount {host} with bind.create_host_path: false"
-                );
-                continue;
-            }
             let p = compose_dir().join(host);
             assert!(
                 p.exists(),
@@ -153,6 +267,21 @@ fn services_have_healthchecks_and_valid_dependencies() {
             );
         }
     }
+}
+
+/// The stage's `ENV K=V ...` values.
+fn stage_env(stage: &str) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for l in &dockerfile_stages()[stage].lines {
+        if let Some(rest) = l.strip_prefix("ENV ") {
+            for kv in rest.split_whitespace() {
+                if let Some((k, v)) = kv.split_once('=') {
+                    out.insert(k.to_string(), v.to_string());
+                }
+            }
+        }
+    }
+    out
 }
 
 fn env(svc: &Value, key: &str) -> String {
@@ -194,30 +323,37 @@ fn endpoints(flow: &str) -> BTreeSet<String> {
 }
 
 #[test]
-fn addresses_agree_between_pods_agents_envoy_and_prometheus() {
+fn addresses_agree_between_pods_agents_envoys_and_prometheus() {
     let c = compose();
     let mut serving = BTreeSet::new();
     let mut agent_grpc = BTreeSet::new();
-    for (pod, agent) in PODS.iter().zip(AGENTS) {
+    for ((pod, server), agent) in PODS.iter().zip(SERVERS).zip(AGENTS) {
         let p = service(&c, pod);
+        let srv = service(&c, server);
         let a = service(&c, agent);
         let ip = p["networks"]["ailb"]["ipv4_address"]
             .as_str()
-            .unwrap_or_else(|| panic!("{pod}: no fixed address"));
-        let listen_port = arg_after(&p, "--listen")
+            .unwrap_or_else(|| panic!("{pod}: no fixed data address"));
+        let tip = p["networks"]["ailb-telemetry"]["ipv4_address"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{pod}: no fixed telemetry address"));
+        for (who, svc) in [(server, &srv), (agent, &a)] {
+            assert_eq!(
+                svc["network_mode"].as_str(),
+                Some(format!("service:{pod}").as_str()),
+                "{who} lives in {pod}'s network namespace"
+            );
+        }
+        let listen_port = arg_after(&srv, "--listen")
             .rsplit(':')
             .next()
             .unwrap_or_default()
             .to_string();
-        assert_eq!(
-            a["network_mode"].as_str(),
-            Some(format!("service:{pod}").as_str())
-        );
         let addr = env(&a, "AI_LB_AGENT_SERVING_ADDRESS");
         assert_eq!(
             addr,
             format!("{ip}:{listen_port}"),
-            "{agent} must report {pod}'s address"
+            "{agent} must report {pod}'s serving address"
         );
         serving.insert(addr);
         let grpc_port = env(&a, "AI_LB_AGENT_GRPC_LISTEN")
@@ -225,12 +361,12 @@ fn addresses_agree_between_pods_agents_envoy_and_prometheus() {
             .next()
             .unwrap_or_default()
             .to_string();
-        agent_grpc.insert(format!("{ip}:{grpc_port}"));
+        agent_grpc.insert(format!("{tip}:{grpc_port}"));
         assert!(
-            p["networks"]["ailb"]["aliases"]
+            p["networks"]["ailb-telemetry"]["aliases"]
                 .as_sequence()
                 .is_some_and(|al| al.iter().any(|x| x.as_str() == Some("ai-lb-pods"))),
-            "{pod} needs the ai-lb-pods alias (peer discovery)"
+            "{pod} needs the ai-lb-pods alias on the telemetry network (peer discovery)"
         );
         assert_eq!(
             env(&a, "AI_LB_AGENT_PEERS_DNS"),
@@ -238,25 +374,27 @@ fn addresses_agree_between_pods_agents_envoy_and_prometheus() {
         );
         assert_eq!(env(&a, "AI_LB_AGENT_GPU_SOURCE"), "sim");
     }
-    let presets: BTreeSet<String> = PODS
+    let presets: BTreeSet<String> = SERVERS
         .iter()
         .map(|p| arg_after(&service(&c, p), "--preset"))
         .collect();
     assert!(presets.len() >= 2, "use a mix of presets, got {presets:?}");
 
-    let envoy = service(&c, "envoy");
-    assert_eq!(
-        endpoints(&env(&envoy, "INFERENCE_ENDPOINTS")),
-        serving,
-        "Envoy's inference endpoints"
-    );
-    assert_eq!(
-        endpoints(&env(&envoy, "AGENT_ENDPOINTS")),
-        agent_grpc,
-        "Envoy's agent endpoints"
-    );
+    for e in ENVOYS {
+        let envoy = service(&c, e);
+        assert_eq!(
+            endpoints(&env(&envoy, "INFERENCE_ENDPOINTS")),
+            serving,
+            "{e}'s inference endpoints"
+        );
+        assert_eq!(
+            endpoints(&env(&envoy, "AGENT_ENDPOINTS")),
+            agent_grpc,
+            "{e}'s agent endpoints (telemetry network)"
+        );
+    }
 
-    // Prometheus scrapes Envoy's prometheus stats and every agent's /metrics.
+    // Prometheus scrapes both Envoys' prometheus stats and every agent's /metrics.
     let prom = load_yaml("envoy-config/compose/prometheus.yml");
     let jobs = prom["scrape_configs"]
         .as_sequence()
@@ -279,11 +417,11 @@ fn addresses_agree_between_pods_agents_envoy_and_prometheus() {
     };
     let ej = job("envoy");
     assert_eq!(ej["metrics_path"].as_str(), Some("/stats/prometheus"));
-    let admin_port = env(&envoy, "ADMIN_PORT");
-    assert_eq!(
-        targets(&ej),
-        BTreeSet::from([format!("envoy:{admin_port}")])
-    );
+    let want: BTreeSet<String> = ENVOYS
+        .iter()
+        .map(|e| format!("{e}:{}", stage_env(e)["ADMIN_PORT"]))
+        .collect();
+    assert_eq!(targets(&ej), want);
     let aj = job("ai-lb-agent");
     let want: BTreeSet<String> = PODS
         .iter()
@@ -301,6 +439,10 @@ fn addresses_agree_between_pods_agents_envoy_and_prometheus() {
         targets(&aj),
         want,
         "agents are reached at their pod's name (shared netns)"
+    );
+    assert!(
+        service(&c, "prometheus")["networks"]["ailb-telemetry"].is_mapping(),
+        "Prometheus scrapes over the telemetry network"
     );
 }
 
@@ -348,37 +490,51 @@ fn grafana_is_provisioned_with_the_dashboard_and_datasource() {
     }
 }
 
-/// Runs render-envoy.sh as the envoy container does (RENDER_ONLY=1), with the compose
-/// environment, the module path replaced by `module`.
+/// Runs render-envoy.sh as the `envoy` container (a stage name) does (RENDER_ONLY=1), with the
+/// stage's ENV and the compose environment, the module path replaced by `module`.
 fn render_compose_envoy(
+    envoy_service: &str,
     module: &Path,
     out_dir: &Path,
     drop_var: Option<&str>,
 ) -> (bool, String, PathBuf) {
     let c = compose();
-    let envoy = service(&c, "envoy");
-    let out = out_dir.join("envoy.yaml");
+    let svc = service(&c, envoy_service);
+    let template = if envoy_service == "envoy-native" {
+        "envoy-native.yaml"
+    } else {
+        "envoy.yaml"
+    };
+    let out = out_dir.join(format!("{envoy_service}.yaml"));
     let mut cmd = Command::new("sh");
     cmd.arg(compose_dir().join("compose/render-envoy.sh"))
-        .arg(compose_dir().join("envoy.yaml"))
+        .arg(compose_dir().join(template))
         .arg(&out)
         .env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
         .env("RENDER_ONLY", "1");
-    for (k, v) in envoy["environment"].as_mapping().into_iter().flatten() {
+    let mut vars = stage_env(envoy_service);
+    for (k, v) in svc["environment"].as_mapping().into_iter().flatten() {
         let (Some(k), Some(v)) = (k.as_str(), v.as_str()) else {
-            panic!("envoy environment: {k:?}={v:?} must be strings");
+            panic!("{envoy_service} environment: {k:?}={v:?} must be strings");
         };
-        if Some(k) == drop_var {
+        vars.insert(k.to_string(), v.to_string());
+    }
+    for (k, v) in vars {
+        if Some(k.as_str()) == drop_var {
             continue;
         }
-        let v = match k {
-            "WASM_PATH" => module.display().to_string(),
+        let v = match k.as_str() {
+            "WASM_PATH" | "NATIVE_MODULE_PATH" => module.display().to_string(),
             "FILTER_CONFIG_FILE" => compose_dir()
-                .join("compose/filter-config.json")
+                .join(if envoy_service == "envoy-native" {
+                    "compose/filter-config-native.json"
+                } else {
+                    "compose/filter-config.json"
+                })
                 .display()
                 .to_string(),
-            _ => v.to_string(),
+            _ => v,
         };
         cmd.env(k, v);
     }
@@ -391,20 +547,20 @@ fn render_compose_envoy(
 }
 
 #[test]
-fn rendered_compose_envoy_config_passes_envoy_validate() {
-    let Some(envoy) = envoy_or_skip("rendered_compose_envoy_config_passes_envoy_validate") else {
+fn rendered_compose_envoy_configs_pass_envoy_validate() {
+    let Some(envoy) = envoy_or_skip("rendered_compose_envoy_configs_pass_envoy_validate") else {
         return;
     };
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
     let stub = dir.path().join("stub.wasm");
     std::fs::write(&stub, stub_wasm_module()).unwrap_or_else(|e| panic!("{e}"));
-    let (ok, log, out) = render_compose_envoy(&stub, dir.path(), None);
+    let (ok, log, out) = render_compose_envoy("envoy-wasm", &stub, dir.path(), None);
     assert!(ok, "render-envoy.sh failed:\n{log}");
     let v = envoy_validate_file(&envoy, &out);
     assert!(v.ok, "Envoy rejects the compose config:\n{}", v.output);
 
     if let Some(module) = real_wasm_module() {
-        let (ok, log, out) = render_compose_envoy(&module, dir.path(), None);
+        let (ok, log, out) = render_compose_envoy("envoy-wasm", &module, dir.path(), None);
         assert!(ok, "render-envoy.sh failed:\n{log}");
         let v = envoy_validate_file(&envoy, &out);
         assert!(
@@ -415,12 +571,27 @@ fn rendered_compose_envoy_config_passes_envoy_validate() {
     } else {
         eprintln!("(real filter module not built: checked with the stub module only)");
     }
+    // The native Envoy's config loads the module at validation: only with a built module.
+    match ai_lb_e2e::envoy::native_module_path() {
+        Ok(module) => {
+            let (ok, log, out) = render_compose_envoy("envoy-native", &module, dir.path(), None);
+            assert!(ok, "render-envoy.sh failed:\n{log}");
+            let v = envoy_validate_file(&envoy, &out);
+            assert!(
+                v.ok,
+                "Envoy rejects the native compose config:\n{}",
+                v.output
+            );
+        }
+        Err(e) => eprintln!("(native module not built: {e})"),
+    }
 }
 
 #[test]
 fn render_script_names_a_missing_variable() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
     let (ok, log, _) = render_compose_envoy(
+        "envoy-wasm",
         Path::new("/nonexistent.wasm"),
         dir.path(),
         Some("AGENT_ENDPOINTS"),
@@ -430,4 +601,31 @@ fn render_script_names_a_missing_variable() {
         log.contains("AGENT_ENDPOINTS"),
         "the error should name the variable:\n{log}"
     );
+}
+
+#[test]
+fn the_native_envoy_config_is_the_wasm_one_less_admission() {
+    let read = |f: &str| -> serde_json::Value {
+        let p = compose_dir().join("compose").join(f);
+        let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+    };
+    let mut wasm = read("filter-config.json");
+    let native = read("filter-config-native.json");
+    assert!(
+        wasm.get("admission").is_some(),
+        "the compose stack shows the limiter (wasm Envoy)"
+    );
+    if let Some(m) = wasm.as_object_mut() {
+        m.remove("admission");
+    }
+    assert_eq!(
+        wasm, native,
+        "filter-config-native.json must be filter-config.json without `admission`"
+    );
+    let stages = dockerfile_stages();
+    assert!(stages["envoy-native"]
+        .lines
+        .iter()
+        .any(|l| l.contains("filter-config-native.json")));
 }

@@ -15,6 +15,28 @@ fn hung_agents_cost_no_request_and_steering_resumes_after_they_recover() {
     let mut pool = ai_lb_e2e::envoy::PodPool::start(3, 0.01).unwrap();
     let envoy = envoy_for(&pool, config(json!({"cutoffs": {"stalenessMs": 1500}})));
     wait_scoreboard(&envoy, "every pod fresh", 30, |sb| all_fresh(sb, &pool));
+    // Counters of events that have not happened exist and read 0 (a dashboard shows 0, not
+    // "no data"), from the filter's first export on.
+    // (`stat` reads an absent stat as 0: look the names up in the full list instead.)
+    let stats = envoy
+        .poll(
+            Duration::from_secs(5),
+            "the core's counters exported",
+            || {
+                let st = envoy.stats().ok()?;
+                st.contains_key("wasmcustom.ailb.steered").then_some(st)
+            },
+        )
+        .unwrap();
+    for zero in [
+        "wasmcustom.ailb.fail_open",
+        "wasmcustom.ailb.fallback.no_model",
+        "wasmcustom.ailb.fallback.all_stale",
+        "wasmcustom.ailb.stream.failures",
+        "wasmcustom.ailb.stream.decode_errors",
+    ] {
+        assert_eq!(stats.get(zero), Some(&0), "{zero} should exist and read 0");
+    }
 
     pool.signal_agents("STOP").unwrap();
     let result = (|| {

@@ -159,16 +159,21 @@ fn real_main(cli: Cli) -> Result<(), Failure> {
     }
     .context("starting the async runtime")?;
     let trace = Arc::new(trace);
+    // Taken just before the run's own start instant (microseconds apart).
+    let started_unix_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
     let result = match cli.closed_loop {
         Some(workers) => rt.block_on(run_closed(client, trace, workers, opts)),
         None => rt.block_on(run(client, trace, opts)),
     };
-    let summary = summarize(
+    let mut summary = summarize(
         &result.records,
         result.wall_s,
         result.in_flight_cap_hits,
         result.peak_in_flight,
     );
+    summary.started_unix_ms = Some(started_unix_ms);
     print!("{}", report::render(&summary));
     if let Some(p) = &cli.json {
         let f = File::create(p).with_context(|| format!("creating --json {}", p.display()))?;

@@ -228,6 +228,10 @@ pub struct Group {
 /// The `--json` document.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Summary {
+    /// Wall-clock time of the run start (records' offsets count from it), milliseconds since the
+    /// Unix epoch; lets a harness line records up with events outside the generator.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_unix_ms: Option<u64>,
     /// Run start to the last request's end, seconds.
     pub wall_s: f64,
     #[serde(flatten)]
@@ -310,6 +314,7 @@ pub fn summarize(
         .map(|r| r.sent_us.saturating_sub(r.scheduled_us) as f64 / 1000.0)
         .collect();
     Summary {
+        started_unix_ms: None,
         wall_s,
         overall: group(records.iter(), wall_s),
         by_tag,
