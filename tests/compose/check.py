@@ -233,19 +233,28 @@ def envoy_stats(admin: str) -> dict[str, int]:
     return out
 
 
+def decisions(admin: str) -> dict[str, int]:
+    """The filter's decision counters of one Envoy: steered, fallback (all reasons), fail-open.
+    wasm: ailb.steered, ailb.fallback.<reason>, ailb.fail_open; native module:
+    dynamicmodulescustom.ailb.native.steered, ....native.fallback, ....native.fail_open."""
+    try:
+        st = envoy_stats(admin)
+    except Exception:  # an Envoy being restarted
+        return {}
+
+    def total_of(pat: str) -> int:
+        rx = re.compile(r"(^|\.)ailb(\.native)?\." + pat)
+        return sum(v for k, v in st.items() if rx.search(k))
+    return {"steered": total_of(r"steered$"), "fallback": total_of(r"fallback($|\.)"),
+            "fail_open": total_of(r"fail_open$")}
+
+
 def routing_check(poller: Poller, window: tuple[float, float]) -> dict:
     result = {}
     for envoy, (_, admin) in ENVOYS.items():
-        st = envoy_stats(admin)
-        # wasm: ailb.steered, ailb.fallback.<reason>, ailb.fail_open; native module:
-        # dynamicmodulescustom.ailb.native.steered, ....native.fallback, ....native.fail_open.
-        def total_of(pat: str) -> int:
-            rx = re.compile(r"(^|\.)ailb(\.native)?\." + pat)
-            return sum(v for k, v in st.items() if rx.search(k))
-        steered = total_of(r"steered$")
-        fallback = total_of(r"fallback($|\.)")
-        fail_open = total_of(r"fail_open$")
-        result[envoy] = {"steered": steered, "fallback": fallback, "fail_open": fail_open}
+        d = decisions(admin)
+        steered, fallback, fail_open = d.get("steered", 0), d.get("fallback", 0), d.get("fail_open", 0)
+        result[envoy] = d
         total = steered + fallback + fail_open
         check(total > 0 and steered / total >= 0.9,
               f"{envoy}: requests steered by the filter's scores: {steered} of {total} "
@@ -342,13 +351,18 @@ def main() -> int:
 
         events = []
 
+        decisions_at: dict[str, list] = {}
+
         def fault(name, pod_or_envoy, do, undo):
+            before = {e: decisions(adm) for e, (_, adm) in ENVOYS.items()}
             t_f = time.time()
             do()
             time.sleep(hold)
             t_r = time.time()
+            down = {e: decisions(adm) for e, (_, adm) in ENVOYS.items()}
             undo()
             time.sleep(settle)
+            decisions_at[name] = [before, down]
             events.append((name, pod_or_envoy, t_f, t_r, time.time()))
             log(f"fault {name} on {pod_or_envoy}: {t_r - t_f:.1f} s, then {settle} s")
 
@@ -378,9 +392,23 @@ def main() -> int:
         rows = []
         for name, target, t_f, t_r, t_e in events:
             row = {"fault": name, "target": target, "held_s": round(t_r - t_f, 1)}
+            before, down = decisions_at[name]
+            # The filter's decisions while the fault was held, per Envoy (counter deltas; an
+            # Envoy restarted in between counts from zero).
+            row["decisions_while_down"] = {
+                e: {k: (down[e].get(k, 0) - before[e].get(k, 0)
+                        if down[e].get(k, 0) >= before[e].get(k, 0) else down[e].get(k, 0))
+                    for k in ("steered", "fallback", "fail_open")}
+                for e in ENVOYS if before.get(e) and down.get(e)}
             if target in PODS:
                 m = fault_measure(poller, PODS[target][0], t_f, t_r, t_e)
                 row.update(m)
+                # Requests to the target per 2 s, from 10 s before the fault to the end of
+                # its recovery window (the timeline behind the table's columns).
+                steps = poller.new_requests(PODS[target][0])
+                row["timeline_2s"] = [
+                    sum(n for t, n in steps if t_f - 10 + 2 * i < t <= t_f - 8 + 2 * i)
+                    for i in range(int((t_e - t_f + 10) // 2))]
                 fails = failures_between(results, t_f, t_e)
                 row["failed_requests"] = len(fails)
                 # A failure without the serving pod's header (no answer at all) is counted
@@ -473,13 +501,18 @@ def write_report(out: Path, report: dict) -> None:
     lines = [
         "| fault | target | held (s) | requests to the target: 10 s before / while down | "
         "s until no new request | in flight at the fault | failed requests (elsewhere) | "
-        "s until used again |",
-        "|---|---|---|---|---|---|---|---|",
+        "s until used again | filter decisions while down: steered / fallback |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def dec(r: dict) -> str:
+        d = r.get("decisions_while_down", {})
+        return (f"{sum(v['steered'] for v in d.values())} / "
+                f"{sum(v['fallback'] + v['fail_open'] for v in d.values())}")
     for r in report["faults"]:
         if r["target"] in PODS:
             if r["fault"] == "agent-cut":
-                stop = "kept serving (fallback)"
+                stop = "kept serving"
             elif r["s_until_no_new_requests"] is None:
                 stop = "≤ 0.25 (none seen)"
             else:
@@ -488,13 +521,14 @@ def write_report(out: Path, report: dict) -> None:
                 f"| {r['fault']} | {r['target']} | {r['held_s']} | {r['requests_10s_before']} / "
                 f"{r['requests_during']} | {stop} | {r['in_flight_at_fault']} | "
                 f"{r['failed_requests']} ({r['failed_elsewhere']}) | "
-                f"{'never stopped' if r['fault'] == 'agent-cut' else r['s_until_used_again']} |")
+                f"{'never stopped' if r['fault'] == 'agent-cut' else r['s_until_used_again']} | "
+                f"{dec(r)} |")
         else:
             lines.append(
                 f"| {r['fault']} | {r['target']} | restart | – | – | – | {r['failed_requests']}: "
                 f"{r['failed_requests'] - r['refused']} in flight, {r['refused']} refused "
                 f"(other Envoy: {r['failed_on_other_envoy']}) | serving again "
-                f"{r['s_until_serving_again']} s after the restart began |")
+                f"{r['s_until_serving_again']} s after the restart began | {dec(r)} |")
     lines.append("")
     lines.append(f"Requests: {report['requests']}; fault windows {report['hold_s']} s down, "
                  f"{report['settle_s']} s after; traffic {report['rate']} req/s per Envoy; "
