@@ -12,7 +12,7 @@ Steps, each failing the run (exit 1) when it fails:
      the stack's network, records written to DIR).
   3. Routing by score: from each Envoy's own stats, most requests were steered by the filter (not
      fallback or fail-open) and every pod, on its own host, got requests (per-pod shares from
-     Envoy's per-host counters).
+     Envoy's per-host counters); every agent found the other three through DNS.
   4. Faults, one after another, each measured from Envoy's per-host counters (polled every
      250 ms from both Envoys) and the load generators' records:
        agent-cut     pod-0 leaves the telemetry network (its agent's stream is cut), rejoins
@@ -269,6 +269,24 @@ def routing_check(poller: Poller, window: tuple[float, float]) -> dict:
     return result
 
 
+def peers_check() -> dict:
+    """Each agent found the other pods' agents through the `ai-lb-pods` DNS alias (a headless
+    Service's stand-in): its `ai_lb_agent_peers{status="live"}` counts them."""
+    out = {}
+    rx = re.compile(r'^ai_lb_agent_peers\{status="live"\} ([0-9.]+)$', re.M)
+    for pod, (_, tele, _, _) in PODS.items():
+        try:
+            m = rx.search(http_get(f"http://{tele}:9091/metrics", timeout=3))
+            live = int(float(m.group(1))) if m else -1
+        except Exception as e:  # noqa: BLE001 - reported as a failed check
+            log(f"{pod}: agent metrics: {e}")
+            live = -1
+        out[pod] = live
+        check(live >= len(PODS) - 1,
+              f"{pod}'s agent sees {live} live peers through DNS discovery (want {len(PODS) - 1})")
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Faults.
 
@@ -348,6 +366,7 @@ def main() -> int:
         time.sleep(warm)
 
         report["routing"] = routing_check(poller, (t_start + 5, time.time()))
+        report["peers"] = peers_check()
 
         events = []
 
