@@ -84,16 +84,12 @@ USER 10003:10003
 # (--live, --json), and a check of "the process runs" could not fail.
 ENTRYPOINT ["/usr/local/bin/ai-lb-loadgen"]
 
-# ---- Envoy with the proxy-wasm filter ----------------------------------------------------------
+# ---- Envoy, what both data paths share ---------------------------------------------------------
 # envoy.yaml is a template: render-envoy.sh fills its ${NAME}s from the environment (the compose
 # file sets the endpoints) and execs Envoy on the result.
-FROM ${ENVOY_IMAGE} AS envoy-wasm
+FROM ${ENVOY_IMAGE} AS envoy-base
 COPY envoy-config/compose/render-envoy.sh /etc/ai-lb/render-envoy.sh
-COPY envoy-config/envoy.yaml /etc/ai-lb/envoy.yaml
-COPY envoy-config/compose/filter-config.json /etc/ai-lb/filter-config.json
-COPY --from=build /out/ai_lb_filter_wasm.wasm /etc/ai-lb/ai_lb_filter_wasm.wasm
 ENV ADMIN_ADDRESS=0.0.0.0 ADMIN_PORT=9901 LISTEN_ADDRESS=0.0.0.0 LISTEN_PORT=10000 \
-    WASM_PATH=/etc/ai-lb/ai_lb_filter_wasm.wasm \
     FILTER_CONFIG_FILE=/etc/ai-lb/filter-config.json
 USER 101:101
 EXPOSE 10000 9901
@@ -103,22 +99,20 @@ HEALTHCHECK --interval=5s --timeout=3s --start-period=5s --retries=10 \
 ENTRYPOINT ["/bin/sh", "/etc/ai-lb/render-envoy.sh", "/etc/ai-lb/envoy.yaml", "/tmp/envoy.yaml"]
 CMD ["--log-level", "info", "--concurrency", "2"]
 
+# ---- Envoy with the proxy-wasm filter ----------------------------------------------------------
+FROM envoy-base AS envoy-wasm
+COPY envoy-config/envoy.yaml /etc/ai-lb/envoy.yaml
+COPY envoy-config/compose/filter-config.json /etc/ai-lb/filter-config.json
+COPY --from=build /out/ai_lb_filter_wasm.wasm /etc/ai-lb/ai_lb_filter_wasm.wasm
+ENV WASM_PATH=/etc/ai-lb/ai_lb_filter_wasm.wasm
+
 # ---- Envoy with the native dynamic module ------------------------------------------------------
-FROM ${ENVOY_IMAGE} AS envoy-native
-COPY envoy-config/compose/render-envoy.sh /etc/ai-lb/render-envoy.sh
+FROM envoy-base AS envoy-native
 COPY envoy-config/envoy-native.yaml /etc/ai-lb/envoy.yaml
 # The wasm filter's config less `admission` (not in the native module, which refuses it).
 COPY envoy-config/compose/filter-config-native.json /etc/ai-lb/filter-config.json
 COPY --from=build /out/libai_lb_filter_native.so /etc/ai-lb/libai_lb_filter_native.so
-ENV ADMIN_ADDRESS=0.0.0.0 ADMIN_PORT=9901 LISTEN_ADDRESS=0.0.0.0 LISTEN_PORT=10000 \
-    NATIVE_MODULE_PATH=/etc/ai-lb/libai_lb_filter_native.so \
-    FILTER_CONFIG_FILE=/etc/ai-lb/filter-config.json
-USER 101:101
-EXPOSE 10000 9901
-HEALTHCHECK --interval=5s --timeout=3s --start-period=5s --retries=10 \
-  CMD ["bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/9901 && printf 'GET /ready HTTP/1.1\\r\\nHost: localhost\\r\\nConnection: close\\r\\n\\r\\n' >&3 && head -n1 <&3 | grep -q ' 200'"]
-ENTRYPOINT ["/bin/sh", "/etc/ai-lb/render-envoy.sh", "/etc/ai-lb/envoy.yaml", "/tmp/envoy.yaml"]
-CMD ["--log-level", "info", "--concurrency", "2"]
+ENV NATIVE_MODULE_PATH=/etc/ai-lb/libai_lb_filter_native.so
 
 # ---- Prometheus, from Debian's package ---------------------------------------------------------
 FROM ${RUNTIME_IMAGE} AS prometheus

@@ -33,8 +33,9 @@ pub struct Counters {
     fallback: usize,
     fail_open: usize,
     stream_errors: usize,
-    /// Per [`TripReason`], in [`TRIP_REASONS`] order.
-    breaker_opened: [usize; TRIP_REASONS.len()],
+    /// Per [`TripReason`], in [`TripReason::ALL`] order: one counter per reason
+    /// (`ailb.native.breaker_opened.<reason>`, as the wasm filter's `ailb.breaker_opened.<reason>`).
+    breaker_opened: [usize; TripReason::ALL.len()],
     breaker_half_opened: usize,
     breaker_closed: usize,
     /// Per pod (label `endpoint`, `ip:port`): requests steered there, and the failures
@@ -50,19 +51,6 @@ pub struct Counters {
     metrics_age_ms: LabeledGauge,
 }
 
-/// Every reason a breaker opens for, each with its own counter
-/// (`ailb.native.breaker_opened.<reason>`, as the wasm filter's `ailb.breaker_opened.<reason>`).
-const TRIP_REASONS: [TripReason; 8] = [
-    TripReason::HardwareFault,
-    TripReason::ServerErrors,
-    TripReason::Resets,
-    TripReason::ConnectFailures,
-    TripReason::Timeouts,
-    TripReason::SlowTtft,
-    TripReason::FailureRate,
-    TripReason::AgentErrorRate,
-];
-
 impl Counters {
     /// Counts breaker transitions (each once for the process: only the worker that wrote the
     /// shared breaker sees them) and logs each open.
@@ -75,7 +63,7 @@ impl Counters {
                         Level::Warn,
                         &format!("ai-lb native: breaker of {pod} opened ({reason})"),
                     );
-                    TRIP_REASONS
+                    TripReason::ALL
                         .iter()
                         .position(|r| Some(*r) == t.reason)
                         .and_then(|i| self.breaker_opened.get(i).copied())
@@ -125,7 +113,7 @@ impl ConfigRt {
             fallback: handle.define_counter("ailb.native.fallback"),
             fail_open: handle.define_counter("ailb.native.fail_open"),
             stream_errors: handle.define_counter("ailb.native.stream_errors"),
-            breaker_opened: TRIP_REASONS.map(|r| {
+            breaker_opened: TripReason::ALL.map(|r| {
                 handle.define_counter(&format!("ailb.native.breaker_opened.{}", r.as_str()))
             }),
             breaker_half_opened: handle.define_counter("ailb.native.breaker_half_opened"),

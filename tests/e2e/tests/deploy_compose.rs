@@ -92,6 +92,32 @@ fn dockerfile_stages() -> BTreeMap<String, Stage> {
     stages
 }
 
+/// The instructions a stage runs with: its parents' (a stage built `FROM` another stage) first.
+fn chain_lines(stages: &BTreeMap<String, Stage>, name: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = Some(name.to_string());
+    let mut seen = BTreeSet::new();
+    while let Some(n) = cur.take() {
+        let Some(st) = stages.get(&n) else { break };
+        assert!(
+            seen.insert(n.clone()),
+            "Dockerfile: stage {n} is its own parent"
+        );
+        out.splice(0..0, st.lines.iter().cloned());
+        cur = stages.contains_key(&st.from).then(|| st.from.clone());
+    }
+    out
+}
+
+/// The image a stage finally starts from (following stages built on stages).
+fn root_image(stages: &BTreeMap<String, Stage>, name: &str) -> String {
+    let mut from = stages[name].from.clone();
+    while let Some(parent) = stages.get(&from) {
+        from = parent.from.clone();
+    }
+    from
+}
+
 fn build_target(svc: &Value) -> Option<String> {
     svc["build"]["target"].as_str().map(String::from)
 }
@@ -166,7 +192,7 @@ fn required_services_exist_with_pinned_image_or_a_dockerfile_target() {
         "Envoy must default to the official 1.40 image"
     );
     for e in ENVOYS {
-        assert_eq!(stages[e].from, "${ENVOY_IMAGE}", "{e}");
+        assert_eq!(root_image(&stages, e), "${ENVOY_IMAGE}", "{e}");
     }
 }
 
@@ -175,19 +201,20 @@ fn images_run_as_non_root_with_health_checks_and_dependencies_are_valid() {
     let c = compose();
     let stages = dockerfile_stages();
     let names: BTreeSet<String> = services(&c).into_iter().map(|(n, _)| n).collect();
-    for (stage, body) in &stages {
+    for stage in stages.keys() {
         if stage == "build" {
             continue;
         }
+        let lines = chain_lines(&stages, stage);
         assert!(
-            body.lines
+            lines
                 .iter()
                 .any(|l| l.starts_with("USER ") && !l.contains(" root") && !l.contains(" 0:")),
             "Dockerfile stage {stage}: set a non-root USER"
         );
         if stage != "loadgen" {
             assert!(
-                body.lines.iter().any(|l| l.starts_with("HEALTHCHECK ")),
+                lines.iter().any(|l| l.starts_with("HEALTHCHECK ")),
                 "Dockerfile stage {stage}: no HEALTHCHECK"
             );
         }
@@ -199,8 +226,7 @@ fn images_run_as_non_root_with_health_checks_and_dependencies_are_valid() {
         }
         svc["healthcheck"]["test"].is_sequence()
             || stage_of(&c, name).is_some_and(|st| {
-                stages[&st]
-                    .lines
+                chain_lines(&stages, &st)
                     .iter()
                     .any(|l| l.starts_with("HEALTHCHECK "))
             })
@@ -272,7 +298,7 @@ fn images_run_as_non_root_with_health_checks_and_dependencies_are_valid() {
 /// The stage's `ENV K=V ...` values.
 fn stage_env(stage: &str) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
-    for l in &dockerfile_stages()[stage].lines {
+    for l in &chain_lines(&dockerfile_stages(), stage) {
         if let Some(rest) = l.strip_prefix("ENV ") {
             for kv in rest.split_whitespace() {
                 if let Some((k, v)) = kv.split_once('=') {
@@ -624,8 +650,7 @@ fn the_native_envoy_config_is_the_wasm_one_less_admission() {
         "filter-config-native.json must be filter-config.json without `admission`"
     );
     let stages = dockerfile_stages();
-    assert!(stages["envoy-native"]
-        .lines
+    assert!(chain_lines(&stages, "envoy-native")
         .iter()
         .any(|l| l.contains("filter-config-native.json")));
 }
