@@ -580,35 +580,30 @@ fn rendered_compose_envoy_configs_pass_envoy_validate() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
     let stub = dir.path().join("stub.wasm");
     std::fs::write(&stub, stub_wasm_module()).unwrap_or_else(|e| panic!("{e}"));
-    let (ok, log, out) = render_compose_envoy("envoy-wasm", &stub, dir.path(), None);
-    assert!(ok, "render-envoy.sh failed:\n{log}");
-    let v = envoy_validate_file(&envoy, &out);
-    assert!(v.ok, "Envoy rejects the compose config:\n{}", v.output);
-
-    if let Some(module) = real_wasm_module() {
-        let (ok, log, out) = render_compose_envoy("envoy-wasm", &module, dir.path(), None);
-        assert!(ok, "render-envoy.sh failed:\n{log}");
+    // Renders `service`'s config with `module` as its container does, and validates it.
+    let check = |service: &str, module: &Path, what: &str| {
+        let (ok, log, out) = render_compose_envoy(service, module, dir.path(), None);
+        assert!(ok, "render-envoy.sh failed for {service}:\n{log}");
         let v = envoy_validate_file(&envoy, &out);
-        assert!(
-            v.ok,
-            "the real filter refuses the compose config:\n{}",
-            v.output
+        assert!(v.ok, "{what}:\n{}", v.output);
+    };
+    check("envoy-wasm", &stub, "Envoy rejects the compose config");
+    if let Some(module) = real_wasm_module() {
+        check(
+            "envoy-wasm",
+            &module,
+            "the real filter refuses the compose config",
         );
     } else {
         eprintln!("(real filter module not built: checked with the stub module only)");
     }
     // The native Envoy's config loads the module at validation: only with a built module.
     match ai_lb_e2e::envoy::native_module_path() {
-        Ok(module) => {
-            let (ok, log, out) = render_compose_envoy("envoy-native", &module, dir.path(), None);
-            assert!(ok, "render-envoy.sh failed:\n{log}");
-            let v = envoy_validate_file(&envoy, &out);
-            assert!(
-                v.ok,
-                "Envoy rejects the native compose config:\n{}",
-                v.output
-            );
-        }
+        Ok(module) => check(
+            "envoy-native",
+            &module,
+            "Envoy rejects the native compose config",
+        ),
         Err(e) => eprintln!("(native module not built: {e})"),
     }
 }
