@@ -18,6 +18,9 @@ pub struct Counters {
     pub fallback_too_few_pods: u64,
     /// Every candidate scored 0: picked evenly among them.
     pub fail_open: u64,
+    /// Decided, but the ranked list did not reach Envoy (the pool changed during the
+    /// decision, or the proxy refused the header): Envoy's own balancing took the request.
+    pub steer_failed: u64,
     /// Steered to a pod over the GPU hard limit because both drawn candidates would queue
     /// and it had a free seat (`twoChoices`).
     pub overflow_over_gpu_limit: u64,
@@ -70,7 +73,7 @@ impl Counters {
     }
 
     /// `(stat name, value)` pairs, stable names for Envoy counters.
-    pub fn iter(&self) -> [(&'static str, u64); 24] {
+    pub fn iter(&self) -> [(&'static str, u64); 25] {
         [
             ("steered", self.steered),
             ("fallback.no_agent_data", self.fallback_no_agent_data),
@@ -78,6 +81,7 @@ impl Counters {
             ("fallback.all_stale", self.fallback_all_stale),
             ("fallback.too_few_pods", self.fallback_too_few_pods),
             ("fail_open", self.fail_open),
+            ("steer_failed", self.steer_failed),
             ("overflow_over_gpu_limit", self.overflow_over_gpu_limit),
             ("signal_issues", self.signal_issues),
             ("snapshots_rejected", self.snapshots_rejected),

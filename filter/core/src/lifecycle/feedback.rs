@@ -1,0 +1,157 @@
+//! Feeds a finished request back: closes its in-flight count however it ended, and tells the
+//! breakers how every attempt went (the chosen pod's outcome, and the earlier ranked pods an
+//! Envoy retry left; see [`crate::outcome`]). The worker's own breaker records first (its
+//! failure-rate window may open the pod); the shared breaker is authoritative, so a rate trip
+//! is carried there. A success on a breaker with nothing to forget writes nothing shared. A
+//! half-open pod's probe passes at its first byte when that already counts as a success.
+
+use crate::breaker::{Breaker, BreakerState, Outcome, Transition, TripReason};
+use crate::outcome::{attribute, Observed};
+
+use super::{Exchange, Host, Stats, Worker};
+
+/// Counts `pod`'s shared-breaker transitions and logs each open.
+pub(super) fn record_transitions<H: Host + ?Sized>(
+    host: &mut H,
+    stats: &mut dyn Stats,
+    pool_name: &str,
+    pod: &str,
+    ts: &[Transition],
+) {
+    if ts.is_empty() {
+        return;
+    }
+    stats.transitions(pod, ts);
+    for t in ts.iter().filter(|t| t.to == BreakerState::Open) {
+        let reason = t.reason.map_or("unknown", |r| r.as_str());
+        host.warn(&format!(
+            "ai-lb: pool `{pool_name}`: breaker of {pod} opened ({reason})"
+        ));
+    }
+}
+
+/// Records a probe's success at its first byte when it already counts as one
+/// ([`Outcome::probe_passed_at_first_byte`]) and came from the probed pod (not a retry
+/// elsewhere); its end then records only a failure.
+pub(super) fn pass_probe<H, W>(
+    ex: &mut Exchange,
+    host: &mut H,
+    worker: &mut W,
+    ttft_ms: u64,
+    now: u64,
+) where
+    H: Host + ?Sized,
+    W: Worker + ?Sized,
+{
+    let Some(pool) = ex.pool else { return };
+    let Some(chosen) = ex.chosen().map(str::to_string) else {
+        return;
+    };
+    let cfg = worker.router().config().breaker;
+    if !Outcome::probe_passed_at_first_byte(ex.probe_status, ttft_ms, &cfg) {
+        return;
+    }
+    if host.upstream_address().as_deref() != Some(chosen.as_str()) {
+        return;
+    }
+    ex.probe_passed = true;
+    let p = worker.parts();
+    let name = pool_name(p.router, pool);
+    let record = &mut |b: &mut Breaker| b.record(None, now, &cfg);
+    if let Some(ts) = p.breakers.update(p.router, pool, &chosen, now, record) {
+        record_transitions(host, p.stats, &name, &chosen, &ts);
+    }
+}
+
+fn pool_name(router: &crate::picker::Router, pool: usize) -> String {
+    router
+        .config()
+        .pools
+        .get(pool)
+        .map_or_else(String::new, |p| p.name.clone())
+}
+
+/// The request is over: see the module doc.
+pub(super) fn finish<H, W>(ex: &Exchange, host: &mut H, worker: &mut W, now: u64)
+where
+    H: Host + ?Sized,
+    W: Worker + ?Sized,
+{
+    let Some(pool) = ex.pool else { return };
+    let status = host.response_code().filter(|c| *c > 0);
+    let flags = host.response_flags();
+    // Details only refine failures; a clean answer (< 500, no flag) needs none (one host
+    // call fewer on the common path).
+    let clean_answer = flags == 0 && status.is_some_and(|c| c < 500);
+    let details = if clean_answer {
+        String::new()
+    } else {
+        host.response_code_details()
+            .map(|d| d.into_owned())
+            .unwrap_or_default()
+    };
+    let upstream = host.upstream_address().map(|u| u.into_owned());
+    let observed = Observed {
+        ranked: ex.ranked(),
+        upstream: upstream.as_deref(),
+        status,
+        flags,
+        details: &details,
+        attempts: ex.attempts,
+        ttft_ms: ex.ttft_ms,
+        total_ms: Some(now.saturating_sub(ex.started_ms)),
+    };
+    let pairs = attribute(&observed);
+    let chosen = ex.chosen();
+    let p = worker.parts();
+    let cfg = p.router.config().breaker;
+    let name = pool_name(p.router, pool);
+    // Whether the chosen pod's breaker had nothing to forget (Closed, no failure counted, as
+    // of this worker's last copy of the shared breakers): a success then leaves the shared
+    // breaker as it is, so it is not read and rewritten.
+    let clean_before = chosen.is_some_and(|c| {
+        p.router
+            .breaker(pool, c, None)
+            .is_some_and(|b| b.state() == BreakerState::Closed && b.consecutive_failures() == 0)
+    });
+    // The chosen pod was counted in flight: close that however the request ended, then let
+    // this worker's breaker record. A cancelled request teaches the breaker nothing.
+    let mut rate_tripped = false;
+    if let (Some(c), Some(st)) = (chosen, ex.steered.as_ref()) {
+        p.router.on_request_end(pool, c, ex.size, st.sent_ms);
+        if let Some((_, o)) = pairs.iter().find(|(pod, _)| *pod == c) {
+            rate_tripped = p
+                .router
+                .on_outcome(pool, c, ex.model.as_deref(), o, now)
+                .iter()
+                .any(|e| e.to == BreakerState::Open && e.reason == Some(TripReason::FailureRate));
+        }
+    }
+    for (pod, o) in &pairs {
+        let failure = o.failure(&cfg);
+        let is_chosen = chosen == Some(*pod);
+        if failure.is_some() {
+            p.stats.failed(pod);
+        } else if is_chosen && !rate_tripped && clean_before {
+            continue;
+        }
+        let trip_rate = rate_tripped && is_chosen;
+        // A probe whose success was recorded at its first byte is not recorded again; the
+        // shared breaker is still read back, over what this worker counted above.
+        let on_record = is_chosen && ex.probe_passed && failure.is_none() && !trip_rate;
+        let update = &mut |b: &mut Breaker| {
+            if on_record {
+                return None;
+            }
+            let t = b.record(failure, now, &cfg);
+            if t.is_none() && trip_rate && b.state() == BreakerState::Closed {
+                b.trip(TripReason::FailureRate, now, &cfg)
+            } else {
+                t
+            }
+        };
+        if let Some(ts) = p.breakers.update(p.router, pool, pod, now, update) {
+            record_transitions(host, p.stats, &name, pod, &ts);
+        }
+    }
+}

@@ -1,0 +1,551 @@
+//! One request's life, for both data paths: what the filter does at each event of an HTTP
+//! exchange (request headers, the buffered body, response headers, response chunks, the end),
+//! as one state machine ([`Exchange`]) that reaches the proxy only through [`Host`] and the
+//! worker's routing state only through [`Worker`]. The proxy-wasm glue and the native module
+//! each translate their callbacks into these events and do nothing else of the request's life;
+//! the core's tests drive it with a mock host and no Envoy (`filter/core/tests/lifecycle.rs`).
+//!
+//! The steps, in order:
+//! 1. request headers: drop a client-sent routing header; answer the status path; find the pool
+//!    by the routed cluster; read the model header and the debug header; decide whether the
+//!    body must be read (the model is only in the body, or a pod of the pool reports its prefix
+//!    cache); let the [`Gate`] (admission, when the glue has one) start.
+//! 2. the whole body (when asked for): the model, the output reservation, the prompt's key
+//!    blocks; the gate costs it.
+//! 3. the gate may reply or hold the request; else it is routed ([`steer`]): the ranked list is
+//!    handed to Envoy, the pick counted in flight, a half-open pod's probe budget spent.
+//! 4. response headers: the attempt count, a probe's status, the debug header.
+//! 5. the first response chunk: the time to first byte; a probe that started well passes.
+//! 6. the end: the in-flight count is closed however the request ended, and the outcome of
+//!    every attempt feeds the pods' breakers ([`feedback`]).
+
+mod feedback;
+mod steer;
+
+use std::borrow::Cow;
+
+use rand::RngCore;
+
+use crate::breaker::{Breaker, Transition};
+use crate::picker::{RequestSize, Router};
+use crate::prefix::PromptKeys;
+use crate::status::{debug_header_value, scoreboard};
+
+pub use steer::{steer, Steered};
+
+/// What the core may ask of the proxy for the current request, nothing more. Each data path
+/// implements it over its own host calls (proxy-wasm hostcalls; the dynamic module's ABI).
+pub trait Host {
+    /// The proxy's clock, in ms.
+    fn now_ms(&self) -> u64;
+    fn request_header(&self, name: &str) -> Option<Cow<'_, str>>;
+    /// Sets (`Some`) or removes (`None`) a request header; false when the proxy refused.
+    fn set_request_header(&mut self, name: &str, value: Option<&str>) -> bool;
+    fn response_header(&self, name: &str) -> Option<Cow<'_, str>>;
+    fn set_response_header(&mut self, name: &str, value: &str);
+    /// Answers the request locally (the request goes no further).
+    fn send_local_reply(&mut self, status: u16, headers: &[(&str, &str)], body: &[u8]);
+    /// The routed cluster's name.
+    fn cluster_name(&self) -> Option<Cow<'_, str>>;
+    /// The final upstream host (`ip:port`), once one was chosen.
+    fn upstream_address(&self) -> Option<Cow<'_, str>>;
+    /// The final response status (0 or absent: none was sent).
+    fn response_code(&self) -> Option<u16>;
+    /// Envoy's response-flag bits, where the proxy exposes them (else 0: the details say it).
+    fn response_flags(&self) -> u64;
+    fn response_code_details(&self) -> Option<Cow<'_, str>>;
+    /// Hands the ranked list (`chosen,next,...`) to Envoy's balancer: the routing header for
+    /// override_host, or the data path's own way. False when nothing was handed over.
+    fn steer(&mut self, routing_header: &str, ranked: &str) -> bool;
+    /// A warning in the proxy's log.
+    fn warn(&mut self, msg: &str);
+}
+
+/// Counts of the request path that only the glue can export (Envoy stats).
+pub trait Stats {
+    /// A request was steered to `pod`.
+    fn picked(&mut self, pod: &str);
+    /// A failure was attributed to `pod`.
+    fn failed(&mut self, pod: &str);
+    /// Transitions of `pod`'s shared breaker written by this worker (each counted once for
+    /// the process: only the writer sees them).
+    fn transitions(&mut self, pod: &str, ts: &[Transition]);
+}
+
+/// The circuit breakers every worker of the proxy shares (the wasm filter: Envoy's shared data
+/// with CAS; the native module: process memory). Per-model breakers stay per worker.
+pub trait BreakerStore {
+    /// Installs the other workers' changes of `pool`'s breakers into `router`.
+    fn sync(&mut self, router: &mut Router, pool: usize, now: u64);
+    /// Polls then applies `update` to `pod`'s shared breaker, stores it when it changed and
+    /// installs it in `router`. The transitions, or None when it could not be written.
+    fn update(
+        &mut self,
+        router: &mut Router,
+        pool: usize,
+        pod: &str,
+        now: u64,
+        update: &mut dyn FnMut(&mut Breaker) -> Option<Transition>,
+    ) -> Option<Vec<Transition>>;
+}
+
+/// The routing state of one worker (a wasm VM; a native worker thread), split into the parts
+/// a step borrows together.
+pub struct Parts<'a> {
+    pub router: &'a mut Router,
+    pub rng: &'a mut dyn RngCore,
+    /// Reused buffer for the ranked list.
+    pub scratch: &'a mut String,
+    /// Reused buffers for keying prompts (`prefixAffinity`).
+    pub prompt_ids: &'a mut Vec<u32>,
+    pub key_scratch: &'a mut Vec<u64>,
+    pub breakers: &'a mut dyn BreakerStore,
+    pub stats: &'a mut dyn Stats,
+}
+
+/// A worker's routing state, as the lifecycle uses it.
+pub trait Worker {
+    /// Brings `pool`'s view up to date before a decision: a newer pool state published by the
+    /// agent feed, and the other workers' breaker changes.
+    fn refresh(&mut self, pool: usize, now: u64);
+    fn parts(&mut self) -> Parts<'_>;
+    /// The router, to read (its config, its view).
+    fn router(&self) -> &Router;
+    /// Which worker this is, for the status page (each worker answers from its own view).
+    fn ordinal(&self) -> u64;
+}
+
+/// What the admission step (a [`Gate`]) says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GateStep {
+    /// Go on.
+    Proceed,
+    /// Cost it from the whole body (only from [`Gate::begin`]).
+    NeedBody,
+    /// The gate answered the request itself (a 429 or 503 was sent).
+    Replied,
+    /// The gate keeps the request waiting; the glue resumes it later (its root context
+    /// routes it with [`steer`] and continues the stream).
+    Held,
+}
+
+/// Admission control and holds, where the glue has them: asked at fixed points of the
+/// lifecycle. Each method receives the worker, so the gate's runtime may live there.
+/// [`NoGate`] lets everything through.
+pub trait Gate<W: ?Sized> {
+    /// The headers were read and the pool is known: start (tenant, class, cost plan).
+    fn begin(&mut self, _worker: &mut W, _end_of_stream: bool, _now: u64) -> GateStep {
+        GateStep::Proceed
+    }
+    /// The whole body arrived (after [`GateStep::NeedBody`]): cost it.
+    fn body(&mut self, _worker: &mut W, _body: &[u8], _now: u64) -> GateStep {
+        GateStep::Proceed
+    }
+    /// Just before routing: shed, hold or let through.
+    fn before_route(
+        &mut self,
+        _worker: &mut W,
+        _pool: usize,
+        _model: Option<&str>,
+        _size: RequestSize,
+        _now: u64,
+    ) -> GateStep {
+        GateStep::Proceed
+    }
+    /// A held request came back: what its release steered (None: nothing, or answered).
+    fn take_resumed(&mut self, _worker: &mut W) -> Option<Steered> {
+        None
+    }
+    fn on_response_headers(&mut self, _worker: &mut W, _end_of_stream: bool) {}
+    /// A response chunk of `size` bytes.
+    fn on_response_body(&mut self, _worker: &mut W, _size: usize, _end_of_stream: bool) {}
+    /// The request is over (before the breakers are fed).
+    fn on_end(&mut self, _worker: &mut W, _now: u64) {}
+}
+
+/// The gate of a data path without admission.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoGate;
+
+impl<W: ?Sized> Gate<W> for NoGate {}
+
+/// What a request-phase event tells the proxy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    Continue,
+    /// Buffer the body and call again when it is whole.
+    StopForBody,
+    /// Stop: the request was answered locally, or is held (the glue resumes it).
+    Stop,
+}
+
+/// One HTTP exchange through the filter.
+#[derive(Debug)]
+pub struct Exchange {
+    /// The pool of the routed cluster; None: not ours, the filter stays out of the way.
+    pool: Option<usize>,
+    model: Option<String>,
+    /// The body's `model` is still needed.
+    model_from_body: bool,
+    /// The body's prompt is keyed for prefix affinity.
+    prompt_from_body: bool,
+    prompt: Option<PromptKeys>,
+    /// The body is awaited (by routing or by the gate).
+    waiting_body: bool,
+    /// The gate costs the body when it is whole.
+    gate_body: bool,
+    /// Body size: the buffered body's, else `content-length`.
+    body_bytes: Option<usize>,
+    /// The body's output reservation (`max_completion_tokens` or `max_tokens`, times `n`).
+    max_output_tokens: Option<u64>,
+    /// What this request counts in the router's in-flight estimates (start and end alike).
+    size: RequestSize,
+    /// The held request may come back routed (see [`Gate::take_resumed`]).
+    held: bool,
+    steered: Option<Steered>,
+    started_ms: u64,
+    ttft_ms: Option<u64>,
+    attempts: Option<u32>,
+    /// The client asked for the debug response header.
+    debug: bool,
+    /// The probe's response status (probes only).
+    probe_status: Option<u16>,
+    /// The probe's success was recorded at its first byte (not again at its end).
+    probe_passed: bool,
+    /// The end was handled (the in-flight count closed, the breakers fed).
+    ended: bool,
+}
+
+impl Default for Exchange {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Exchange {
+    pub fn new() -> Self {
+        Self {
+            pool: None,
+            model: None,
+            model_from_body: false,
+            prompt_from_body: false,
+            prompt: None,
+            waiting_body: false,
+            gate_body: false,
+            body_bytes: None,
+            max_output_tokens: None,
+            size: RequestSize::UNIT,
+            held: false,
+            steered: None,
+            started_ms: 0,
+            ttft_ms: None,
+            attempts: None,
+            debug: false,
+            probe_status: None,
+            probe_passed: false,
+            ended: false,
+        }
+    }
+
+    /// The pool this request routes in (None: the filter leaves it alone).
+    pub fn pool(&self) -> Option<usize> {
+        self.pool
+    }
+
+    pub fn model(&self) -> Option<&str> {
+        self.model.as_deref()
+    }
+
+    /// The ranked list handed to Envoy (empty: nothing was steered).
+    pub fn ranked(&self) -> &str {
+        self.steered.as_ref().map_or("", |s| s.ranked.as_str())
+    }
+
+    /// The pod this request was steered to.
+    pub fn chosen(&self) -> Option<&str> {
+        self.ranked().split(',').next().filter(|c| !c.is_empty())
+    }
+
+    /// What this request counts in flight.
+    pub fn size(&self) -> RequestSize {
+        self.size
+    }
+
+    /// Whether the request waits on its body.
+    pub fn waiting_body(&self) -> bool {
+        self.waiting_body
+    }
+
+    /// Whether the end was handled (the in-flight count closed).
+    pub fn ended(&self) -> bool {
+        self.ended
+    }
+
+    /// Request headers arrived (`end_of_stream`: there is no body).
+    pub fn on_request_headers<H, W, G>(
+        &mut self,
+        host: &mut H,
+        worker: &mut W,
+        gate: &mut G,
+        end_of_stream: bool,
+    ) -> Next
+    where
+        H: Host + ?Sized,
+        W: Worker + ?Sized,
+        G: Gate<W> + ?Sized,
+    {
+        let now = host.now_ms();
+        self.started_ms = now;
+        let cfg = worker.router().config();
+        let routing_header = cfg.routing_header.clone();
+        let status_path = cfg.status_path.clone();
+        let model_header = cfg.model_header.clone();
+        let debug_header = cfg.debug_header.clone();
+        let pools = cfg.pools.len();
+        // Clients cannot steer: whatever they sent in the routing header is dropped first.
+        if !host.set_request_header(&routing_header, None) {
+            host.warn(&format!("ai-lb: cannot remove `{routing_header}`"));
+        }
+        if let Some(path) = status_path.as_deref() {
+            let asked = host
+                .request_header(":path")
+                .is_some_and(|p| p.split('?').next() == Some(path));
+            if asked {
+                let body = status_page(worker, pools, now);
+                host.send_local_reply(
+                    200,
+                    &[("content-type", "application/json")],
+                    body.as_bytes(),
+                );
+                return Next::Stop;
+            }
+        }
+        self.pool = {
+            let cluster = host.cluster_name();
+            match cluster.as_deref() {
+                Some(c) => worker.router().config().pool_by_cluster(c),
+                None if pools == 1 => Some(0),
+                None => None,
+            }
+        };
+        let Some(pool) = self.pool else {
+            return Next::Continue;
+        };
+        self.debug = debug_header.is_some_and(|h| host.request_header(&h).is_some());
+        if let Some(h) = model_header.as_deref() {
+            self.model = host
+                .request_header(h)
+                .filter(|m| !m.is_empty())
+                .map(Cow::into_owned);
+            self.model_from_body = self.model.is_none() && !end_of_stream;
+        }
+        // Prefix affinity reads the prompt, when some pod of the pool reports its cache.
+        if !end_of_stream {
+            worker.refresh(pool, now);
+            self.prompt_from_body = worker.router().prefix_space(pool).is_some();
+        }
+        match gate.begin(worker, end_of_stream, now) {
+            GateStep::Replied | GateStep::Held => return Next::Stop,
+            GateStep::NeedBody => self.gate_body = true,
+            GateStep::Proceed => {}
+        }
+        if self.model_from_body || self.prompt_from_body || self.gate_body {
+            self.waiting_body = true;
+            return Next::StopForBody;
+        }
+        // The body is not read: its declared length still sizes the prompt.
+        if !end_of_stream {
+            self.body_bytes = host
+                .request_header("content-length")
+                .and_then(|v| v.trim().parse().ok());
+        }
+        self.gate_and_route(host, worker, gate, now)
+    }
+
+    /// The whole request body is here (only after [`Next::StopForBody`]).
+    pub fn on_request_body<H, W, G>(
+        &mut self,
+        host: &mut H,
+        worker: &mut W,
+        gate: &mut G,
+        body: &[u8],
+    ) -> Next
+    where
+        H: Host + ?Sized,
+        W: Worker + ?Sized,
+        G: Gate<W> + ?Sized,
+    {
+        if !self.waiting_body {
+            return Next::Continue;
+        }
+        self.waiting_body = false;
+        let now = host.now_ms();
+        self.body_bytes = Some(body.len());
+        let fields = crate::body::routing_fields(body);
+        self.max_output_tokens = fields.max_output_tokens;
+        if self.model_from_body {
+            self.model = fields.model;
+        }
+        if let Some(pool) = self.pool.filter(|_| self.prompt_from_body) {
+            let p = worker.parts();
+            self.prompt = p.router.key_prompt(pool, body, p.prompt_ids, p.key_scratch);
+        }
+        if std::mem::take(&mut self.gate_body) {
+            match gate.body(worker, body, now) {
+                GateStep::Replied | GateStep::Held => return Next::Stop,
+                GateStep::Proceed | GateStep::NeedBody => {}
+            }
+        }
+        self.gate_and_route(host, worker, gate, now)
+    }
+
+    /// Sizes the request, lets the gate shed or hold it, and routes it.
+    fn gate_and_route<H, W, G>(
+        &mut self,
+        host: &mut H,
+        worker: &mut W,
+        gate: &mut G,
+        now: u64,
+    ) -> Next
+    where
+        H: Host + ?Sized,
+        W: Worker + ?Sized,
+        G: Gate<W> + ?Sized,
+    {
+        let Some(pool) = self.pool else {
+            return Next::Continue;
+        };
+        self.size = worker
+            .parts()
+            .router
+            .request_size(self.body_bytes, self.max_output_tokens);
+        match gate.before_route(worker, pool, self.model.as_deref(), self.size, now) {
+            GateStep::Replied => return Next::Stop,
+            GateStep::Held => {
+                self.held = true;
+                return Next::Stop;
+            }
+            GateStep::Proceed | GateStep::NeedBody => {}
+        }
+        self.steered = steer(
+            host,
+            worker,
+            pool,
+            self.model.as_deref(),
+            now,
+            self.size,
+            self.prompt.as_ref(),
+        );
+        Next::Continue
+    }
+
+    /// Takes what a held request's release steered (once).
+    fn take_resumed<W, G>(&mut self, worker: &mut W, gate: &mut G)
+    where
+        W: Worker + ?Sized,
+        G: Gate<W> + ?Sized,
+    {
+        if std::mem::take(&mut self.held) {
+            if let Some(st) = gate.take_resumed(worker) {
+                self.steered = Some(st);
+            }
+        }
+    }
+
+    /// Response headers arrived.
+    pub fn on_response_headers<H, W, G>(
+        &mut self,
+        host: &mut H,
+        worker: &mut W,
+        gate: &mut G,
+        end_of_stream: bool,
+    ) where
+        H: Host + ?Sized,
+        W: Worker + ?Sized,
+        G: Gate<W> + ?Sized,
+    {
+        if self.pool.is_none() {
+            return;
+        }
+        self.take_resumed(worker, gate);
+        gate.on_response_headers(worker, end_of_stream);
+        self.attempts = host
+            .response_header("x-envoy-attempt-count")
+            .and_then(|v| v.parse().ok());
+        if self.steered.as_ref().is_some_and(|s| s.probe) {
+            self.probe_status = host.response_header(":status").and_then(|v| v.parse().ok());
+        }
+        if end_of_stream && self.ttft_ms.is_none() {
+            self.ttft_ms = Some(host.now_ms().saturating_sub(self.started_ms));
+        }
+        if self.debug {
+            if let Some(h) = worker.router().config().debug_header.clone() {
+                let score = self.steered.as_ref().map_or(0.0, |s| s.score);
+                let value = debug_header_value(self.chosen(), score, self.ranked());
+                host.set_response_header(&h, &value);
+            }
+        }
+    }
+
+    /// A response chunk of `size` bytes arrived: the first is the time to first byte, and
+    /// passes a probe whose answer started well (the rest of a long stream need not keep the
+    /// pod half-open).
+    pub fn on_response_body<H, W, G>(
+        &mut self,
+        host: &mut H,
+        worker: &mut W,
+        gate: &mut G,
+        size: usize,
+        end_of_stream: bool,
+    ) where
+        H: Host + ?Sized,
+        W: Worker + ?Sized,
+        G: Gate<W> + ?Sized,
+    {
+        if self.pool.is_none() {
+            return;
+        }
+        if self.ttft_ms.is_none() {
+            let now = host.now_ms();
+            let ttft = now.saturating_sub(self.started_ms);
+            self.ttft_ms = Some(ttft);
+            if self.steered.as_ref().is_some_and(|s| s.probe) && !end_of_stream {
+                feedback::pass_probe(self, host, worker, ttft, now);
+            }
+        }
+        gate.on_response_body(worker, size, end_of_stream);
+    }
+
+    /// The request is over (Envoy's log phase / stream end): closes its in-flight count and
+    /// feeds the outcome of every attempt to the breakers. Runs once; later calls do nothing.
+    pub fn on_end<H, W, G>(&mut self, host: &mut H, worker: &mut W, gate: &mut G)
+    where
+        H: Host + ?Sized,
+        W: Worker + ?Sized,
+        G: Gate<W> + ?Sized,
+    {
+        if std::mem::replace(&mut self.ended, true) {
+            return;
+        }
+        let now = host.now_ms();
+        self.take_resumed(worker, gate);
+        gate.on_end(worker, now);
+        if self.pool.is_some() {
+            feedback::finish(self, host, worker, now);
+        }
+    }
+}
+
+/// The status page: the scoreboard of every pool as this worker sees it, with the worker's
+/// ordinal (each worker answers from its own view; the breakers are shared).
+fn status_page<W: Worker + ?Sized>(worker: &mut W, pools: usize, now: u64) -> String {
+    for i in 0..pools {
+        worker.refresh(i, now);
+    }
+    let ordinal = worker.ordinal();
+    let mut sb = scoreboard(worker.router(), now);
+    if let Some(o) = sb.as_object_mut() {
+        o.insert("worker".into(), ordinal.into());
+    }
+    sb.to_string()
+}

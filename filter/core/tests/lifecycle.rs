@@ -1,0 +1,549 @@
+//! Decides whether one request's life, as both data paths run it ([`Exchange`]), does what the
+//! filter promises, driven by a mock host and a mock worker with no Envoy: the client's routing
+//! header is dropped, the status page answers, foreign clusters are left alone, the model is
+//! read from the body, the ranked list reaches the host, the in-flight count is closed exactly
+//! once however the request ends (answered, failed, held then released, refused by the gate,
+//! ended twice), failures feed the shared breaker, a half-open probe passes at its first byte.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+
+use ai_lb_filter_core::breaker::{Breaker, BreakerState, Transition};
+use ai_lb_filter_core::config::FilterConfig;
+use ai_lb_filter_core::lifecycle::{
+    steer, BreakerStore, Exchange, Gate, GateStep, Host, Next, NoGate, Parts, Stats, Steered,
+    Worker,
+};
+use ai_lb_filter_core::picker::{RequestSize, Router};
+use ai_lb_proto::{
+    InferenceStats, ModelInfo, PeerState, PeerStatus, PodIdentity, PodSnapshot, PoolEvent,
+};
+use rand::rngs::SmallRng;
+use rand::SeedableRng;
+
+const PODS: [&str; 3] = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"];
+
+/// A proxy for one request: headers in maps, what the core did recorded.
+#[derive(Default)]
+struct MockHost {
+    now: u64,
+    req: HashMap<String, String>,
+    resp: HashMap<String, String>,
+    cluster: Option<String>,
+    upstream: Option<String>,
+    code: Option<u16>,
+    details: Option<String>,
+    steered: Vec<String>,
+    replies: Vec<(u16, String)>,
+    warnings: Vec<String>,
+    refuse_steer: bool,
+}
+
+impl Host for MockHost {
+    fn now_ms(&self) -> u64 {
+        self.now
+    }
+    fn request_header(&self, name: &str) -> Option<Cow<'_, str>> {
+        self.req.get(name).map(|v| Cow::Borrowed(v.as_str()))
+    }
+    fn set_request_header(&mut self, name: &str, value: Option<&str>) -> bool {
+        match value {
+            Some(v) => self.req.insert(name.into(), v.into()),
+            None => self.req.remove(name),
+        };
+        true
+    }
+    fn response_header(&self, name: &str) -> Option<Cow<'_, str>> {
+        self.resp.get(name).map(|v| Cow::Borrowed(v.as_str()))
+    }
+    fn set_response_header(&mut self, name: &str, value: &str) {
+        self.resp.insert(name.into(), value.into());
+    }
+    fn send_local_reply(&mut self, status: u16, _headers: &[(&str, &str)], body: &[u8]) {
+        self.replies
+            .push((status, String::from_utf8_lossy(body).into_owned()));
+    }
+    fn cluster_name(&self) -> Option<Cow<'_, str>> {
+        self.cluster.as_deref().map(Cow::Borrowed)
+    }
+    fn upstream_address(&self) -> Option<Cow<'_, str>> {
+        self.upstream.as_deref().map(Cow::Borrowed)
+    }
+    fn response_code(&self) -> Option<u16> {
+        self.code
+    }
+    fn response_flags(&self) -> u64 {
+        0
+    }
+    fn response_code_details(&self) -> Option<Cow<'_, str>> {
+        self.details.as_deref().map(Cow::Borrowed)
+    }
+    fn steer(&mut self, routing_header: &str, ranked: &str) -> bool {
+        if self.refuse_steer {
+            return false;
+        }
+        self.req.insert(routing_header.into(), ranked.into());
+        self.steered.push(ranked.into());
+        true
+    }
+    fn warn(&mut self, msg: &str) {
+        self.warnings.push(msg.into());
+    }
+}
+
+/// Shared breakers in a map (as the native module keeps them), no epoch.
+#[derive(Default)]
+struct MapStore {
+    by_pod: HashMap<String, Breaker>,
+    writes: usize,
+}
+
+impl BreakerStore for MapStore {
+    fn sync(&mut self, router: &mut Router, pool: usize, _now: u64) {
+        for (pod, b) in &self.by_pod {
+            router.set_breaker(pool, pod, None, *b);
+        }
+    }
+    fn update(
+        &mut self,
+        router: &mut Router,
+        pool: usize,
+        pod: &str,
+        now: u64,
+        update: &mut dyn FnMut(&mut Breaker) -> Option<Transition>,
+    ) -> Option<Vec<Transition>> {
+        let cfg = router.config().breaker;
+        let before = self.by_pod.get(pod).copied().unwrap_or_default();
+        let mut b = before;
+        let mut ts: Vec<Transition> = b.poll(now, &cfg).into_iter().collect();
+        ts.extend(update(&mut b));
+        if b != before {
+            self.by_pod.insert(pod.into(), b);
+            self.writes += 1;
+        }
+        router.set_breaker(pool, pod, None, b);
+        Some(ts)
+    }
+}
+
+#[derive(Default)]
+struct Counted {
+    picked: Vec<String>,
+    failed: Vec<String>,
+    transitions: Vec<(String, BreakerState)>,
+}
+
+impl Stats for Counted {
+    fn picked(&mut self, pod: &str) {
+        self.picked.push(pod.into());
+    }
+    fn failed(&mut self, pod: &str) {
+        self.failed.push(pod.into());
+    }
+    fn transitions(&mut self, pod: &str, ts: &[Transition]) {
+        self.transitions
+            .extend(ts.iter().map(|t| (pod.to_string(), t.to)));
+    }
+}
+
+struct MockWorker {
+    router: Router,
+    rng: SmallRng,
+    scratch: String,
+    ids: Vec<u32>,
+    keys: Vec<u64>,
+    store: MapStore,
+    stats: Counted,
+    refreshes: usize,
+}
+
+impl Worker for MockWorker {
+    fn refresh(&mut self, pool: usize, now: u64) {
+        self.refreshes += 1;
+        self.store.sync(&mut self.router, pool, now);
+    }
+    fn parts(&mut self) -> Parts<'_> {
+        Parts {
+            router: &mut self.router,
+            rng: &mut self.rng,
+            scratch: &mut self.scratch,
+            prompt_ids: &mut self.ids,
+            key_scratch: &mut self.keys,
+            breakers: &mut self.store,
+            stats: &mut self.stats,
+        }
+    }
+    fn router(&self) -> &Router {
+        &self.router
+    }
+    fn ordinal(&self) -> u64 {
+        7
+    }
+}
+
+/// The agents' snapshot of the three pods, received at `now`.
+fn publish(router: &mut Router, now: u64) {
+    let peers = PODS
+        .iter()
+        .enumerate()
+        .map(|(i, a)| PeerState {
+            peer: format!("agent-{i}:9090"),
+            status: PeerStatus::Live as i32,
+            snapshot: Some(PodSnapshot {
+                identity: Some(PodIdentity {
+                    address: a.to_string(),
+                    models: vec![ModelInfo {
+                        name: "m".into(),
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                }),
+                inference: Some(InferenceStats {
+                    waiting: Some(0),
+                    running: Some(i as u32),
+                    queue_capacity: Some(8),
+                    kv_cache_usage: Some(0.1),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            reason: String::new(),
+        })
+        .collect();
+    let ev = PoolEvent {
+        full: true,
+        peers,
+        ..Default::default()
+    };
+    router.apply_pool_event(0, &ev, now);
+}
+
+fn worker() -> MockWorker {
+    let cfg = FilterConfig::from_json(
+        br#"{"pools":[{"name":"default","cluster":"inference"},{"name":"other","cluster":"other"}],
+             "modelHeader":"x-model","debugHeader":"x-ai-lb-debug","statusPath":"/ai-lb/status",
+             "breaker":{"consecutiveFailures":2,"baseCooldownMs":1000}}"#,
+    )
+    .unwrap();
+    let mut router = Router::new(cfg);
+    publish(&mut router, 1_000);
+    MockWorker {
+        router,
+        rng: SmallRng::seed_from_u64(1),
+        scratch: String::new(),
+        ids: Vec::new(),
+        keys: Vec::new(),
+        store: MapStore::default(),
+        stats: Counted::default(),
+        refreshes: 0,
+    }
+}
+
+fn host(now: u64) -> MockHost {
+    MockHost {
+        now,
+        cluster: Some("inference".into()),
+        ..Default::default()
+    }
+}
+
+fn inflight(w: &MockWorker, now: u64) -> u32 {
+    w.router.pod_status(0, now).iter().map(|p| p.inflight).sum()
+}
+
+/// Runs a whole answered request: headers without body, a 200, the end.
+fn answered(w: &mut MockWorker, now: u64, code: u16) -> (Exchange, MockHost) {
+    let mut h = host(now);
+    let mut ex = Exchange::new();
+    assert_eq!(
+        ex.on_request_headers(&mut h, w, &mut NoGate, true),
+        Next::Continue
+    );
+    let chosen = ex.chosen().expect("steered").to_string();
+    h.upstream = Some(chosen);
+    h.code = Some(code);
+    h.resp.insert(":status".into(), code.to_string());
+    ex.on_response_headers(&mut h, w, &mut NoGate, false);
+    h.now += 5;
+    ex.on_response_body(&mut h, w, &mut NoGate, 10, true);
+    ex.on_end(&mut h, w, &mut NoGate);
+    (ex, h)
+}
+
+#[test]
+fn a_client_sent_routing_header_is_dropped_and_the_ranked_list_reaches_the_host() {
+    let mut w = worker();
+    let mut h = host(1_010);
+    h.req
+        .insert("x-gateway-destination-endpoint".into(), "6.6.6.6:1".into());
+    let mut ex = Exchange::new();
+    assert_eq!(
+        ex.on_request_headers(&mut h, &mut w, &mut NoGate, true),
+        Next::Continue
+    );
+    let ranked = h
+        .req
+        .get("x-gateway-destination-endpoint")
+        .cloned()
+        .unwrap();
+    assert_eq!(h.steered, vec![ranked.clone()]);
+    assert!(
+        !ranked.contains("6.6.6.6"),
+        "the client's value is gone: {ranked}"
+    );
+    let chosen = ranked.split(',').next().unwrap();
+    assert!(PODS.contains(&chosen));
+    assert_eq!(w.stats.picked, vec![chosen.to_string()]);
+    assert_eq!(inflight(&w, 1_010), 1);
+}
+
+#[test]
+fn the_in_flight_count_is_closed_once_when_the_request_ends_even_if_ended_twice() {
+    let mut w = worker();
+    let (mut ex, mut h) = answered(&mut w, 1_010, 200);
+    assert_eq!(inflight(&w, 1_020), 0);
+    assert!(ex.ended());
+    // A second end (e.g. a stream-complete after the log phase) changes nothing.
+    ex.on_end(&mut h, &mut w, &mut NoGate);
+    assert_eq!(inflight(&w, 1_020), 0);
+    // A clean success on a clean breaker writes nothing shared.
+    assert_eq!(w.store.writes, 0);
+}
+
+#[test]
+fn the_status_page_answers_from_this_worker_and_says_which() {
+    let mut w = worker();
+    let mut h = host(1_010);
+    h.req.insert(":path".into(), "/ai-lb/status?x=1".into());
+    let mut ex = Exchange::new();
+    assert_eq!(
+        ex.on_request_headers(&mut h, &mut w, &mut NoGate, true),
+        Next::Stop
+    );
+    let (status, body) = h.replies.first().cloned().unwrap();
+    assert_eq!(status, 200);
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["worker"], 7);
+    assert_eq!(v["pools"][0]["pods"].as_array().unwrap().len(), 3);
+    assert!(h.steered.is_empty());
+}
+
+#[test]
+fn a_cluster_of_no_pool_is_left_alone() {
+    let mut w = worker();
+    let mut h = host(1_010);
+    h.cluster = Some("payments".into());
+    let mut ex = Exchange::new();
+    assert_eq!(
+        ex.on_request_headers(&mut h, &mut w, &mut NoGate, false),
+        Next::Continue
+    );
+    assert_eq!(ex.pool(), None);
+    assert!(h.steered.is_empty());
+    ex.on_end(&mut h, &mut w, &mut NoGate);
+    assert_eq!(inflight(&w, 1_010), 0);
+}
+
+#[test]
+fn the_model_is_read_from_the_body_when_no_header_names_it() {
+    let mut w = worker();
+    let mut h = host(1_010);
+    let mut ex = Exchange::new();
+    assert_eq!(
+        ex.on_request_headers(&mut h, &mut w, &mut NoGate, false),
+        Next::StopForBody
+    );
+    assert!(h.steered.is_empty(), "nothing is steered before the body");
+    let body = br#"{"model":"m","max_tokens":64,"messages":[{"role":"user","content":"hi"}]}"#;
+    assert_eq!(
+        ex.on_request_body(&mut h, &mut w, &mut NoGate, body),
+        Next::Continue
+    );
+    assert_eq!(ex.model(), Some("m"));
+    assert_eq!(h.steered.len(), 1);
+    // The body's output reservation sizes the request.
+    assert!(ex.size() != RequestSize::UNIT, "{:?}", ex.size());
+}
+
+#[test]
+fn a_model_header_is_used_and_the_debug_header_answers() {
+    let mut w = worker();
+    let mut h = host(1_010);
+    h.req.insert("x-model".into(), "m".into());
+    h.req.insert("x-ai-lb-debug".into(), "1".into());
+    let mut ex = Exchange::new();
+    assert_eq!(
+        ex.on_request_headers(&mut h, &mut w, &mut NoGate, false),
+        Next::Continue
+    );
+    assert_eq!(ex.model(), Some("m"));
+    ex.on_response_headers(&mut h, &mut w, &mut NoGate, false);
+    let dbg = h.resp.get("x-ai-lb-debug").cloned().unwrap();
+    assert!(
+        dbg.starts_with(&format!("pod={}", ex.chosen().unwrap())),
+        "{dbg}"
+    );
+}
+
+#[test]
+fn failures_feed_the_shared_breaker_and_an_open_is_logged() {
+    let mut w = worker();
+    let mut opened_pod = None;
+    for i in 0..20 {
+        let (ex, h) = answered(&mut w, 1_010 + i, 503);
+        let pod = ex.chosen().unwrap().to_string();
+        if !h.warnings.is_empty() {
+            assert!(h.warnings[0].contains(&pod) && h.warnings[0].contains("opened"));
+            opened_pod = Some(pod);
+            break;
+        }
+    }
+    let pod = opened_pod.expect("two failures in a row on one pod open its breaker");
+    assert!(w.stats.failed.contains(&pod));
+    assert!(w
+        .stats
+        .transitions
+        .contains(&(pod.clone(), BreakerState::Open)));
+    assert_eq!(w.store.by_pod[&pod].state(), BreakerState::Open);
+    assert_eq!(inflight(&w, 2_000), 0);
+}
+
+#[test]
+fn a_half_open_probe_passes_at_its_first_byte_and_is_not_recorded_again() {
+    let mut w = worker();
+    let cfg = w.router.config().breaker;
+    // Open every pod, then let the cooldown pass: each is half-open at the next poll.
+    for pod in PODS {
+        let trip = &mut |b: &mut Breaker| {
+            b.trip(
+                ai_lb_filter_core::breaker::TripReason::ServerErrors,
+                1_000,
+                &cfg,
+            )
+        };
+        w.store.update(&mut w.router, 0, pod, 1_000, trip);
+    }
+    let later = 1_000 + 60_000;
+    // Fresh metrics at the later time.
+    publish(&mut w.router, later);
+    let mut h = host(later);
+    let mut ex = Exchange::new();
+    ex.on_request_headers(&mut h, &mut w, &mut NoGate, true);
+    let pod = ex
+        .chosen()
+        .expect("a half-open pod takes a probe")
+        .to_string();
+    assert_eq!(w.store.by_pod[&pod].state(), BreakerState::HalfOpen);
+    h.upstream = Some(pod.clone());
+    h.code = Some(200);
+    h.resp.insert(":status".into(), "200".into());
+    ex.on_response_headers(&mut h, &mut w, &mut NoGate, false);
+    h.now += 10;
+    ex.on_response_body(&mut h, &mut w, &mut NoGate, 10, false);
+    let writes = w.store.writes;
+    ex.on_end(&mut h, &mut w, &mut NoGate);
+    assert_eq!(
+        w.store.writes, writes,
+        "the passed probe is not recorded again"
+    );
+}
+
+#[test]
+fn a_refused_steer_counts_and_leaves_nothing_in_flight() {
+    let mut w = worker();
+    let mut h = host(1_010);
+    h.refuse_steer = true;
+    let mut ex = Exchange::new();
+    assert_eq!(
+        ex.on_request_headers(&mut h, &mut w, &mut NoGate, true),
+        Next::Continue
+    );
+    assert_eq!(ex.chosen(), None);
+    assert_eq!(w.router.counters().steer_failed, 1);
+    assert_eq!(inflight(&w, 1_010), 0);
+    assert!(w.stats.picked.is_empty());
+}
+
+/// A gate that answers, or holds then releases through the core's `steer`.
+struct TestGate {
+    begin: GateStep,
+    before_route: GateStep,
+    resumed: Option<Steered>,
+    ends: usize,
+}
+
+impl Gate<MockWorker> for TestGate {
+    fn begin(&mut self, _w: &mut MockWorker, _eos: bool, _now: u64) -> GateStep {
+        self.begin
+    }
+    fn before_route(
+        &mut self,
+        _w: &mut MockWorker,
+        _pool: usize,
+        _model: Option<&str>,
+        _size: RequestSize,
+        _now: u64,
+    ) -> GateStep {
+        self.before_route
+    }
+    fn take_resumed(&mut self, _w: &mut MockWorker) -> Option<Steered> {
+        self.resumed.take()
+    }
+    fn on_end(&mut self, _w: &mut MockWorker, _now: u64) {
+        self.ends += 1;
+    }
+}
+
+#[test]
+fn a_request_the_gate_answers_is_not_routed() {
+    let mut w = worker();
+    let mut h = host(1_010);
+    let mut g = TestGate {
+        begin: GateStep::Replied,
+        before_route: GateStep::Proceed,
+        resumed: None,
+        ends: 0,
+    };
+    let mut ex = Exchange::new();
+    assert_eq!(
+        ex.on_request_headers(&mut h, &mut w, &mut g, false),
+        Next::Stop
+    );
+    assert!(h.steered.is_empty());
+    ex.on_end(&mut h, &mut w, &mut g);
+    assert_eq!(g.ends, 1);
+    assert_eq!(inflight(&w, 1_010), 0);
+}
+
+#[test]
+fn a_held_request_released_later_is_closed_in_flight_at_its_end() {
+    let mut w = worker();
+    let mut h = host(1_010);
+    let mut g = TestGate {
+        begin: GateStep::NeedBody,
+        before_route: GateStep::Held,
+        resumed: None,
+        ends: 0,
+    };
+    let mut ex = Exchange::new();
+    assert_eq!(
+        ex.on_request_headers(&mut h, &mut w, &mut g, false),
+        Next::StopForBody
+    );
+    assert_eq!(
+        ex.on_request_body(&mut h, &mut w, &mut g, b"{}"),
+        Next::Stop
+    );
+    assert!(h.steered.is_empty());
+    // The glue's root releases it: it routes with the core's steer.
+    let mut root_host = host(1_050);
+    g.resumed = steer(&mut root_host, &mut w, 0, None, 1_050, ex.size(), None);
+    assert!(g.resumed.is_some());
+    assert_eq!(inflight(&w, 1_050), 1);
+    h.now = 1_100;
+    h.code = Some(200);
+    ex.on_response_headers(&mut h, &mut w, &mut g, false);
+    assert!(ex.chosen().is_some(), "the release's pick is the request's");
+    ex.on_end(&mut h, &mut w, &mut g);
+    assert_eq!(inflight(&w, 1_100), 0);
+}
