@@ -14,6 +14,9 @@ step() { printf '\n==> %s\n' "$*"; }
 step "setup"
 ENVOY_BIN="$(scripts/setup.sh | tail -n 1)"
 export ENVOY_BIN
+# A test whose Envoy, wasm filter or native module is missing fails here instead of skipping
+# (tests/e2e/src/require.rs); both modules are built before `cargo test` below.
+export REQUIRE_ENVOY=1
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
@@ -30,7 +33,11 @@ cargo build -p ai-lb-filter-wasm --target wasm32-wasip1 --release --locked
 cargo build -p ai-lb-filter-native --locked
 
 step "tests (unit, property, integration, end-to-end with a real Envoy)"
-cargo test --workspace --locked
+# The native module the tests load is the debug build just made: their lookup prefers a
+# release build, which may be a stale one left by scripts/bench.sh.
+target_dir="${CARGO_TARGET_DIR:-$root/target}"
+case "$target_dir" in /*) ;; *) target_dir="$root/$target_dir" ;; esac
+AI_LB_NATIVE="$target_dir/debug/libai_lb_filter_native.so" cargo test --workspace --locked
 
 step "benchmarks compile (run them by hand, see BENCHMARKS.md)"
 cargo bench --workspace --no-run --locked

@@ -60,6 +60,12 @@ fn target_dirs() -> Vec<PathBuf> {
         }
     }
     dirs.push(workspace_root().join("target"));
+    let mut seen = Vec::new();
+    dirs.retain(|d| {
+        let new = !seen.contains(d);
+        seen.push(d.clone());
+        new
+    });
     dirs
 }
 

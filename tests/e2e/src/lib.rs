@@ -5,3 +5,4 @@ pub mod envoy;
 pub mod epp;
 pub mod process;
 pub mod ratelimit;
+pub mod require;

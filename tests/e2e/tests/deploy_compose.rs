@@ -588,23 +588,24 @@ fn rendered_compose_envoy_configs_pass_envoy_validate() {
         assert!(v.ok, "{what}:\n{}", v.output);
     };
     check("envoy-wasm", &stub, "Envoy rejects the compose config");
-    if let Some(module) = real_wasm_module() {
+    // The real modules where built (required under REQUIRE_ENVOY=1); the native Envoy's config
+    // loads its module at validation, so it has no stub.
+    let test = "rendered_compose_envoy_configs_pass_envoy_validate, real modules";
+    let wasm = ai_lb_e2e::envoy::wasm_path();
+    if let Some(module) = ai_lb_e2e::require::or_skip(test, "the wasm filter", wasm) {
         check(
             "envoy-wasm",
             &module,
             "the real filter refuses the compose config",
         );
-    } else {
-        eprintln!("(real filter module not built: checked with the stub module only)");
     }
-    // The native Envoy's config loads the module at validation: only with a built module.
-    match ai_lb_e2e::envoy::native_module_path() {
-        Ok(module) => check(
+    let native = ai_lb_e2e::envoy::native_module_path();
+    if let Some(module) = ai_lb_e2e::require::or_skip(test, "the native module", native) {
+        check(
             "envoy-native",
             &module,
             "Envoy rejects the native compose config",
-        ),
-        Err(e) => eprintln!("(native module not built: {e})"),
+        );
     }
 }
 

