@@ -235,15 +235,15 @@ def envoy_stats(admin: str) -> dict[str, int]:
 
 def decisions(admin: str) -> dict[str, int]:
     """The filter's decision counters of one Envoy: steered, fallback (all reasons), fail-open.
-    wasm: ailb.steered, ailb.fallback.<reason>, ailb.fail_open; native module:
-    dynamicmodulescustom.ailb.native.steered, ....native.fallback, ....native.fail_open."""
+    Both data paths use the same names (ailb.steered, ailb.fallback.<reason>, ailb.fail_open),
+    prefixed wasmcustom. (wasm filter) or dynamicmodulescustom. (native module) by Envoy."""
     try:
         st = envoy_stats(admin)
     except Exception:  # an Envoy being restarted
         return {}
 
     def total_of(pat: str) -> int:
-        rx = re.compile(r"(^|\.)ailb(\.native)?\." + pat)
+        rx = re.compile(r"(^|\.)ailb\." + pat)
         return sum(v for k, v in st.items() if rx.search(k))
     return {"steered": total_of(r"steered$"), "fallback": total_of(r"fallback($|\.)"),
             "fail_open": total_of(r"fail_open$")}

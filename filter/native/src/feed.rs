@@ -62,6 +62,11 @@ pub struct Shared {
     pub stream_errors_counted: AtomicU64,
     /// Events that did not decode or apply.
     pub decode_errors: AtomicU64,
+    /// Hooks that found their worker's routing state in use (a re-entered hook) and left
+    /// the request to Envoy's balancing (`ailb.state_busy`).
+    pub busy: AtomicU64,
+    /// How many of them are already in Envoy's stats.
+    pub busy_counted: AtomicU64,
 }
 
 /// The running feed; dropping it stops the thread (within one reconnect or heartbeat wait).

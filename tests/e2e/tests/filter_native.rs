@@ -5,7 +5,7 @@
 //! least_request when no agent answers (counted), and makes Envoy refuse a config it cannot
 //! honour; shares a breaker one worker opened with every worker (Envoy with 4 workers), and
 //! closes a healed pod's breaker at its probes' first tokens; counts picks and failures per
-//! pod (`ailb.native.picks` / `.failures`, label `endpoint`) and sets the per-pod gauges
+//! pod (`ailb.endpoint.picks` / `.failures`, label `ailb_endpoint`) and sets the per-pod gauges
 //! (score, breaker state, metrics age). Needs
 //! `cargo build -p ai-lb-filter-native` (scripts/test.sh builds it).
 
@@ -18,13 +18,16 @@ use filter_common::*;
 use serde_json::json;
 
 const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
-const STEERED: &str = "dynamicmodulescustom.ailb.native.steered";
-const FALLBACK: &str = "dynamicmodulescustom.ailb.native.fallback";
-const PICKS: &str = "dynamicmodulescustom.ailb.native.picks";
-const FAILURES: &str = "dynamicmodulescustom.ailb.native.failures";
-const SCORE: &str = "dynamicmodulescustom.ailb.native.score";
-const BREAKER_STATE: &str = "dynamicmodulescustom.ailb.native.breaker_state";
-const METRICS_AGE: &str = "dynamicmodulescustom.ailb.native.metrics_age_ms";
+// The wasm filter's stat names (Envoy prefixes a dynamic module's stats with
+// `dynamicmodulescustom.`, a wasm filter's with `wasmcustom.`).
+const STEERED: &str = "dynamicmodulescustom.ailb.steered";
+const NO_MODEL: &str = "dynamicmodulescustom.ailb.fallback.no_model";
+const NO_AGENT_DATA: &str = "dynamicmodulescustom.ailb.fallback.no_agent_data";
+const PICKS: &str = "dynamicmodulescustom.ailb.endpoint.picks";
+const FAILURES: &str = "dynamicmodulescustom.ailb.endpoint.failures";
+const SCORE: &str = "dynamicmodulescustom.ailb.endpoint.score";
+const BREAKER_STATE: &str = "dynamicmodulescustom.ailb.endpoint.breaker_state";
+const METRICS_AGE: &str = "dynamicmodulescustom.ailb.endpoint.metrics_age_ms";
 
 fn native_opts(pool: &PodPool, filter: &str, agents: &[std::net::SocketAddr]) -> EnvoyOptions {
     let mut opts = EnvoyOptions::new(envoy::native_filter_config(filter, agents).unwrap());
@@ -46,7 +49,7 @@ fn stat(envoy: &Envoy, name: &str) -> u64 {
 fn per_pod(envoy: &Envoy, pool: &PodPool, name: &str) -> Vec<u64> {
     pool.pod_addrs
         .iter()
-        .map(|a| stat(envoy, &format!("{name}.endpoint.{a}")))
+        .map(|a| stat(envoy, &format!("{name}.ailb_endpoint.{a}")))
         .collect()
 }
 
@@ -134,33 +137,33 @@ fn the_native_module_keeps_a_hot_pod_out_and_reads_the_model_from_the_body() {
     assert_eq!(scores()[0], 0, "the hot pod's score gauge {:?}", scores());
     let stats = envoy.stats().unwrap();
     for a in &pool.pod_addrs {
-        let age = format!("{METRICS_AGE}.endpoint.{a}");
+        let age = format!("{METRICS_AGE}.ailb_endpoint.{a}");
         assert!(stats.contains_key(&age), "no {age}");
     }
     let prom = envoy.prometheus().unwrap();
     let label = format!(
-        "envoy_dynamicmodulescustom_ailb_native_picks{{endpoint=\"{}\"}}",
+        "envoy_dynamicmodulescustom_ailb_endpoint_picks{{ailb_endpoint=\"{}\"}}",
         pool.pod_addrs[1]
     );
     assert!(
         prom.lines().any(|l| l.starts_with(&label)),
         "no {label} in /stats/prometheus:\n{}",
         prom.lines()
-            .filter(|l| l.contains("ailb_native"))
+            .filter(|l| l.contains("ailb_endpoint"))
             .collect::<Vec<_>>()
             .join("\n")
     );
 
     // A model no pod serves, read from the body, is not steered (so the body was read): the
     // pod least_request picks answers 404, and the fallback is counted.
-    let before = stat(&envoy, FALLBACK);
+    let before = stat(&envoy, NO_MODEL);
     let r = client
         .post_json("/v1/completions", &[], &body("other-model"))
         .unwrap();
     assert_eq!(r.status, 404, "{}", r.text());
     envoy
         .poll(Duration::from_secs(5), "fallback counted", || {
-            (stat(&envoy, FALLBACK) > before).then_some(())
+            (stat(&envoy, NO_MODEL) > before).then_some(())
         })
         .unwrap();
     assert!(
@@ -184,12 +187,12 @@ fn with_no_agent_answering_every_request_still_succeeds_by_least_request_and_is_
             Duration::from_secs(5),
             "fallbacks and stream errors counted",
             || {
-                (stat(&envoy, FALLBACK) >= 50
-                    && stat(&envoy, "dynamicmodulescustom.ailb.native.stream_errors") > 0)
+                (stat(&envoy, NO_AGENT_DATA) >= 50
+                    && stat(&envoy, "dynamicmodulescustom.ailb.stream.failures") > 0)
                     .then_some(())
             },
         )
-        .unwrap_or_else(|e| panic!("{e}: fallback {}", stat(&envoy, FALLBACK)));
+        .unwrap_or_else(|e| panic!("{e}: fallback {}", stat(&envoy, NO_AGENT_DATA)));
     assert_eq!(stat(&envoy, STEERED), 0);
 }
 
@@ -214,8 +217,8 @@ fn envoy_refuses_a_native_config_the_module_cannot_honour() {
     }
 }
 
-const OPENED: &str = "dynamicmodulescustom.ailb.native.breaker_opened.server_errors";
-const CLOSED: &str = "dynamicmodulescustom.ailb.native.breaker_closed";
+const OPENED: &str = "dynamicmodulescustom.ailb.breaker_opened.server_errors";
+const CLOSED: &str = "dynamicmodulescustom.ailb.breaker_closed";
 
 /// One small completion on a connection of its own (so that the kernel spreads them over
 /// Envoy's workers): status, serving pod, the debug header.
@@ -331,7 +334,7 @@ fn a_breaker_one_worker_opens_is_open_on_every_worker() {
     assert_eq!(states()[1..], [0, 0]);
     let states = envoy.stats().unwrap();
     assert!(
-        states.contains_key(&format!("{BREAKER_STATE}.endpoint.{}", pool.pod_addrs[1])),
+        states.contains_key(&format!("{BREAKER_STATE}.ailb_endpoint.{}", pool.pod_addrs[1])),
         "no breaker gauge for pod1"
     );
     assert!(
@@ -393,7 +396,7 @@ fn half_open_probes_pass_at_their_first_token() {
     assert!(
         stat(
             &envoy,
-            "dynamicmodulescustom.ailb.native.breaker_half_opened"
+            "dynamicmodulescustom.ailb.breaker_half_opened"
         ) >= 1
     );
 }
