@@ -274,14 +274,14 @@ async fn urgent_peer_change_skips_both_coalescing_stages() {
             .and_then(|s| s.gpus.first())
             .and_then(|g| g.utilization)
     };
+    // Seeing A here means both stages have pushed (A to B, B to this stream): each is now
+    // inside its 5 s coalescing interval, which the jump must skip.
     within(
         10,
         "peer A live",
         until(&mut stream, &mut view, |v| util(v) == Some(0.10)),
     )
     .await;
-    // Let both stages push once, so each is inside its 5 s coalescing interval.
-    tokio::time::sleep(Duration::from_millis(300)).await;
     let t0 = std::time::Instant::now();
     ka.set(|k| k.util = 0.99);
     within(

@@ -271,7 +271,16 @@ async fn urgent_change_skips_watch_coalescing() {
     assert_eq!(util(&first), Some(0.10));
     let t0 = std::time::Instant::now();
     knob.set(|k| k.util = 0.13);
-    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    // The agent has sampled the drift (so it waits in the stream's coalescing interval) before
+    // the jump comes.
+    eventually(5, "the agent to sample the drift 0.13", || {
+        let mut c = c.clone();
+        async move {
+            let s = c.snapshot(SnapshotRequest {}).await.unwrap().into_inner();
+            util(&s) == Some(0.13)
+        }
+    })
+    .await;
     knob.set(|k| k.util = 0.99);
     let next = within(5, "the next event", next_snapshot(&mut stream, |_| true)).await;
     assert_eq!(

@@ -124,7 +124,8 @@ pub async fn start_agent(knob: &Knob) -> RunningAgent {
     start_on(&cfg, knob, l).await
 }
 
-/// Binds `addr` again, retrying until `deadline` (the old socket may still be closing).
+/// Binds `addr` again, retrying every 20 ms until `deadline` (the old socket may still be
+/// closing; there is no event saying when it is gone).
 pub async fn rebind(addr: SocketAddr, deadline: Duration) -> TcpListener {
     let end = Instant::now() + deadline;
     loop {
@@ -151,6 +152,21 @@ pub async fn within<T>(secs: u64, what: &str, fut: impl std::future::Future<Outp
         Ok(v) => v,
         Err(_) => panic!("timed out after {secs}s waiting for {what}"),
     }
+}
+
+/// Polls `cond` every 10 ms until it holds, or fails the test with `what` after `secs`: for a
+/// state the test can only ask about (a unary RPC), where there is no event to await.
+pub async fn eventually<F, Fut>(secs: u64, what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    within(secs, what, async {
+        while !cond().await {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
 }
 
 /// A resolver whose answer the test sets.
