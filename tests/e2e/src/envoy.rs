@@ -361,24 +361,26 @@ pub fn run_until_exit(opts: &EnvoyOptions, timeout: Duration) -> Result<Exited, 
     let mut child = envoy_command(&config, &dir, opts.concurrency)
         .spawn()
         .map_err(|e| spawn_error(&e))?;
-    let deadline = Instant::now() + timeout;
-    loop {
-        match child.try_wait() {
-            Ok(Some(status)) => {
-                let log = std::fs::read_to_string(dir.join("envoy.log")).unwrap_or_default();
-                let _ = std::fs::remove_dir_all(&dir);
-                return Ok(Exited { status, log });
-            }
-            Ok(None) if Instant::now() < deadline => thread::sleep(Duration::from_millis(50)),
-            Ok(None) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(format!(
-                    "envoy still running after {timeout:?}; log in {}",
-                    dir.display()
-                ));
-            }
-            Err(e) => return Err(format!("waiting for envoy: {e}")),
+    let exited = crate::wait::poll(
+        Instant::now() + timeout,
+        Duration::from_millis(50),
+        "envoy to exit (refusing its config)",
+        || {
+            child
+                .try_wait()
+                .map_err(|e| format!("waiting for envoy: {e}"))
+        },
+    );
+    match exited {
+        Ok(status) => {
+            let log = std::fs::read_to_string(dir.join("envoy.log")).unwrap_or_default();
+            let _ = std::fs::remove_dir_all(&dir);
+            Ok(Exited { status, log })
+        }
+        Err(e) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            Err(format!("{e}; log in {}", dir.display()))
         }
     }
 }
@@ -473,24 +475,17 @@ impl Envoy {
         what: &str,
         mut f: impl FnMut(&Envoy) -> Option<T>,
     ) -> Result<T, Error> {
-        loop {
+        let every = Duration::from_millis(25);
+        let got = crate::wait::poll(deadline, every, what, || {
             if let Some(v) = f(self) {
-                return Ok(v);
+                return Ok(Some(v));
             }
-            if let Ok(Some(status)) = self.child.try_wait() {
-                return Err(format!(
-                    "envoy exited ({status}) before {what}; log:\n{}",
-                    self.log_tail(60)
-                ));
+            match self.child.try_wait() {
+                Ok(Some(status)) => Err(format!("envoy exited ({status}) before {what}")),
+                _ => Ok(None),
             }
-            if Instant::now() > deadline {
-                return Err(format!(
-                    "timed out waiting for {what}; log:\n{}",
-                    self.log_tail(60)
-                ));
-            }
-            thread::sleep(Duration::from_millis(25));
-        }
+        });
+        got.map_err(|e| format!("{e}; log:\n{}", self.log_tail(60)))
     }
 
     /// The whole log so far.
@@ -521,26 +516,17 @@ impl Envoy {
         Ok(http_get(self.admin, "/stats/prometheus")?.text())
     }
 
-    /// Polls `f` every 50 ms until it returns Some or `timeout` passes.
+    /// Polls `f` every 50 ms until it returns Some or `timeout` passes ([`crate::wait`]); the
+    /// error names `what` and carries the log's tail.
     pub fn poll<T>(
         &self,
         timeout: Duration,
         what: &str,
         mut f: impl FnMut() -> Option<T>,
     ) -> Result<T, Error> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(v) = f() {
-                return Ok(v);
-            }
-            if Instant::now() > deadline {
-                return Err(format!(
-                    "timed out after {timeout:?} waiting for {what}; envoy log:\n{}",
-                    self.log_tail(40)
-                ));
-            }
-            thread::sleep(Duration::from_millis(50));
-        }
+        let every = Duration::from_millis(50);
+        crate::wait::poll(Instant::now() + timeout, every, what, || Ok(f()))
+            .map_err(|e| format!("{e}; envoy log:\n{}", self.log_tail(40)))
     }
 
     /// True if the wasm VM trapped or the filter logged a panic.

@@ -84,22 +84,19 @@ impl Epp {
         what: &str,
         ok: impl Fn(&Value) -> bool,
     ) -> Result<Value, Error> {
-        let end = Instant::now() + timeout;
         let mut last = Value::Null;
-        loop {
-            if let Ok(s) = self.stats() {
-                if ok(&s) {
-                    return Ok(s);
+        let every = Duration::from_millis(50);
+        crate::wait::poll(Instant::now() + timeout, every, what, || {
+            Ok(match self.stats() {
+                Ok(s) if ok(&s) => Some(s),
+                Ok(s) => {
+                    last = s;
+                    None
                 }
-                last = s;
-            }
-            if Instant::now() > end {
-                return Err(self.proc.failure(&format!(
-                    "timed out after {timeout:?} waiting for {what}; last /stats: {last}"
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+                Err(_) => None,
+            })
+        })
+        .map_err(|e| self.proc.failure(&format!("{e}; last /stats: {last}")))
     }
 
     /// Waits until every pod's metrics were read at least once.

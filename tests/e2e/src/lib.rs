@@ -6,3 +6,4 @@ pub mod epp;
 pub mod process;
 pub mod ratelimit;
 pub mod require;
+pub mod wait;

@@ -330,17 +330,15 @@ impl Proc {
             return Ok(st);
         }
         let end = Instant::now() + deadline;
-        loop {
-            match self.child.try_wait() {
-                Ok(Some(st)) => {
-                    self.exited = Some(st);
-                    return Ok(st);
-                }
-                Ok(None) if Instant::now() < end => std::thread::sleep(Duration::from_millis(20)),
-                Ok(None) => return Err(self.failure(&format!("still running after {deadline:?}"))),
-                Err(e) => return Err(self.failure(&format!("wait failed: {e}"))),
-            }
-        }
+        let what = "it to exit";
+        let st = crate::wait::poll(end, crate::wait::POLL_EVERY, what, || {
+            self.child
+                .try_wait()
+                .map_err(|e| format!("wait failed: {e}"))
+        })
+        .map_err(|e| self.failure(&e))?;
+        self.exited = Some(st);
+        Ok(st)
     }
 }
 
@@ -494,12 +492,9 @@ mod tests {
                     .is_some_and(|r| r.trim_start().starts_with('Z'))
             })
         };
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while !gone(pid) && std::time::Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-        }
         // Killed, a zombie until this test process exits: gone either way.
-        assert!(gone(pid), "sleep {pid} outlived the thread that spawned it");
+        let what = format!("sleep {pid} to die with the thread that spawned it");
+        crate::wait::until(Duration::from_secs(10), &what, || gone(pid).then_some(())).unwrap();
     }
 
     #[test]
