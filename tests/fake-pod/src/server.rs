@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -40,6 +41,8 @@ pub struct AppState {
     hang: watch::Sender<bool>,
     /// The `freeze` fault: every route but `/sim/gpu` and `/control` waits while it is set.
     freeze: watch::Sender<bool>,
+    /// Requests the `freeze` fault holds now (`GET /control` shows it as `held_by_freeze`).
+    held_by_freeze: AtomicU64,
     shutdown: watch::Sender<bool>,
 }
 
@@ -100,6 +103,7 @@ impl AppState {
             wake: Notify::new(),
             hang: watch::Sender::new(false),
             freeze: watch::Sender::new(false),
+            held_by_freeze: AtomicU64::new(0),
             shutdown: watch::Sender::new(false),
         }))
     }
@@ -416,6 +420,7 @@ async fn generate(st: Arc<AppState>, kind: Kind, body: Bytes) -> Response {
 async fn wait_while_frozen(st: &Arc<AppState>) -> Result<(), Response> {
     let mut freeze = st.freeze.subscribe();
     let mut shutdown = st.shutdown.subscribe();
+    let _held = (*freeze.borrow()).then(|| HeldByFreeze::new(st));
     while *freeze.borrow_and_update() {
         if *shutdown.borrow_and_update() {
             return Err(error_response(&ApiError::unavailable("pod shutting down")));
@@ -430,6 +435,23 @@ async fn wait_while_frozen(st: &Arc<AppState>) -> Result<(), Response> {
         }
     }
     Ok(())
+}
+
+/// Counts a request held by the `freeze` fault in `held_by_freeze` while it lives (it may be
+/// dropped mid-wait: the client went away).
+struct HeldByFreeze<'a>(&'a AppState);
+
+impl<'a> HeldByFreeze<'a> {
+    fn new(st: &'a AppState) -> Self {
+        st.held_by_freeze.fetch_add(1, Ordering::Relaxed);
+        HeldByFreeze(st)
+    }
+}
+
+impl Drop for HeldByFreeze<'_> {
+    fn drop(&mut self) {
+        self.0.held_by_freeze.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// Holds the request while the `hang` fault is set; 503 if the pod shuts down meanwhile.
@@ -684,9 +706,15 @@ fn faults_body(f: &Faults) -> String {
     serde_json::to_string(f).unwrap_or_else(|_| "{}".to_string())
 }
 
+/// `GET /control`: the faults in force, and `held_by_freeze`, how many requests the `freeze`
+/// fault holds now (so a test can see them held rather than sleep and hope they arrived).
 async fn get_control(State(st): State<Arc<AppState>>) -> Response {
-    let body = faults_body(&st.lock().faults);
-    json_response(StatusCode::OK, body)
+    let mut body = serde_json::to_value(&st.lock().faults).unwrap_or_default();
+    if let Some(m) = body.as_object_mut() {
+        let held = st.held_by_freeze.load(Ordering::Relaxed);
+        m.insert("held_by_freeze".to_string(), held.into());
+    }
+    json_response(StatusCode::OK, body.to_string())
 }
 
 async fn post_control(State(st): State<Arc<AppState>>, body: Bytes) -> Response {

@@ -718,10 +718,16 @@ async fn freeze_holds_every_route_but_the_gpu_and_control() {
             tokio::spawn(async move { http.get(url).send().await.unwrap().status() })
         })
         .collect();
-    // The GPU (NVML's stand-in) and the control endpoint still answer while frozen.
+    // Every one of them reached the pod and is held there (not still on its way).
+    eventually("the three requests held by the freeze", || async {
+        pod.get_json("/control").await["held_by_freeze"] == 3
+    })
+    .await;
+    // The GPU (NVML's stand-in) and the control endpoint still answer while they are held.
     assert_eq!(pod.get_json("/sim/gpu").await["gpus"][0]["index"], 0);
-    assert_eq!(pod.get_json("/control").await["freeze"], true);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let control = pod.get_json("/control").await;
+    assert_eq!(control["freeze"], true);
+    assert_eq!(control["held_by_freeze"], 3, "{control}");
     assert!(
         held.iter().all(|h| !h.is_finished()),
         "a frozen pod answered"
@@ -731,6 +737,7 @@ async fn freeze_holds_every_route_but_the_gpu_and_control() {
         let status = timeout(Duration::from_secs(10), h).await.unwrap().unwrap();
         assert_eq!(status, 200);
     }
+    assert_eq!(pod.get_json("/control").await["held_by_freeze"], 0);
 }
 
 #[tokio::test]
