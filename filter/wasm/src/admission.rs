@@ -92,7 +92,7 @@ pub struct AdmissionRt {
     pub held: HeldQueue,
     pub held_reqs: HashMap<u32, HeldReq>,
     /// Released requests and the ranked list the root wrote for them.
-    pub resumed: HashMap<u32, crate::http::Steered>,
+    pub resumed: HashMap<u32, ai_lb_filter_core::lifecycle::Steered>,
     /// Held requests answered 503 by the root: their reservation is refunded.
     pub expired: HashSet<u32>,
 }

@@ -99,7 +99,7 @@ impl Breakers {
     /// Applies `update` to the pod's shared breaker (see [`shared::update_breaker`]) and
     /// installs the result in `router`. Returns the transitions on the shared breaker (to be
     /// counted once per process); None when the shared breaker could not be written.
-    pub fn update(
+    pub fn write(
         &mut self,
         router: &mut Router,
         pool: usize,
@@ -118,6 +118,23 @@ impl Breakers {
         p.seen.insert(pod.to_string(), w.breaker.encode().to_vec());
         router.set_breaker(pool, pod, None, w.breaker);
         Some(w.transitions)
+    }
+}
+
+impl ai_lb_filter_core::lifecycle::BreakerStore for Breakers {
+    fn sync(&mut self, router: &mut Router, pool: usize, now: u64) {
+        Breakers::sync(self, router, pool, now);
+    }
+
+    fn update(
+        &mut self,
+        router: &mut Router,
+        pool: usize,
+        pod: &str,
+        now: u64,
+        update: &mut dyn FnMut(&mut Breaker) -> Option<Transition>,
+    ) -> Option<Vec<Transition>> {
+        self.write(router, pool, pod, now, update)
     }
 }
 

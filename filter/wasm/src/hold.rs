@@ -19,7 +19,9 @@ use proxy_wasm::hostcalls;
 use ai_lb_filter_core::picker::RequestSize;
 
 use crate::host;
-use crate::http::{steer, Steered};
+use ai_lb_filter_core::lifecycle::{steer, Steered};
+
+use crate::host::WasmHost;
 use crate::metrics::Metrics;
 use crate::root::State;
 
@@ -146,7 +148,15 @@ pub fn tick(state: &Rc<RefCell<State>>, now: u64) {
                 continue;
             }
             // The routing header is written on the held request's context.
-            if let Some(r) = steer(s, h.pool, h.model.as_deref(), now, h.size, None) {
+            if let Some(r) = steer(
+                &mut WasmHost,
+                s,
+                h.pool,
+                h.model.as_deref(),
+                now,
+                h.size,
+                None,
+            ) {
                 s.big_hold.resumed.insert(h.id, r);
             }
         }

@@ -231,3 +231,58 @@ mod tests {
         assert_eq!(b, vec![0x0a, 1, b'k', 0x12, 2, b'4', b'2']);
     }
 }
+
+/// The proxy as the core's request lifecycle sees it: the hostcalls of the context that is
+/// current (the request's own, or a held one the root made current to release it).
+pub struct WasmHost;
+
+impl ai_lb_filter_core::lifecycle::Host for WasmHost {
+    fn now_ms(&self) -> u64 {
+        now_ms()
+    }
+    fn request_header(&self, name: &str) -> Option<std::borrow::Cow<'_, str>> {
+        request_header(name).map(std::borrow::Cow::Owned)
+    }
+    fn set_request_header(&mut self, name: &str, value: Option<&str>) -> bool {
+        set_request_header(name, value).is_ok()
+    }
+    fn response_header(&self, name: &str) -> Option<std::borrow::Cow<'_, str>> {
+        response_header(name).map(std::borrow::Cow::Owned)
+    }
+    fn set_response_header(&mut self, name: &str, value: &str) {
+        let _ = set_response_header(name, value);
+    }
+    fn send_local_reply(&mut self, status: u16, headers: &[(&str, &str)], body: &[u8]) {
+        let _ = send_response(u32::from(status), headers.to_vec(), body);
+    }
+    fn cluster_name(&self) -> Option<std::borrow::Cow<'_, str>> {
+        property_string(&["xds", "cluster_name"]).map(std::borrow::Cow::Owned)
+    }
+    fn upstream_address(&self) -> Option<std::borrow::Cow<'_, str>> {
+        property_string(&["upstream", "address"]).map(std::borrow::Cow::Owned)
+    }
+    fn response_code(&self) -> Option<u16> {
+        property_u64(&["response", "code"]).and_then(|c| u16::try_from(c).ok())
+    }
+    fn response_flags(&self) -> u64 {
+        property_u64(&["response", "flags"]).unwrap_or(0)
+    }
+    fn response_code_details(&self) -> Option<std::borrow::Cow<'_, str>> {
+        property_string(&["response", "code_details"]).map(std::borrow::Cow::Owned)
+    }
+    fn steer(&mut self, routing_header: &str, ranked: &str) -> bool {
+        match set_request_header(routing_header, Some(ranked)) {
+            Ok(()) => true,
+            Err(e) => {
+                log(
+                    LogLevel::Warn,
+                    &format!("ai-lb: cannot set `{routing_header}`: {e:?}"),
+                );
+                false
+            }
+        }
+    }
+    fn warn(&mut self, msg: &str) {
+        log(LogLevel::Warn, msg);
+    }
+}

@@ -77,6 +77,7 @@ impl Metrics {
         for name in STREAM_COUNTERS {
             self.declare(name);
         }
+        self.declare("ailb.state_busy");
         self.declare("ailb.breaker_half_opened");
         self.declare("ailb.breaker_closed");
         for r in ai_lb_filter_core::breaker::TripReason::ALL {
@@ -146,6 +147,22 @@ impl Metrics {
     pub fn failure(&mut self, pod: &str) {
         if let Some(id) = self.pod(pod).failures {
             host::increment_metric(id, 1);
+        }
+    }
+
+    /// Counts breaker transitions that happened on the shared breaker state (each once for
+    /// the process: only the VM that wrote it sees them).
+    pub fn transitions(&mut self, transitions: &[ai_lb_filter_core::breaker::Transition]) {
+        use ai_lb_filter_core::breaker::BreakerState;
+        for t in transitions {
+            match t.to {
+                BreakerState::Open => {
+                    let reason = t.reason.map_or("unknown", |r| r.as_str());
+                    self.inc(&format!("ailb.breaker_opened.{reason}"), 1);
+                }
+                BreakerState::HalfOpen => self.inc("ailb.breaker_half_opened", 1),
+                BreakerState::Closed => self.inc("ailb.breaker_closed", 1),
+            }
         }
     }
 
@@ -219,5 +236,17 @@ mod tests {
         m.forget_pods_except(&live);
         assert_eq!(m.pod_count(), 1);
         assert!(m.pods.contains_key("10.0.0.2:8000"));
+    }
+}
+
+impl ai_lb_filter_core::lifecycle::Stats for Metrics {
+    fn picked(&mut self, pod: &str) {
+        self.pick(pod);
+    }
+    fn failed(&mut self, pod: &str) {
+        self.failure(pod);
+    }
+    fn transitions(&mut self, _pod: &str, ts: &[ai_lb_filter_core::breaker::Transition]) {
+        Metrics::transitions(self, ts);
     }
 }

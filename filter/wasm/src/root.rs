@@ -18,8 +18,9 @@ use rand::{Rng, SeedableRng};
 
 use ai_lb_filter_core::admission::config::GuardConfig;
 use ai_lb_filter_core::admission::AdmissionConfig;
-use ai_lb_filter_core::breaker::{BreakerState, Transition};
+use ai_lb_filter_core::breaker::BreakerState;
 use ai_lb_filter_core::config::{FilterConfig, Mode};
+use ai_lb_filter_core::lifecycle;
 use ai_lb_filter_core::picker::Router;
 use ai_lb_proto::WatchPoolRequest;
 
@@ -93,6 +94,37 @@ pub struct State {
     pub pool_names: Vec<String>,
     /// `watch.refreshMs`: how old a view may be before a pick re-reads it.
     pub refresh_ms: u64,
+    /// This VM's id (the status page says which VM answered).
+    pub vm: u64,
+}
+
+impl lifecycle::Worker for State {
+    /// Re-reads the pool's shared state when this view is older than `watch.refreshMs` (an
+    /// idle VM ticks slowly), then other VMs' breaker changes (one shared read when none).
+    fn refresh(&mut self, pool: usize, now: u64) {
+        refresh_view_if_old(self, pool, now);
+        self.breakers.sync(&mut self.router, pool, now);
+    }
+
+    fn parts(&mut self) -> lifecycle::Parts<'_> {
+        lifecycle::Parts {
+            router: &mut self.router,
+            rng: &mut self.rng,
+            scratch: &mut self.scratch,
+            prompt_ids: &mut self.prompt_ids,
+            key_scratch: &mut self.key_scratch,
+            breakers: &mut self.breakers,
+            stats: &mut self.metrics,
+        }
+    }
+
+    fn router(&self) -> &Router {
+        &self.router
+    }
+
+    fn ordinal(&self) -> u64 {
+        self.vm
+    }
 }
 
 /// Re-reads pool `i`'s shared state into the router when its version moved (one 8-byte
@@ -265,6 +297,7 @@ impl Root {
             views,
             pool_names,
             refresh_ms: self.refresh_ms,
+            vm: self.vm,
         })));
         if hostcalls::set_tick_period(Duration::from_millis(tick_ms)).is_err() {
             return Err("ai-lb: the host refused the tick period".to_string());
@@ -363,9 +396,11 @@ impl Root {
         let Ok(mut s) = state.try_borrow_mut() else {
             return;
         };
+        crate::http::finish_deferred(&mut s);
         let State {
             router, metrics, ..
         } = &mut *s;
+        metrics.inc("ailb.state_busy", crate::http::take_busy());
         let counters = router.counters().iter();
         self.unsteered += metrics.export_core(&counters);
         metrics.declare_event_counters();
@@ -735,9 +770,16 @@ fn held_tick(state: &Rc<RefCell<State>>, now: u64) {
         }
         // The routing header is written on the held request's context, then it resumes.
         if let Ok(mut s) = state.try_borrow_mut() {
-            if let Some(r) =
-                crate::http::steer(&mut s, h.pool, h.model.as_deref(), now, h.size, None)
-            {
+            let model = h.model.as_deref();
+            if let Some(r) = lifecycle::steer(
+                &mut host::WasmHost,
+                &mut *s,
+                h.pool,
+                model,
+                now,
+                h.size,
+                None,
+            ) {
                 if let Some(rt) = s.admission.as_mut() {
                     rt.resumed.insert(id, r);
                 }
@@ -772,10 +814,10 @@ fn carry_signal_trips(pools: &[PoolRt], s: &mut State, now: u64) {
         let Some(name) = pools.get(t.pool_idx).map(|p| p.name.as_str()) else {
             continue;
         };
-        if let Some(ts) = breakers.update(router, t.pool_idx, &t.pod, now, |b| {
+        if let Some(ts) = breakers.write(router, t.pool_idx, &t.pod, now, |b| {
             b.trip(t.reason, now, &cfg)
         }) {
-            count_transitions(metrics, &ts);
+            metrics.transitions(&ts);
             for tr in ts.iter().filter(|tr| tr.to == BreakerState::Open) {
                 host::log(
                     LogLevel::Warn,
@@ -786,20 +828,6 @@ fn carry_signal_trips(pools: &[PoolRt], s: &mut State, now: u64) {
                     ),
                 );
             }
-        }
-    }
-}
-
-/// Counts breaker transitions that happened on the shared breaker state.
-pub fn count_transitions(metrics: &mut Metrics, transitions: &[Transition]) {
-    for t in transitions {
-        match t.to {
-            BreakerState::Open => {
-                let reason = t.reason.map_or("unknown", |r| r.as_str());
-                metrics.inc(&format!("ailb.breaker_opened.{reason}"), 1);
-            }
-            BreakerState::HalfOpen => metrics.inc("ailb.breaker_half_opened", 1),
-            BreakerState::Closed => metrics.inc("ailb.breaker_closed", 1),
         }
     }
 }
