@@ -265,6 +265,8 @@ fn half_open_probes_pass_at_their_first_token_not_at_the_end_of_a_long_stream() 
     let deadline = Instant::now() + Duration::from_secs(30);
     let closed_at = loop {
         streams.push(long_stream(envoy.listener, 600));
+        // Paces the streams (the scenario's load); the breaker is polled at this pace, to the
+        // deadline below.
         std::thread::sleep(Duration::from_millis(250));
         if stat("wasmcustom.ailb.breaker_closed") > 0 {
             break Instant::now();

@@ -60,6 +60,9 @@ impl Background {
     }
 }
 
+/// How long every pod decodes at the same speed before the slowdown.
+const EQUAL_SPEED_PHASE: Duration = Duration::from_secs(2);
+
 fn share(served: &BTreeMap<String, usize>, pod: &str) -> f64 {
     served.get(pod).copied().unwrap_or(0) as f64 / served.values().sum::<usize>().max(1) as f64
 }
@@ -81,8 +84,11 @@ fn a_pod_slowed_without_a_gpu_signal_loses_its_share_and_gets_it_back() {
     wait_scoreboard(&envoy, "every pod fresh", 30, |sb| all_fresh(sb, &pool));
     let load = Background::start(&envoy, 6);
 
-    // Every pod decodes at the same speed: nobody is judged slow, pod0 has a third.
-    thread::sleep(Duration::from_secs(2));
+    // Every pod decodes at the same speed: nobody is judged slow, pod0 has a third. Not a
+    // wait for an event: the scenario's equal-speed phase, which the `slow_decode == 0` check
+    // below covers (a negative check needs an interval; 2 s is ~13 of the agents' recent
+    // inter-token windows, enough for a flapping judgement to show).
+    thread::sleep(EQUAL_SPEED_PHASE);
     let before = count_served(&envoy, 150, &[]);
     assert!(
         share(&before, "pod0") > 0.2,
