@@ -40,6 +40,7 @@ pub mod breaker;
 pub mod config;
 pub mod counters;
 pub mod error;
+pub mod feed;
 pub mod lifecycle;
 pub mod outcome;
 pub mod picker;

@@ -10,9 +10,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ai_lb_filter_core::config::FilterConfig;
+use ai_lb_filter_core::feed::{Backoff, Subscription};
 use ai_lb_filter_core::picker::Router;
 use ai_lb_proto::v1::metrics_service_client::MetricsServiceClient;
 use ai_lb_proto::v1::WatchPoolRequest;
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
 
 use crate::host::{self, Level};
 
@@ -133,8 +137,9 @@ pub fn start(
 }
 
 /// Keeps pool `i` subscribed until stopped: connects to its agents in turn, applies every
-/// event, publishes the state; reconnects with backoff after an error or a silent stream
-/// (three heartbeats).
+/// event, publishes the state. When to reconnect is the core's [`Subscription`] (the wasm
+/// filter's too): exponential backoff with jitter after streams that delivered nothing, the
+/// base delay after one that did, and a stream silent for three heartbeats is given up.
 async fn watch(
     i: usize,
     cfg: FilterConfig,
@@ -144,23 +149,29 @@ async fn watch(
 ) {
     let w = cfg.watch;
     let name = cfg.pools.get(i).map(|p| p.name.clone()).unwrap_or_default();
-    let heartbeat = if w.heartbeat_ms == 0 {
-        5_000
-    } else {
-        u64::from(w.heartbeat_ms)
-    };
-    let idle = Duration::from_millis(heartbeat.saturating_mul(3).saturating_add(1_000));
+    let mut sub = Subscription::new(Backoff::from_watch(&w));
+    let idle = Duration::from_millis(sub.idle_timeout_ms());
+    let mut rng = SmallRng::seed_from_u64(now_ms() ^ (i as u64).wrapping_mul(0x9e37_79b9));
     let mut router = Router::new(cfg);
-    let mut backoff = w.reconnect_base_ms.max(1);
     let mut turn = 0usize;
+    let mut token = 0u32;
     loop {
         if *stop.borrow() {
             return;
+        }
+        let wait = sub.wait_ms(now_ms()).unwrap_or(0);
+        if wait > 0 {
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(wait)) => {},
+                _ = stop.changed() => return,
+            }
         }
         let Some(addr) = addrs.get(turn % addrs.len().max(1)).copied() else {
             return;
         };
         turn += 1;
+        token = token.wrapping_add(1);
+        sub.opened(token, now_ms());
         let run = stream_once(
             i,
             &mut router,
@@ -175,20 +186,18 @@ async fn watch(
             _ = stop.changed() => return,
         };
         shared.stream_errors.fetch_add(1, Ordering::Relaxed);
+        let now = now_ms();
         if got_events {
-            backoff = w.reconnect_base_ms.max(1);
+            sub.message(token, now);
         }
+        sub.closed(token, now, rng.random::<f64>());
         host::log(
             Level::Warn,
             &format!(
-                "ai-lb native: pool `{name}`: stream to {addr} ended; reconnecting in {backoff} ms"
+                "ai-lb native: pool `{name}`: stream to {addr} ended; reconnecting in {} ms",
+                sub.wait_ms(now).unwrap_or(0)
             ),
         );
-        tokio::select! {
-            _ = tokio::time::sleep(Duration::from_millis(backoff)) => {},
-            _ = stop.changed() => return,
-        }
-        backoff = backoff.saturating_mul(2).min(w.reconnect_max_ms.max(1));
     }
 }
 

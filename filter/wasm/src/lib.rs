@@ -1,5 +1,6 @@
 //! proxy-wasm glue: translates Envoy host calls into `ai-lb-filter-core` calls. No decisions
-//! live here beyond which VM subscribes ([`lease`]) and when to reconnect ([`stream`]).
+//! live here beyond which VM subscribes ([`lease`]); the request's life is the core's
+//! `lifecycle`, driven from [`http`], and when to reconnect is the core's `feed`.
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod admission;
@@ -13,7 +14,6 @@ pub mod lease;
 pub mod metrics;
 pub mod root;
 pub mod shared;
-pub mod stream;
 
 use proxy_wasm::types::LogLevel;
 

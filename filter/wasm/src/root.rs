@@ -30,16 +30,14 @@ use crate::guard::{self, Guard};
 use crate::hold::{self, BigHold};
 use crate::http::{PassThrough, Request};
 use crate::metrics::Metrics;
-use crate::stream::{Backoff, Subscription};
 use crate::{admission, grpc_service, host, shared};
+use ai_lb_filter_core::feed::{Backoff, Subscription};
 use ai_lb_filter_core::GpuSignal;
 
 const SERVICE: &str = "ai_lb.v1.MetricsService";
 const METHOD: &str = "WatchPool";
 /// Guard mode watches the local agent's own pod only (same request fields as WatchPool).
 const GUARD_METHOD: &str = "Watch";
-/// Agent heartbeat assumed when the config leaves it to the agent (`watch.heartbeatMs` 0).
-const DEFAULT_HEARTBEAT_MS: u64 = 5_000;
 const GAUGE_EVERY_MS: u64 = 500;
 const COUNTERS_EVERY_MS: u64 = 200;
 const LOG_EVERY_MS: u64 = 10_000;
@@ -242,16 +240,7 @@ impl Root {
                 .unwrap_or_else(|| AdmissionConfig::default().guard)
         });
         let w = cfg.watch;
-        let heartbeat = if w.heartbeat_ms == 0 {
-            DEFAULT_HEARTBEAT_MS
-        } else {
-            u64::from(w.heartbeat_ms)
-        };
-        let backoff = Backoff {
-            base_ms: w.reconnect_base_ms,
-            max_ms: w.reconnect_max_ms,
-            idle_timeout_ms: heartbeat.saturating_mul(3).saturating_add(1_000),
-        };
+        let backoff = Backoff::from_watch(&w);
         let mut pools = Vec::new();
         for (i, p) in cfg.pools.iter().enumerate() {
             let bytes = grpc_service::encode(&p.agent_cluster, Some(&p.agent_authority));

@@ -1,7 +1,13 @@
-//! Decides when the lease holder (re)opens its `WatchPool` stream: open when idle and due,
-//! give up on a silent stream, and back off exponentially with "equal jitter" after failures
+//! Decides when the agent feed (re)opens its `WatchPool` stream, for both data paths (the
+//! wasm filter's lease holder; the native module's feed thread): open when idle and due, give
+//! up on a silent stream, and back off exponentially with "equal jitter" after failures
 //! (delay = d/2 + rand·d/2 with d = min(max, base·2^failures); AWS Architecture Blog,
 //! "Exponential Backoff and Jitter", 2015). Pure: `now_ms` and the random draw come in.
+
+use crate::config::WatchConfig;
+
+/// The agent's heartbeat when the filter asks for none (`watch.heartbeatMs` 0).
+pub const DEFAULT_HEARTBEAT_MS: u64 = 5_000;
 
 /// Backoff limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -13,6 +19,21 @@ pub struct Backoff {
 }
 
 impl Backoff {
+    /// The limits `watch` configures: reconnect base and cap, and a stream silent for three
+    /// heartbeats and a second (the agent's default heartbeat when `heartbeatMs` is 0) is dead.
+    pub fn from_watch(w: &WatchConfig) -> Self {
+        let heartbeat = if w.heartbeat_ms == 0 {
+            DEFAULT_HEARTBEAT_MS
+        } else {
+            u64::from(w.heartbeat_ms)
+        };
+        Backoff {
+            base_ms: w.reconnect_base_ms,
+            max_ms: w.reconnect_max_ms,
+            idle_timeout_ms: heartbeat.saturating_mul(3).saturating_add(1_000),
+        }
+    }
+
     /// The delay before attempt number `failures + 1`, with `rand01` in [0, 1).
     pub fn delay_ms(&self, failures: u32, rand01: f64) -> u64 {
         let exp = self
@@ -52,6 +73,19 @@ impl Subscription {
             state: State::Idle { next_attempt_ms: 0 },
             failures: 0,
         }
+    }
+
+    /// How long until the next attempt is due (0: now); None while a stream is open.
+    pub fn wait_ms(&self, now_ms: u64) -> Option<u64> {
+        match self.state {
+            State::Idle { next_attempt_ms } => Some(next_attempt_ms.saturating_sub(now_ms)),
+            State::Open { .. } => None,
+        }
+    }
+
+    /// The silence after which a stream is given up (ms).
+    pub fn idle_timeout_ms(&self) -> u64 {
+        self.backoff.idle_timeout_ms
     }
 
     /// True when no stream is open and the backoff delay has passed.
