@@ -97,25 +97,29 @@ fn the_native_module_keeps_a_hot_pod_out_and_reads_the_model_from_the_body() {
             || (stat(&envoy, STEERED) >= n as u64).then_some(()),
         )
         .unwrap_or_else(|e| panic!("{e}: steered {}", stat(&envoy, STEERED)));
-    // Per pod: every steered request counted for the pod it went to (label `endpoint`), none
-    // for the hot pod; Prometheus shows the pod as a label. Each worker adds its counts once
-    // a second, on a request: a second later, requests on fresh connections (any worker)
-    // bring the 300 in.
+    // Per pod: every steered request counted for the pod it went to (label `ailb_endpoint`), none
+    // for the hot pod; Prometheus shows the pod as a label. Each worker adds its counts at
+    // most once a second, on a request's event: requests no pod is picked for, on fresh
+    // connections (any worker), bring the 300 in and pick nothing themselves, so the sum
+    // reaches 300 only once every worker has added the 300's picks.
     let picks = || per_pod(&envoy, &pool, PICKS);
-    std::thread::sleep(Duration::from_millis(1100));
     envoy
         .poll(
             Duration::from_secs(5),
             "the 300 picks counted per pod",
             || {
-                fresh_complete(&envoy);
+                assert_eq!(fresh_unpicked(&envoy), 404);
                 (picks().iter().sum::<u64>() >= n as u64).then_some(())
             },
         )
         .unwrap_or_else(|e| panic!("{e}: picks per pod {:?}", picks()));
     let (p, steered) = (picks(), stat(&envoy, STEERED));
     assert!(
-        p[0] == 0 && p[1] > 0 && p[2] > 0 && p.iter().sum::<u64>() <= steered,
+        p[0] == 0
+            && p[1] > 0
+            && p[2] > 0
+            && p.iter().sum::<u64>() == n as u64
+            && steered >= n as u64,
         "picks per pod {p:?}, steered {steered}"
     );
     // Per-pod gauges (set at most once a second, by the request that finds them due): the
@@ -237,6 +241,19 @@ fn fresh_complete(envoy: &Envoy) -> (u16, String, String) {
     )
 }
 
+/// A request for a model no pod serves (answered 404), on a connection of its own: no pod is
+/// picked for it, and its events let its worker add the per-pod counts it holds.
+fn fresh_unpicked(envoy: &Envoy) -> u16 {
+    HttpClient::new(envoy.listener)
+        .post_json(
+            "/v1/completions",
+            &[("connection", "close")],
+            &body("other-model"),
+        )
+        .unwrap()
+        .status
+}
+
 /// Sends requests on fresh connections until pod0 (answering 500 to everything) has its
 /// breaker opened; a retry hides each 500 from the client.
 fn open_pod0(envoy: &Envoy, pool: &PodPool) {
@@ -334,7 +351,10 @@ fn a_breaker_one_worker_opens_is_open_on_every_worker() {
     assert_eq!(states()[1..], [0, 0]);
     let states = envoy.stats().unwrap();
     assert!(
-        states.contains_key(&format!("{BREAKER_STATE}.ailb_endpoint.{}", pool.pod_addrs[1])),
+        states.contains_key(&format!(
+            "{BREAKER_STATE}.ailb_endpoint.{}",
+            pool.pod_addrs[1]
+        )),
         "no breaker gauge for pod1"
     );
     assert!(
@@ -366,6 +386,8 @@ fn half_open_probes_pass_at_their_first_token() {
     let deadline = Instant::now() + Duration::from_secs(30);
     let closed_at = loop {
         streams.push(long_stream(envoy.listener, 600));
+        // Paces the streams (the scenario's load); the breaker is polled at this pace, to the
+        // deadline below.
         std::thread::sleep(Duration::from_millis(250));
         if stat(&envoy, CLOSED) > 0 {
             break Instant::now();
@@ -393,12 +415,7 @@ fn half_open_probes_pass_at_their_first_token() {
         "the breaker closed {:?} after pod0's first probe ended: probes judged at their end",
         closed_at - first_end
     );
-    assert!(
-        stat(
-            &envoy,
-            "dynamicmodulescustom.ailb.breaker_half_opened"
-        ) >= 1
-    );
+    assert!(stat(&envoy, "dynamicmodulescustom.ailb.breaker_half_opened") >= 1);
 }
 
 /// `"steering": "overrideHost"` on a cluster left on Envoy's least_request: the module hands
