@@ -11,8 +11,8 @@ use std::collections::HashMap;
 use ai_lb_filter_core::breaker::{Breaker, BreakerState, Transition};
 use ai_lb_filter_core::config::FilterConfig;
 use ai_lb_filter_core::lifecycle::{
-    steer, BreakerStore, Exchange, Gate, GateStep, Host, Next, NoGate, Parts, Stats, Steered,
-    Worker,
+    carry_signal_trips, steer, BreakerStore, Exchange, Gate, GateStep, Host, Next, NoGate, Parts,
+    Stats, Steered, Worker,
 };
 use ai_lb_filter_core::picker::{RequestSize, Router};
 use ai_lb_proto::{
@@ -546,4 +546,51 @@ fn a_held_request_released_later_is_closed_in_flight_at_its_end() {
     assert!(ex.chosen().is_some(), "the release's pick is the request's");
     ex.on_end(&mut h, &mut w, &mut g);
     assert_eq!(inflight(&w, 1_100), 0);
+}
+
+#[test]
+fn a_trip_the_agent_reports_reaches_the_shared_breaker_once() {
+    let mut w = worker();
+    // Pod 0's agent: 30 % of 12 requests failed in its 10 s window (agentErrorRate 0.25).
+    let ev = PoolEvent {
+        full: false,
+        peers: vec![PeerState {
+            peer: "agent-0:9090".into(),
+            status: PeerStatus::Live as i32,
+            snapshot: Some(PodSnapshot {
+                identity: Some(PodIdentity {
+                    address: PODS[0].into(),
+                    ..Default::default()
+                }),
+                inference: Some(InferenceStats {
+                    waiting: Some(0),
+                    running: Some(0),
+                    queue_capacity: Some(8),
+                    error_rate: Some(0.3),
+                    request_rate: Some(1.2),
+                    window_ms: 10_000,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            reason: String::new(),
+        }],
+        ..Default::default()
+    };
+    w.router.apply_pool_event(0, &ev, 1_100);
+    let mut h = host(1_100);
+    carry_signal_trips(&mut h, &mut w, 1_100);
+    assert_eq!(w.store.by_pod[PODS[0]].state(), BreakerState::Open);
+    assert_eq!(
+        w.stats.transitions,
+        vec![(PODS[0].to_string(), BreakerState::Open)]
+    );
+    assert!(
+        h.warnings[0].contains("agent_error_rate"),
+        "{:?}",
+        h.warnings
+    );
+    // Nothing new reported: nothing carried again.
+    carry_signal_trips(&mut h, &mut w, 1_200);
+    assert_eq!(w.stats.transitions.len(), 1);
 }

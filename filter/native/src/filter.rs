@@ -507,6 +507,8 @@ impl Request {
         let ex = &mut self.ex;
         let out = with_worker(rt, |w| {
             let out = f(ex, &mut host, w);
+            // A pool state installed by the event may carry agent-reported trips.
+            lifecycle::carry_signal_trips(&mut host, w, now_ms());
             w.export(rt, s);
             out
         });

@@ -18,7 +18,6 @@ use rand::{Rng, SeedableRng};
 
 use ai_lb_filter_core::admission::config::GuardConfig;
 use ai_lb_filter_core::admission::AdmissionConfig;
-use ai_lb_filter_core::breaker::BreakerState;
 use ai_lb_filter_core::config::{FilterConfig, Mode};
 use ai_lb_filter_core::lifecycle;
 use ai_lb_filter_core::picker::Router;
@@ -533,7 +532,7 @@ impl Root {
                 // This VM's own transitions are not counted (the shared breakers' are); take
                 // them so they do not pile up.
                 let _ = s.router.take_breaker_events();
-                carry_signal_trips(&self.pools, &mut s, now);
+                lifecycle::carry_signal_trips(&mut host::WasmHost, &mut *s, now);
             }
             held_tick(&state, now);
             hold::tick(&state, now);
@@ -785,40 +784,6 @@ fn fallback_total(counters: &[(&'static str, u64)]) -> u64 {
         .filter(|(k, _)| k.starts_with("fallback."))
         .map(|(_, v)| v)
         .sum()
-}
-
-/// Carries the breaker trips that agents' snapshots caused in this VM (hardware fault, the
-/// pod's own error rate) into the shared breakers: counted once per process, and while the
-/// agent keeps reporting the pod failing its cooldown restarts, so no worker hands out probes.
-fn carry_signal_trips(pools: &[PoolRt], s: &mut State, now: u64) {
-    let trips = s.router.take_signal_trips();
-    let State {
-        router,
-        metrics,
-        breakers,
-        ..
-    } = s;
-    let cfg = router.config().breaker;
-    for t in trips {
-        let Some(name) = pools.get(t.pool_idx).map(|p| p.name.as_str()) else {
-            continue;
-        };
-        if let Some(ts) = breakers.write(router, t.pool_idx, &t.pod, now, |b| {
-            b.trip(t.reason, now, &cfg)
-        }) {
-            metrics.transitions(&ts);
-            for tr in ts.iter().filter(|tr| tr.to == BreakerState::Open) {
-                host::log(
-                    LogLevel::Warn,
-                    &format!(
-                        "ai-lb: pool `{name}`: breaker of {} opened ({})",
-                        t.pod,
-                        tr.reason.map_or("unknown", |r| r.as_str())
-                    ),
-                );
-            }
-        }
-    }
 }
 
 #[cfg(test)]

@@ -536,6 +536,32 @@ impl Exchange {
     }
 }
 
+/// Carries the breaker trips the agents' snapshots caused in this worker's router (a hardware
+/// fault, the pod's own error rate) into the shared breakers: counted and logged once for the
+/// process, and while the agent keeps reporting the pod failing its cooldown restarts, so no
+/// worker hands out probes. Call it after the worker may have installed a new pool state.
+pub fn carry_signal_trips<H, W>(host: &mut H, worker: &mut W, now: u64)
+where
+    H: Host + ?Sized,
+    W: Worker + ?Sized,
+{
+    let p = worker.parts();
+    let trips = p.router.take_signal_trips();
+    let cfg = p.router.config().breaker;
+    for t in trips {
+        let name = p
+            .router
+            .config()
+            .pools
+            .get(t.pool_idx)
+            .map_or_else(String::new, |c| c.name.clone());
+        let trip = &mut |b: &mut Breaker| b.trip(t.reason, now, &cfg);
+        if let Some(ts) = p.breakers.update(p.router, t.pool_idx, &t.pod, now, trip) {
+            feedback::record_transitions(host, p.stats, &name, &t.pod, &ts);
+        }
+    }
+}
+
 /// The status page: the scoreboard of every pool as this worker sees it, with the worker's
 /// ordinal (each worker answers from its own view; the breakers are shared).
 fn status_page<W: Worker + ?Sized>(worker: &mut W, pools: usize, now: u64) -> String {
