@@ -1,0 +1,273 @@
+//! Re-weighs a pool's pods when its state changed, a breaker moved, or a deadline passed (a
+//! snapshot going stale, a cooldown ending): their scores and cuts, the agents' breaker
+//! signals, their decode speed relative to the pool, their draw weights, and every view.
+
+use super::breakers::{judge_breakers, BreakerSinks};
+use super::pod::{PodRt, MAX_REL_SPEED, MIN_REL_SPEED};
+use super::view::{build_view, View};
+use super::{PoolRt, Router};
+use crate::breaker::{BreakerEvent, BreakerState};
+use crate::config::{FilterConfig, PickStrategy};
+use crate::pool::PoolState;
+use crate::score::{score_in_pool, CutReason};
+
+/// Fewest pods reporting a recent inter-token latency for the pool's median to judge one
+/// slow: with two, either could be the odd one.
+pub(super) const MIN_ITL_PODS: usize = 3;
+
+/// What a refresh reads from the whole pool before it judges each pod.
+struct PoolReadings {
+    /// More than half of the pool's pods fail at the agent threshold: a pool-wide problem,
+    /// not a pod to cut (cutting them all would only fail open).
+    wide_errors: bool,
+    /// The pool's median recent inter-token latency ([`median_recent_itl`]).
+    itl_median: Option<f64>,
+    /// The pool's mean GPU reading, for the pods that lack it (see `score_in_pool`).
+    gpu_fill: Option<f64>,
+}
+
+impl PoolReadings {
+    fn of(p: &mut PoolRt, cfg: &FilterConfig, now_ms: u64) -> Self {
+        Self {
+            wide_errors: pool_wide_errors(&p.state, cfg),
+            itl_median: median_recent_itl(&p.state, &mut p.itl_scratch, cfg, now_ms),
+            gpu_fill: gpu_fill(&p.state, cfg, now_ms),
+        }
+    }
+}
+
+/// Whether more than half of the pool's pods fail at `breaker.agentErrorRate` (false when it is
+/// off).
+fn pool_wide_errors(state: &PoolState, cfg: &FilterConfig) -> bool {
+    cfg.breaker.agent_error_rate > 0.0 && {
+        let (mut pods, mut failing) = (0u32, 0u32);
+        for sig in state.peers().iter().filter_map(|e| e.signals.as_ref()) {
+            pods += 1;
+            if sig.failing(
+                cfg.breaker.agent_error_rate,
+                cfg.breaker.failure_rate_min_requests,
+            ) {
+                failing += 1;
+            }
+        }
+        2 * failing > pods
+    }
+}
+
+/// The mean GPU reading (`cutoffs.gpuSignal`, clamped to 0..=1) of the pool's pods with fresh
+/// metrics that report one; None when none does.
+fn gpu_fill(state: &PoolState, cfg: &FilterConfig, now_ms: u64) -> Option<f64> {
+    let (mut sum, mut n) = (0.0, 0u32);
+    for sig in state.peers().iter().filter_map(|e| e.signals.as_ref()) {
+        if !sig.has_metrics || sig.is_stale(now_ms, cfg.cutoffs.staleness_ms) {
+            continue;
+        }
+        if let Some((_, g)) = sig.gpu_load(cfg.cutoffs.gpu_signal) {
+            if g.is_finite() {
+                sum += g.clamp(0.0, 1.0);
+                n += 1;
+            }
+        }
+    }
+    (n > 0).then(|| sum / f64::from(n))
+}
+
+impl Router {
+    /// Recomputes scores, breaker polls and every view's tree.
+    pub(super) fn refresh(&mut self, pool_idx: usize, now_ms: u64) {
+        let cfg = &self.cfg;
+        let Some(p) = self.pools.get_mut(pool_idx) else {
+            return;
+        };
+        let Some(pool_cfg) = cfg.pools.get(pool_idx) else {
+            return;
+        };
+        let pool = PoolReadings::of(p, cfg, now_ms);
+        let mut sinks = BreakerSinks {
+            pool_idx,
+            counters: &mut self.counters,
+            events: &mut self.events,
+            signal_trips: &mut self.signal_trips,
+        };
+        let mut next = u64::MAX;
+        let mut mean_sum = 0.0;
+        let mut mean_n = 0u32;
+        for pod in p.pods.iter_mut() {
+            let Some(entry) = p.state.peers().get(pod.peer_idx) else {
+                continue;
+            };
+            let Some(sig) = entry.signals.as_ref() else {
+                continue;
+            };
+            let weights = pool_cfg.weights_for(&pod.address);
+            let mut s = score_in_pool(sig, weights, &cfg.cutoffs, now_ms, pool.gpu_fill);
+            if pod.judge_decode_speed(sig, pool.itl_median, &cfg.cutoffs, now_ms, &mut s) {
+                sinks.counters.slow_decode += 1;
+            }
+            let key = (entry.received_at_ms, sig.sequence);
+            let fresh = pod.take_snapshot(key, sig, &s, cfg.ema_alpha, now_ms);
+            let due = judge_breakers(
+                pod,
+                sig,
+                fresh,
+                pool.wide_errors,
+                &cfg.breaker,
+                now_ms,
+                &mut sinks,
+            );
+            next = next.min(due);
+            // A pod cut for load (GPU hard limit, queue full) is still an overflow candidate,
+            // so its going stale must be noticed on time too.
+            if s.cut != Some(CutReason::Stale) && !sig.peer_stale {
+                next = next.min(sig.stale_at_ms(cfg.cutoffs.staleness_ms));
+            }
+            pod.settle(s, sig, cfg);
+            if pod.cut.is_none() && !pod.cold {
+                let e = pod.ema.unwrap_or(0.0);
+                mean_sum += e;
+                mean_n += 1;
+            }
+        }
+        let mean = if mean_n > 0 {
+            mean_sum / f64::from(mean_n)
+        } else {
+            0.0
+        };
+        p.mean = mean;
+        set_rel_speeds(p, now_ms);
+        for pod in p.pods.iter_mut() {
+            weigh(pod, mean, mean_n, cfg);
+        }
+        p.next_refresh_ms = next;
+        p.dirty = false;
+        // Rebuild existing views in place (buffers keep their capacity).
+        let mut views = std::mem::take(&mut p.views);
+        for v in views.iter_mut() {
+            build_view(v, p, cfg);
+        }
+        p.views = views;
+    }
+
+    /// Refreshes pool `pool_idx` when due and returns the index of its view for `model`
+    /// (built on first use). None when there is no such pool.
+    pub(super) fn fresh_view(
+        &mut self,
+        pool_idx: usize,
+        model: Option<&str>,
+        now_ms: u64,
+    ) -> Option<usize> {
+        let p = self.pools.get(pool_idx)?;
+        if p.dirty || now_ms >= p.next_refresh_ms {
+            self.refresh(pool_idx, now_ms);
+        }
+        let cfg = &self.cfg;
+        let p = self.pools.get_mut(pool_idx)?;
+        if let Some(i) = p.views.iter().position(|v| v.model.as_deref() == model) {
+            return Some(i);
+        }
+        let mut v = View::new(model);
+        build_view(&mut v, p, cfg);
+        p.views.push(v);
+        Some(p.views.len() - 1)
+    }
+
+    /// Advances time without a request (e.g. from the glue's tick): polls breakers and
+    /// staleness. Returns transitions that happened.
+    pub fn tick(&mut self, now_ms: u64) -> Vec<BreakerEvent> {
+        let before = self.events.len();
+        for i in 0..self.pools.len() {
+            let due = self
+                .pools
+                .get(i)
+                .is_some_and(|p| p.dirty || now_ms >= p.next_refresh_ms);
+            if due {
+                self.refresh(i, now_ms);
+            }
+        }
+        self.events.split_off(before)
+    }
+}
+
+/// The median recent inter-token latency over the pool's pods that report one and are neither
+/// stale nor without a model server; None with fewer than [`MIN_ITL_PODS`] such pods, or when
+/// `cutoffs.slowItlRatio` is 0.
+fn median_recent_itl(
+    state: &PoolState,
+    scratch: &mut Vec<f64>,
+    cfg: &FilterConfig,
+    now_ms: u64,
+) -> Option<f64> {
+    if cfg.cutoffs.slow_itl_ratio <= 0.0 {
+        return None;
+    }
+    scratch.clear();
+    scratch.extend(
+        state
+            .peers()
+            .iter()
+            .filter_map(|e| e.signals.as_ref())
+            .filter(|s| {
+                s.has_metrics
+                    && !s.model_server_down
+                    && !s.is_stale(now_ms, cfg.cutoffs.staleness_ms)
+            })
+            .filter_map(|s| s.itl_recent_ms),
+    );
+    if scratch.len() < MIN_ITL_PODS {
+        return None;
+    }
+    scratch.sort_unstable_by(f64::total_cmp);
+    let n = scratch.len();
+    let mid = scratch.get(n / 2).copied()?;
+    Some(if n % 2 == 0 {
+        (scratch.get(n / 2 - 1).copied()? + mid) / 2.0
+    } else {
+        mid
+    })
+}
+
+/// Each pod's decode speed relative to the pool: its smoothed inter-token latency over
+/// the median of the pods with a recent one.
+fn set_rel_speeds(p: &mut PoolRt, now_ms: u64) {
+    p.itl_scratch.clear();
+    p.itl_scratch
+        .extend(p.pods.iter().filter_map(|r| r.decode_ms(now_ms)));
+    let median = if p.itl_scratch.len() >= MIN_ITL_PODS {
+        p.itl_scratch.sort_unstable_by(f64::total_cmp);
+        let n = p.itl_scratch.len();
+        let hi = p.itl_scratch.get(n / 2).copied().unwrap_or(0.0);
+        let lo = p.itl_scratch.get((n - 1) / 2).copied().unwrap_or(hi);
+        Some((lo + hi) / 2.0).filter(|m| *m > 0.0)
+    } else {
+        None
+    };
+    for pod in p.pods.iter_mut() {
+        pod.rel_speed = match (median, pod.decode_ms(now_ms)) {
+            (Some(m), Some(d)) => (d / m).clamp(MIN_REL_SPEED, MAX_REL_SPEED),
+            _ => 1.0,
+        };
+    }
+}
+
+/// The pod's draw weight: its smoothed score (a cold pod: the pool `mean` of the `mean_n`
+/// pods with metrics that are not cut) times its penalty, at least `floorWeight`; 0 when cut,
+/// or cold with no mean. Also its scoreboard score, and whether it is an overflow candidate.
+fn weigh(pod: &mut PodRt, mean: f64, mean_n: u32, cfg: &FilterConfig) {
+    let value = if pod.cold {
+        mean
+    } else {
+        pod.ema.unwrap_or(0.0)
+    } * pod.score.penalty;
+    pod.shown = if pod.cut.is_some() { 0.0 } else { value };
+    // Cut by the GPU hard limit alone: an overflow candidate under twoChoices.
+    pod.hot = cfg.pick_strategy == PickStrategy::TwoChoices
+        && pod.cut == Some(CutReason::GpuHardLimit)
+        && !pod.cold
+        && pod.breaker.admits(&cfg.breaker)
+        && pod.breaker.state() == BreakerState::Closed;
+    pod.base = if pod.cut.is_some() || (pod.cold && mean_n == 0) {
+        0.0
+    } else {
+        value.max(cfg.floor_weight).clamp(0.0, 1.0)
+    };
+}

@@ -1,0 +1,103 @@
+//! A pool's rows on the scoreboard (status page, debug header, per-pod gauges): each pod's
+//! score, cut, breaker, load and readings as the picker sees them now.
+
+use super::Router;
+use crate::breaker::BreakerState;
+use crate::score::CutReason;
+
+/// A pod's row on the scoreboard.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PodStatus<'a> {
+    pub address: &'a str,
+    pub peer: &'a str,
+    /// Smoothed score (0 when cut); for a cold pod the pool mean it was given.
+    pub score: f64,
+    /// The latest unsmoothed formula value.
+    pub raw: f64,
+    pub cut: Option<CutReason>,
+    pub cold: bool,
+    pub breaker: BreakerState,
+    pub picks: u64,
+    pub inflight: u32,
+    /// Estimated occupancy over capacity, as `twoChoices` compares it (see the module docs).
+    pub load: f64,
+    /// Whether a new request would queue there, as `twoChoices` judges it.
+    pub queued: bool,
+    /// Estimated KV-cache use 0..1 (the snapshot's, moved by this VM's requests since), when
+    /// the pod reports its KV capacity.
+    pub kv: Option<f64>,
+    /// The pod's error rate over its agent's window and the requests it covers, as reported.
+    pub error_rate: Option<f64>,
+    pub window_requests: Option<u64>,
+    /// Metrics age at the status time (None when no snapshot).
+    pub metrics_age_ms: Option<u64>,
+    /// A GPU reports a hardware slowdown (the score is scaled by `cutoffs.slowdownFactor`).
+    pub slowdown: bool,
+    /// The pod decodes at least `cutoffs.slowItlRatio` times slower than the pool's median
+    /// (its weight is scaled by its speed relative to the pool, at most `slowdownFactor`).
+    pub slow_decode: bool,
+    /// Its smoothed recent inter-token latency (ms), as `longOutputTokens` compares it; None
+    /// without a reading in the last 5 s.
+    pub decode_ms: Option<f64>,
+    /// The GPU reading its score's GPU term used (`cutoffs.gpuSignal`); None: no GPU term.
+    pub gpu_signal: Option<crate::signals::GpuReading>,
+    /// That reading's value, 0..=1.
+    pub gpu: Option<f64>,
+    /// Key blocks its prefix cache holds, as its agent reports them (None: not reported).
+    pub prefix_keys: Option<usize>,
+    /// Its model server's prefix-cache hit rate (prompt tokens) over the agent's window.
+    pub prefix_hit_rate: Option<f64>,
+}
+
+impl PodStatus<'_> {
+    /// The value of the per-pod `score` gauges: the smoothed score x1000, 0..=1000.
+    pub fn score_gauge_value(&self) -> u64 {
+        (self.score.clamp(0.0, 1.0) * 1000.0).round() as u64
+    }
+
+    /// The value of the per-pod `gpu_signal` gauges
+    /// ([`crate::signals::GpuReading::gauge_value`]).
+    pub fn gpu_signal_gauge_value(&self) -> u64 {
+        crate::signals::GpuReading::gauge_value(self.gpu_signal)
+    }
+}
+
+impl Router {
+    /// Scoreboard rows of one pool at `now_ms`.
+    pub fn pod_status(&self, pool_idx: usize, now_ms: u64) -> Vec<PodStatus<'_>> {
+        let Some(p) = self.pools.get(pool_idx) else {
+            return Vec::new();
+        };
+        p.pods
+            .iter()
+            .map(|r| {
+                let entry = p.state.peers().get(r.peer_idx);
+                let sig = entry.and_then(|e| e.signals.as_ref());
+                PodStatus {
+                    address: &r.address,
+                    peer: entry.map_or("", |e| e.peer.as_str()),
+                    score: r.shown,
+                    raw: r.score.raw,
+                    cut: r.cut,
+                    cold: r.cold,
+                    breaker: r.breaker.state(),
+                    picks: r.picks,
+                    inflight: r.inflight,
+                    load: r.load(),
+                    queued: r.pick_key(0.0, false, None, now_ms).0 > 0,
+                    kv: r.kv_used().zip(r.kv_cap).map(|(u, c)| u / c),
+                    error_rate: sig.and_then(|s| s.error_rate),
+                    window_requests: sig.and_then(|s| s.window_requests),
+                    metrics_age_ms: sig.map(|s| s.age_ms(now_ms)),
+                    slowdown: sig.is_some_and(|s| s.slowdown),
+                    slow_decode: r.slow_decode,
+                    decode_ms: r.decode_ms(now_ms),
+                    gpu_signal: r.score.gpu_reading,
+                    gpu: r.score.gpu_value,
+                    prefix_keys: sig.and_then(|s| s.prefix.as_ref()).map(|p| p.keys.len()),
+                    prefix_hit_rate: sig.and_then(|s| s.prefix_hit_rate),
+                }
+            })
+            .collect()
+    }
+}
