@@ -20,9 +20,95 @@ use std::os::raw::{c_char, c_void};
 // ---------------------------------------------------------------------------------------------
 
 /// String the module returns from `envoy_dynamic_module_on_program_init` (NUL-terminated).
-/// The 1.40.0 binary carries "v0.2.0". A mismatch only produces a warning in 1.40, but a null
-/// return makes Envoy unload the module.
+/// The 1.40.0 binary carries "v0.2.0". A mismatch only produces a warning in 1.40 ("Dynamic
+/// module ABI version .. is deprecated"), but a null return makes Envoy refuse the module, which
+/// is what [`program_init`] does outside [`envoy_supports`]'s window.
 pub const ABI_VERSION: &[u8] = b"v0.2.0\0";
+
+/// The Envoy release (major, minor) whose ABI this file declares and whose binary it was
+/// checked against.
+pub const BUILT_FOR_ENVOY: (u32, u32) = (1, 40);
+
+/// Envoy's rule for dynamic modules (arch overview "Dynamic modules", Compatibility): a module
+/// built for Envoy X.Y works with Envoy X.Y and X.(Y+1). Outside that a changed signature would
+/// be undefined behaviour, and Envoy 1.40 does not refuse a module on its own.
+pub fn envoy_supports(built_for: (u32, u32), running: (u32, u32)) -> bool {
+    running.0 == built_for.0
+        && (running.1 == built_for.1 || Some(running.1) == built_for.1.checked_add(1))
+}
+
+/// The version field of `envoy --version` output (`envoy  version: <sha>/1.40.0/Clean/RELEASE/
+/// BoringSSL`, a suffix such as `-dev` allowed) and its (major, minor).
+pub fn parse_envoy_version(text: &str) -> Option<((u32, u32), &str)> {
+    let field = text.split("version: ").nth(1)?.split('/').nth(1)?.trim();
+    let mut numbers = field.split(|c: char| !c.is_ascii_digit());
+    let major = numbers.next()?.parse().ok()?;
+    let minor = numbers.next()?.parse().ok()?;
+    Some(((major, minor), field))
+}
+
+/// Whether a module built for `built_for` loads into the Envoy whose `--version` printed
+/// `version_text` (Err: why it could not be learnt), with the log line that says so and its
+/// level. Refusals name both versions; an unknown version loads, with a warning.
+pub fn load_decision(
+    built_for: (u32, u32),
+    version_text: Result<&str, &str>,
+) -> (bool, LogLevel, String) {
+    let abi = String::from_utf8_lossy(ABI_VERSION.strip_suffix(b"\0").unwrap_or(ABI_VERSION));
+    let (major, minor) = built_for;
+    let built = format!("built for Envoy {major}.{minor} (dynamic-module ABI {abi})");
+    let window = format!(
+        "Envoy {major}.{minor}.x or {major}.{}.x",
+        minor.saturating_add(1)
+    );
+    let running = version_text.and_then(|t| parse_envoy_version(t).ok_or("no version in it"));
+    match running {
+        Ok((v, field)) if envoy_supports(built_for, v) => (
+            true,
+            log_level::INFO,
+            format!("ai-lb native: {built}, loaded into Envoy {field}: supported ({window})"),
+        ),
+        Ok((_, field)) => (
+            false,
+            log_level::ERROR,
+            format!(
+                "ai-lb native: refusing to load: this module was {built} and runs only in \
+                 {window}; this Envoy is {field}. Run it in a supported Envoy, or port \
+                 filter/native/src/abi.rs to this Envoy's ABI and rebuild"
+            ),
+        ),
+        Err(why) => (
+            true,
+            log_level::WARN,
+            format!(
+                "ai-lb native: could not learn this Envoy's version (`--version`: {why}); \
+                 loading anyway. This module was {built} and is supported in {window} only"
+            ),
+        ),
+    }
+}
+
+/// `envoy_dynamic_module_on_program_init` for a module built for `built_for`: asks the binary
+/// this module was loaded into for its version (`/proc/self/exe --version`, once per process,
+/// tens of milliseconds), logs [`load_decision`]'s line, and returns [`ABI_VERSION`], or null
+/// so that Envoy refuses the module.
+pub fn program_init(built_for: (u32, u32)) -> *const c_char {
+    let text = std::process::Command::new("/proc/self/exe")
+        .arg("--version")
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .output()
+        .map_err(|e| e.to_string())
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned());
+    let (load, level, line) = load_decision(built_for, text.as_deref().map_err(String::as_str));
+    // SAFETY: the buffer points into `line`, which outlives the call; Envoy copies it.
+    unsafe { envoy_dynamic_module_callback_log(level, ModuleBuffer::from_text(&line)) };
+    if load {
+        ABI_VERSION.as_ptr().cast()
+    } else {
+        std::ptr::null()
+    }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Opaque handles
@@ -735,4 +821,56 @@ unsafe extern "C" {
         label_values_len: usize,
         value: u64,
     ) -> MetricsResult;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const V1_40: &str =
+        "envoy  version: 9e5580933739775e8bce696a57a2e1bc99368f23/1.40.0/Clean/RELEASE/BoringSSL\n";
+
+    #[test]
+    fn envoys_window_is_the_built_minor_and_the_next() {
+        assert!(envoy_supports((1, 40), (1, 40)));
+        assert!(envoy_supports((1, 40), (1, 41)));
+        assert!(!envoy_supports((1, 40), (1, 39)));
+        assert!(!envoy_supports((1, 40), (1, 42)));
+        assert!(!envoy_supports((1, 40), (2, 40)));
+        assert!(!envoy_supports((1, u32::MAX), (1, 0)));
+    }
+
+    #[test]
+    fn the_version_comes_from_envoys_version_line() {
+        assert_eq!(parse_envoy_version(V1_40), Some(((1, 40), "1.40.0")));
+        let dev = "envoy  version: abc/1.41.0-dev/Modified/DEBUG/BoringSSL";
+        assert_eq!(parse_envoy_version(dev), Some(((1, 41), "1.41.0-dev")));
+        assert_eq!(parse_envoy_version("usage: envoy ..."), None);
+        assert_eq!(parse_envoy_version("envoy  version: abc/x.y/Clean"), None);
+    }
+
+    #[test]
+    fn a_refusal_names_both_versions_and_an_unknown_version_loads_with_a_warning() {
+        let (load, level, line) = load_decision((1, 40), Ok(V1_40));
+        assert!(load && level == log_level::INFO, "{line}");
+        assert!(line.contains("1.40.0") && line.contains("v0.2.0"), "{line}");
+
+        let (load, level, line) = load_decision((1, 38), Ok(V1_40));
+        assert!(!load && level == log_level::ERROR, "{line}");
+        assert!(
+            line.contains("built for Envoy 1.38")
+                && line.contains("Envoy 1.38.x or 1.39.x")
+                && line.contains("this Envoy is 1.40.0"),
+            "{line}"
+        );
+
+        let (load, level, line) = load_decision((1, 40), Err("No such file or directory"));
+        assert!(load && level == log_level::WARN, "{line}");
+        assert!(
+            line.contains("No such file") && line.contains("1.40"),
+            "{line}"
+        );
+        let (load, level, _) = load_decision((1, 40), Ok("not envoy"));
+        assert!(load && level == log_level::WARN);
+    }
 }

@@ -46,9 +46,13 @@ mod exports {
         (p as *mut Request).as_mut()
     }
 
+    /// Refuses (null) to load into an Envoy outside the ABI's window, naming both versions
+    /// in Envoy's log: Envoy 1.40 itself only warns on a mismatch (abi::program_init).
     #[no_mangle]
     pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const c_char {
-        abi::ABI_VERSION.as_ptr().cast()
+        guard(abi::ABI_VERSION.as_ptr().cast(), || {
+            abi::program_init(abi::BUILT_FOR_ENVOY)
+        })
     }
 
     #[no_mangle]

@@ -1,6 +1,8 @@
 //! Shared helpers of the deployment-artefact tests (`tests/deploy_*.rs`): where the repository
-//! and Envoy are, how YAML files are loaded (every document, merge keys resolved), and a stub
-//! proxy-wasm module so Envoy can validate wasm filter configs without the real filter built.
+//! and Envoy are, how YAML files are loaded (every document, merge keys resolved), the wasm
+//! install (`istio/`) and the native overlay (`istio/native/`) as objects, a stub proxy-wasm
+//! module so Envoy can validate wasm filter configs without the real filter built, and tiny
+//! dynamic modules compiled with rustc for the native module's ABI-version checks.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
@@ -66,16 +68,103 @@ pub fn load_yaml(rel: &str) -> Value {
     docs.into_iter().next().unwrap_or(Value::Null)
 }
 
-/// Every Kubernetes object in the YAML files of `istio/`, with the file it came from.
-pub fn istio_objects() -> Vec<(PathBuf, Value)> {
-    let root = repo_root().join("istio");
+/// The files directly in `dir` (not in subdirectories) whose name ends with one of `exts`,
+/// sorted.
+pub fn files_in(dir: &Path, exts: &[&str]) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.is_file())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| exts.iter().any(|x| n.ends_with(x)))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Every YAML document of the YAML files directly in `<repo>/<rel>`, with its file.
+fn objects_in(rel: &str) -> Vec<(PathBuf, Value)> {
     let mut out = Vec::new();
-    for f in files_with_ext(&root, &[".yaml", ".yml"]) {
+    for f in files_in(&repo_root().join(rel), &[".yaml", ".yml"]) {
         for d in load_yaml_docs(&f).unwrap_or_else(|e| panic!("{e}")) {
             out.push((f.clone(), d));
         }
     }
     out
+}
+
+/// Every Kubernetes object of the wasm install: the YAML files directly in `istio/` (the
+/// templates `istio/render.sh` renders), with the file it came from.
+pub fn istio_objects() -> Vec<(PathBuf, Value)> {
+    objects_in("istio")
+}
+
+/// The file of `istio/native/` that patches the operator's client Deployments; not an object
+/// of the overlay.
+pub const NATIVE_CLIENT_PATCH: &str = "istio/native/client-patch.yaml";
+
+/// Every Kubernetes object of the native overlay (`istio/native/`, which kustomize applies
+/// over the rendered wasm install), with its file; the client patch is left out.
+pub fn native_objects() -> Vec<(PathBuf, Value)> {
+    let patch = repo_root().join(NATIVE_CLIENT_PATCH);
+    objects_in("istio/native")
+        .into_iter()
+        .filter(|(f, _)| *f != patch)
+        .collect()
+}
+
+/// The native overlay's object of `kind` named `name`.
+pub fn native_named(kind: &str, name: &str) -> Value {
+    native_objects()
+        .into_iter()
+        .map(|(_, v)| v)
+        .find(|v| v["kind"].as_str() == Some(kind) && v["metadata"]["name"].as_str() == Some(name))
+        .unwrap_or_else(|| panic!("istio/native/: no {kind} named {name}"))
+}
+
+/// The patch `applyTo` of an EnvoyFilter (exactly one).
+pub fn config_patch(envoy_filter: &Value, apply_to: &str) -> Value {
+    let found: Vec<&Value> = envoy_filter["spec"]["configPatches"]
+        .as_sequence()
+        .into_iter()
+        .flatten()
+        .filter(|p| p["applyTo"].as_str() == Some(apply_to))
+        .collect();
+    match found.as_slice() {
+        [p] => (*p).clone(),
+        _ => panic!(
+            "EnvoyFilter {}: expected one {apply_to} patch, found {}",
+            envoy_filter["metadata"]["name"].as_str().unwrap_or("?"),
+            found.len()
+        ),
+    }
+}
+
+/// The native router's dynamic-module filter definition (its EXTENSION_CONFIG patch's value:
+/// `name` and `typed_config`).
+pub fn native_extension_config() -> Value {
+    config_patch(
+        &native_named("EnvoyFilter", "ai-lb-route"),
+        "EXTENSION_CONFIG",
+    )["patch"]["value"]
+        .clone()
+}
+
+/// The native module's JSON config in istio/native/envoyfilter.yaml, parsed.
+pub fn native_module_config() -> serde_json::Value {
+    let text = at(
+        &native_extension_config(),
+        "typed_config.filter_config.value",
+    )
+    .as_str()
+    .unwrap_or_else(|| panic!("istio/native/envoyfilter.yaml: no filter_config.value string"))
+    .to_string();
+    serde_json::from_str(&text)
+        .unwrap_or_else(|e| panic!("istio/native/envoyfilter.yaml: module config JSON: {e}"))
 }
 
 /// The objects of one kind (and optional name) in `istio/`.
@@ -187,13 +276,41 @@ pub fn envoy_validate(envoy: &Path, config: &Value) -> Validation {
 }
 
 pub fn envoy_validate_file(envoy: &Path, path: &Path) -> Validation {
-    let out = Command::new(envoy)
+    envoy_validate_file_with(envoy, path, "warn", &[])
+}
+
+/// `envoy --mode validate` on `config` at `log_level`, with `env` added to Envoy's environment
+/// (e.g. `ENVOY_DYNAMIC_MODULES_SEARCH_PATH`).
+pub fn envoy_validate_with(
+    envoy: &Path,
+    config: &Value,
+    log_level: &str,
+    env: &[(&str, &Path)],
+) -> Validation {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+    let path = dir.path().join("envoy.yaml");
+    let text = serde_yaml::to_string(config).unwrap_or_else(|e| panic!("to YAML: {e}"));
+    std::fs::write(&path, text).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+    envoy_validate_file_with(envoy, &path, log_level, env)
+}
+
+fn envoy_validate_file_with(
+    envoy: &Path,
+    path: &Path,
+    log_level: &str,
+    env: &[(&str, &Path)],
+) -> Validation {
+    let mut cmd = Command::new(envoy);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd
         .arg("--mode")
         .arg("validate")
         .arg("-c")
         .arg(path)
         .arg("--log-level")
-        .arg("warn")
+        .arg(log_level)
         .output()
         .unwrap_or_else(|e| panic!("run {}: {e}", envoy.display()));
     let mut output = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -311,4 +428,58 @@ pub fn real_wasm_module() -> Option<PathBuf> {
 /// Parses a YAML snippet written in a test (a fixed string: a parse error is a test bug).
 pub fn yaml(s: &str) -> Value {
     serde_yaml::from_str(s).unwrap_or_else(|e| panic!("test YAML: {e}\n{s}"))
+}
+
+/// `envoy --version`'s version field (e.g. `1.40.0`) and its (major, minor).
+pub fn envoy_version(envoy: &Path) -> ((u32, u32), String) {
+    let out = Command::new(envoy)
+        .arg("--version")
+        .output()
+        .unwrap_or_else(|e| panic!("run {} --version: {e}", envoy.display()));
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let field = text
+        .split("version: ")
+        .nth(1)
+        .and_then(|v| v.split('/').nth(1))
+        .map(str::trim)
+        .unwrap_or_else(|| panic!("no version in `envoy --version`: {text:?}"));
+    let mut numbers = field
+        .split(|c: char| !c.is_ascii_digit())
+        .map(|n| n.parse::<u32>().ok());
+    match (numbers.next().flatten(), numbers.next().flatten()) {
+        (Some(major), Some(minor)) => ((major, minor), field.to_string()),
+        _ => panic!("no major.minor in Envoy's version {field:?}"),
+    }
+}
+
+/// Compiles `source` (one Rust file) with rustc into `<dir>/lib<name>.so`, a dynamic module
+/// Envoy finds by `name` with `ENVOY_DYNAMIC_MODULES_SEARCH_PATH=<dir>`. `$RUSTC` or `rustc`:
+/// the toolchain that builds these tests. A compile error fails the test.
+pub fn compile_dynamic_module(dir: &Path, name: &str, source: &str) -> PathBuf {
+    let src = dir.join(format!("{name}.rs"));
+    std::fs::write(&src, source).unwrap_or_else(|e| panic!("write {}: {e}", src.display()));
+    let out = dir.join(format!("lib{name}.so"));
+    let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
+    let run = Command::new(&rustc)
+        .args([
+            "--edition",
+            "2021",
+            "--crate-type",
+            "cdylib",
+            "--cap-lints",
+            "allow",
+        ])
+        .arg("--crate-name")
+        .arg(name)
+        .arg("-o")
+        .arg(&out)
+        .arg(&src)
+        .output()
+        .unwrap_or_else(|e| panic!("run {rustc:?}: {e}"));
+    assert!(
+        run.status.success(),
+        "rustc could not build the test module {name}:\n{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    out
 }
