@@ -5,6 +5,8 @@
 #   push the layout:  oras cp --from-oci-layout target/wasm-oci/ai-lb-filter:0.1.0 <registry>/<repo>:0.1.0
 #                     (or crane push target/wasm-oci/ai-lb-filter <registry>/<repo>:0.1.0)
 #   apply:            kubectl apply -k target/istio/
+#   or, for the native data path (the router as the native dynamic module), the overlay of
+#   that output:      kubectl apply -k istio/native/   (docs/install-istio.md, "Native data path")
 # Arguments go to `ai-lb-wasm-oci render` (tools/wasm-oci): --url oci://<registry>/<repo>:<tag>
 # when you push elsewhere than the templates say, --url https://... to serve the bare .wasm
 # (its sha256 is then written), --tag, --variant compat, --archive FILE, --out DIR.

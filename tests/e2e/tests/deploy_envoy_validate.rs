@@ -2,7 +2,9 @@
 //! the real Envoy 1.40 (`envoy --mode validate`): the EnvoyFilter's cluster LB policy merged into
 //! an Istio-shaped outbound cluster, the wasm filter definition (EXTENSION_CONFIG) inserted before
 //! the router, the ECDS filter reference (HTTP_FILTER), and the guard WasmPlugin as Istio
-//! renders it. Envoy absent: each test fails under REQUIRE_ENVOY=1 (scripts/test.sh), else says
+//! renders it; for the native path (istio/native/), the same patches with the agents' loopback
+//! tunnel, and the built native module loading the manifest's config by name from
+//! ENVOY_DYNAMIC_MODULES_SEARCH_PATH, as in the sidecar. Envoy absent: each test fails under REQUIRE_ENVOY=1 (scripts/test.sh), else says
 //! SKIPPED and passes.
 
 mod deploy_support;
@@ -252,7 +254,21 @@ fn route_http_filter_insert_is_valid_ecds_reference() {
         route_extension_config()["name"],
         "HTTP_FILTER must reference the EXTENSION_CONFIG by its name"
     );
-    let mut b = bootstrap(vec![value], vec![istio_shaped_cluster(INFERENCE_CLUSTER)]);
+    let b = with_ads(bootstrap(
+        vec![value],
+        vec![istio_shaped_cluster(INFERENCE_CLUSTER)],
+    ));
+    let v = envoy_validate(&envoy, &b);
+    assert!(
+        v.ok,
+        "Envoy rejected the ECDS filter reference:\n{}",
+        v.output
+    );
+}
+
+/// `b` as a sidecar's bootstrap with an ADS server (istiod's place, never contacted by
+/// `--mode validate`), so that ECDS references (`config_discovery` with `ads`) are accepted.
+fn with_ads(mut b: Value) -> Value {
     b["node"] = yaml("{id: sidecar~10.0.0.9~client-0.ai-inference~ai-inference.svc.cluster.local, cluster: client.ai-inference}");
     b["dynamic_resources"] = yaml(
         r#"
@@ -277,12 +293,7 @@ load_assignment:
 "#,
         ));
     }
-    let v = envoy_validate(&envoy, &b);
-    assert!(
-        v.ok,
-        "Envoy rejected the ECDS filter reference:\n{}",
-        v.output
-    );
+    b
 }
 
 /// The guard WasmPlugin as Istio renders it into the inbound chain: pluginConfig as a JSON
@@ -410,4 +421,174 @@ fn stats_bootstrap_override_matches_envoy_yaml_and_is_valid() {
     b["stats_config"] = over["stats_config"].clone();
     let v = envoy_validate(&envoy, &b);
     assert!(v.ok, "Envoy rejects the stats tags:\n{}", v.output);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The native path: istio/native/envoyfilter.yaml and stats-bootstrap.yaml
+// ---------------------------------------------------------------------------------------------
+
+const AGENTS_CLUSTER: &str = "outbound|9090||ai-lb-agents.ai-inference.svc.cluster.local";
+
+/// The agents' outbound cluster as istiod builds it for a port with appProtocol grpc (HTTP/2).
+fn istio_shaped_agents_cluster() -> Value {
+    let mut c = istio_shaped_cluster(AGENTS_CLUSTER);
+    c["typed_extension_protocol_options"]
+        ["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]["explicit_http_config"] =
+        yaml("{http2_protocol_options: {}}");
+    c
+}
+
+/// A patch `applyTo` of the native router's EnvoyFilter, its operation checked.
+fn native_patch(apply_to: &str, operation: &str) -> Value {
+    let p = config_patch(&native_named("EnvoyFilter", "ai-lb-route"), apply_to);
+    assert_eq!(
+        p["patch"]["operation"].as_str(),
+        Some(operation),
+        "{apply_to}"
+    );
+    p["patch"]["value"].clone()
+}
+
+/// A sidecar's outbound side with the native router patched in: `http_filter` before the
+/// router, the inference cluster with the native CLUSTER patch merged, the agents' cluster, and
+/// the LISTENER patch's loopback tunnel as a second listener.
+fn native_bootstrap(http_filter: Value) -> Value {
+    let mut inference = istio_shaped_cluster(INFERENCE_CLUSTER);
+    merge(&mut inference, &native_patch("CLUSTER", "MERGE"));
+    let mut b = bootstrap(
+        vec![http_filter],
+        vec![inference, istio_shaped_agents_cluster()],
+    );
+    if let Some(listeners) = b["static_resources"]["listeners"].as_sequence_mut() {
+        listeners.push(native_patch("LISTENER", "ADD"));
+    }
+    b
+}
+
+/// The native router's patches as Envoy sees them in a sidecar: the override_host cluster, the
+/// agents' loopback tunnel (a listener whose tcp_proxy names the agents' cluster) and the ECDS
+/// reference to the module's filter (its default config and allowed types).
+#[test]
+fn native_router_patches_are_valid_envoy_config() {
+    let Some(envoy) = envoy_or_skip("native_router_patches_are_valid_envoy_config") else {
+        return;
+    };
+    let insert = native_patch("HTTP_FILTER", "INSERT_BEFORE");
+    let v = envoy_validate(&envoy, &with_ads(native_bootstrap(insert)));
+    assert!(
+        v.ok,
+        "Envoy rejected the native router's patches:\n{}",
+        v.output
+    );
+}
+
+/// The EXTENSION_CONFIG's filter, loaded as the sidecar would load it: by name, from the
+/// directory ENVOY_DYNAMIC_MODULES_SEARCH_PATH names, holding the module built here. Envoy runs
+/// the module's program init (its Envoy-version check, which must find this Envoy supported)
+/// and its config parse on the manifest's JSON; a config the module refuses fails validation,
+/// which the second half shows with a field the module refuses.
+#[test]
+fn native_module_loads_the_istio_config_by_name() {
+    let test = "native_module_loads_the_istio_config_by_name";
+    let Some(envoy) = envoy_or_skip(test) else {
+        return;
+    };
+    let Some(module) = ai_lb_e2e::require::or_skip(
+        test,
+        "the native module",
+        ai_lb_e2e::envoy::native_module_path(),
+    ) else {
+        return;
+    };
+    let ext = native_extension_config();
+    let name = at(&ext, "typed_config.dynamic_module_config.name")
+        .as_str()
+        .unwrap_or_else(|| panic!("istio/native/envoyfilter.yaml: no dynamic_module_config.name"));
+    // The search directory holds lib<name>.so, as the pod's module volume does.
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+    let module = module
+        .canonicalize()
+        .unwrap_or_else(|e| panic!("{}: {e}", module.display()));
+    std::os::unix::fs::symlink(&module, dir.path().join(format!("lib{name}.so")))
+        .unwrap_or_else(|e| panic!("symlink: {e}"));
+    let search = [("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", dir.path())];
+
+    let static_filter = |typed_config: Value| {
+        let mut f = Mapping::new();
+        f.insert("name".into(), ext["name"].clone());
+        f.insert("typed_config".into(), typed_config);
+        Value::Mapping(f)
+    };
+    let b = native_bootstrap(static_filter(ext["typed_config"].clone()));
+    let v = envoy_validate_with(&envoy, &b, "info", &search);
+    assert!(
+        v.ok,
+        "Envoy (or the module) refused istio/native/envoyfilter.yaml's filter:\n{}",
+        v.output
+    );
+    let ((major, minor), version) = envoy_version(&envoy);
+    for want in [
+        format!("ai-lb native: built for Envoy {major}.{minor}"),
+        format!("loaded into Envoy {version}: supported"),
+        "Dynamic module ABI version v0.2.0 matched".to_string(),
+    ] {
+        assert!(v.output.contains(&want), "no {want:?} in:\n{}", v.output);
+    }
+
+    // Control: the same load with a field the module refuses fails validation, so the module's
+    // parser did run on the manifest's config above.
+    let mut config = native_module_config();
+    config["filter"]["bigRequestHold"] = serde_json::json!({});
+    let mut typed = ext["typed_config"].clone();
+    typed["filter_config"]["value"] = Value::String(config.to_string());
+    let v = envoy_validate_with(
+        &envoy,
+        &native_bootstrap(static_filter(typed)),
+        "info",
+        &search,
+    );
+    assert!(
+        !v.ok && v.output.contains("filter.bigRequestHold"),
+        "expected the module to refuse filter.bigRequestHold:\n{}",
+        v.output
+    );
+}
+
+/// The native client sidecars' bootstrap override (istio/native/stats-bootstrap.yaml) tags the
+/// module's stats as envoy-config/envoy-native.yaml does, and Envoy accepts it.
+#[test]
+fn native_stats_bootstrap_matches_envoy_native_yaml_and_is_valid() {
+    let cm = native_named("ConfigMap", "ai-lb-stats-bootstrap");
+    let json = cm["data"]["custom_bootstrap.json"]
+        .as_str()
+        .unwrap_or_else(|| panic!("istio/native/stats-bootstrap.yaml: no custom_bootstrap.json"));
+    let over: Value =
+        serde_json::from_str(json).unwrap_or_else(|e| panic!("custom_bootstrap.json: {e}"));
+    // envoy-native.yaml is a template; its stats_config block has no placeholders.
+    let text = std::fs::read_to_string(repo_root().join("envoy-config/envoy-native.yaml"))
+        .unwrap_or_else(|e| panic!("envoy-native.yaml: {e}"));
+    let block: String = text
+        .lines()
+        .skip_while(|l| !l.starts_with("stats_config:"))
+        .take_while(|l| l.starts_with("stats_config:") || l.starts_with(' ') || l.is_empty())
+        .collect::<Vec<_>>()
+        .join("\n");
+    let local = yaml(&block);
+    assert!(
+        local["stats_config"]["stats_tags"].is_sequence(),
+        "envoy-native.yaml has no stats_config.stats_tags"
+    );
+    assert_eq!(
+        over["stats_config"]["stats_tags"], local["stats_config"]["stats_tags"],
+        "istio/native/stats-bootstrap.yaml and envoy-config/envoy-native.yaml must tag the module's stats alike"
+    );
+    let Some(envoy) =
+        envoy_or_skip("native_stats_bootstrap_matches_envoy_native_yaml_and_is_valid")
+    else {
+        return;
+    };
+    let mut b = bootstrap(vec![], vec![istio_shaped_cluster(INFERENCE_CLUSTER)]);
+    b["stats_config"] = over["stats_config"].clone();
+    let v = envoy_validate(&envoy, &b);
+    assert!(v.ok, "Envoy rejects the native stats tags:\n{}", v.output);
 }

@@ -1,8 +1,10 @@
-//! Decides whether the Istio manifests in istio/ are structurally sound before they meet a
-//! cluster: every YAML document parses, each object has the apiVersion/kind and required
-//! fields of its kind, and the names that must agree across files (Service ↔ cluster names in
-//! the filter config, routing header ↔ override_host source, retries ↔ fallback endpoints,
-//! probes ↔ ports) do agree. No cluster, no network.
+//! Decides whether the Istio manifests in istio/ (the wasm install) and istio/native/ (the
+//! native module's overlay on it) are structurally sound before they meet a cluster: every YAML
+//! document parses, each object has the apiVersion/kind and required fields of its kind, and
+//! the names that must agree across files (Service ↔ cluster names in the filter config,
+//! routing header ↔ override_host source, retries ↔ fallback endpoints, probes ↔ ports; for
+//! the native path also module name ↔ the file the init container writes, search path ↔ the
+//! sidecar's mount, agents address ↔ the loopback listener) do agree. No cluster, no network.
 
 mod deploy_support;
 
@@ -459,8 +461,9 @@ fn kustomization_lists_existing_files_and_not_both_router_installs() {
         !resources.contains(&"wasmplugin.yaml"),
         "wasmplugin.yaml and envoyfilter.yaml both install the router: the filter would run twice"
     );
-    // Every other manifest is installed.
-    for f in files_with_ext(&repo_root().join("istio"), &[".yaml"]) {
+    // Every other manifest of istio/ is installed (istio/native/ is an overlay with its own
+    // kustomization, checked by native_kustomization_is_an_overlay_of_the_rendered_install).
+    for f in files_in(&repo_root().join("istio"), &[".yaml"]) {
         let n = f.file_name().and_then(|n| n.to_str()).unwrap_or_default();
         if n != "kustomization.yaml" && n != "wasmplugin.yaml" {
             assert!(
@@ -712,4 +715,375 @@ fn rendered_epp_template_passes_envoy_validate() {
     if let Err(e) = ai_lb_e2e::envoy::validate(&opts) {
         panic!("envoy-config/envoy-epp.yaml: {e}");
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The native path: istio/native/
+// ---------------------------------------------------------------------------------------------
+
+/// Each object of the overlay is well formed for its kind and patches an object of the wasm
+/// install with the same kind and name (kustomize applies them as patches).
+#[test]
+fn native_objects_are_well_formed_patches_of_install_objects() {
+    let base: Vec<(String, String)> = istio_objects()
+        .iter()
+        .map(|(_, v)| {
+            (
+                v["kind"].as_str().unwrap_or("").to_string(),
+                v["metadata"]["name"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect();
+    let objects = native_objects();
+    assert!(objects.len() >= 3, "istio/native/: {objects:?}");
+    for (file, obj) in &objects {
+        let kind = obj["kind"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{}: object without kind", file.display()));
+        let want = expected_api_version(kind)
+            .unwrap_or_else(|| panic!("{}: unexpected kind {kind}", file.display()));
+        assert_eq!(obj["apiVersion"].as_str(), Some(want), "{}", file.display());
+        if kind == "Kustomization" {
+            continue;
+        }
+        assert_eq!(
+            obj["metadata"]["namespace"].as_str(),
+            Some("ai-inference"),
+            "{}: {}",
+            file.display(),
+            describe(obj)
+        );
+        let id = (kind.to_string(), s(obj, "metadata.name").to_string());
+        assert!(
+            base.contains(&id),
+            "{}: {} patches nothing in istio/ (kustomize would refuse it)",
+            file.display(),
+            describe(obj)
+        );
+        match kind {
+            "EnvoyFilter" => check_envoy_filter(obj),
+            "ConfigMap" => check_config_map(obj),
+            _ => {}
+        }
+    }
+}
+
+/// istio/native/kustomization.yaml is an overlay of the RENDERED wasm install (the templates
+/// carry no module digest) at istio/render.sh's default output, patches it with every other
+/// object file of the directory, and does not list the client patch (which patches the
+/// operator's own Deployments).
+#[test]
+fn native_kustomization_is_an_overlay_of_the_rendered_install() {
+    let k = load_yaml("istio/native/kustomization.yaml");
+    let resources: Vec<&str> = seq(&k, "resources")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert_eq!(
+        resources,
+        ["../../target/istio"],
+        "the base is the rendered install"
+    );
+    let render = std::fs::read_to_string(repo_root().join("istio/render.sh"))
+        .unwrap_or_else(|e| panic!("istio/render.sh: {e}"));
+    assert!(
+        render.contains("target/istio"),
+        "istio/render.sh no longer renders into target/istio"
+    );
+    let patches: Vec<&str> = seq(&k, "patches").iter().map(|p| s(p, "path")).collect();
+    for f in files_in(&repo_root().join("istio/native"), &[".yaml", ".yml"]) {
+        let n = f.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        match n {
+            "kustomization.yaml" => {}
+            "client-patch.yaml" => assert!(
+                !patches.contains(&n),
+                "client-patch.yaml patches client Deployments, not this overlay"
+            ),
+            _ => assert!(patches.contains(&n), "kustomization does not apply {n}"),
+        }
+    }
+    for p in &patches {
+        assert!(
+            repo_root().join("istio/native").join(p).is_file(),
+            "kustomization: patch {p} does not exist"
+        );
+    }
+}
+
+/// The native router replaces the wasm router's EnvoyFilter (same name and workloads) and keeps
+/// its cluster side and its place in the chain: the same override_host CLUSTER patch, the
+/// filter inserted before the router of the same outbound listener, through ECDS with the same
+/// fail-open default; nothing of the wasm filter is left in it.
+#[test]
+fn native_router_replaces_the_wasm_router_in_place() {
+    let wasm = istio_named("EnvoyFilter", "ai-lb-route");
+    let native = native_named("EnvoyFilter", "ai-lb-route");
+    assert_eq!(
+        native["spec"]["workloadSelector"],
+        wasm["spec"]["workloadSelector"]
+    );
+    assert_eq!(
+        config_patch(&native, "CLUSTER"),
+        config_patch(&wasm, "CLUSTER"),
+        "the native module steers through the same override_host policy (steering: header)"
+    );
+    let (nf, wf) = (
+        config_patch(&native, "HTTP_FILTER"),
+        config_patch(&wasm, "HTTP_FILTER"),
+    );
+    assert_eq!(nf["match"], wf["match"], "placed like the wasm filter");
+    assert_eq!(s(&nf, "patch.operation"), "INSERT_BEFORE");
+    let ext = native_extension_config();
+    assert_eq!(
+        nf["patch"]["value"]["name"], ext["name"],
+        "ECDS reference by name"
+    );
+    let discovery = &nf["patch"]["value"]["config_discovery"];
+    for key in [
+        "default_config",
+        "apply_default_config_without_warming",
+        "config_source",
+    ] {
+        assert_eq!(
+            discovery[key], wf["patch"]["value"]["config_discovery"][key],
+            "config_discovery.{key}: fail open as the wasm router does"
+        );
+    }
+    let types: Vec<&str> = seq(discovery, "type_urls")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    let module_type = s(&ext, "typed_config.@type");
+    assert_eq!(
+        module_type,
+        "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter"
+    );
+    assert!(types.contains(&module_type), "type_urls: {types:?}");
+    assert!(
+        types.contains(&"type.googleapis.com/envoy.extensions.filters.http.rbac.v3.RBAC"),
+        "the RBAC default must be an allowed type: {types:?}"
+    );
+    let text = serde_yaml::to_string(&native).unwrap_or_default();
+    assert!(
+        !text.to_lowercase().contains("wasm"),
+        "istio/native/envoyfilter.yaml still holds wasm configuration"
+    );
+    assert_eq!(
+        at(&ext, "typed_config.dynamic_module_config.do_not_close").as_bool(),
+        Some(true),
+        "the module runs a feed thread: it must never be unloaded"
+    );
+}
+
+/// The module's config names Istio's cluster of the inference Service (as the wasm router's
+/// does), reads the routing header override_host reads, names as many fallback endpoints as the
+/// VirtualService retries, and reaches the agents at the loopback listener, which tunnels to
+/// Istio's cluster of the agents' Service.
+#[test]
+fn native_module_config_names_the_istio_clusters_and_the_agents_tunnel() {
+    let cfg = native_module_config();
+    let filter = &cfg["filter"];
+    let wasm = route_config();
+    let inference = istio_named("Service", "vllm-llama-8b");
+    let agents = istio_named("Service", "ai-lb-agents");
+    let port = |svc: &Value| seq(svc, "spec.ports")[0]["port"].as_u64().unwrap_or(0);
+    let pools = filter["pools"].as_array().cloned().unwrap_or_default();
+    assert!(!pools.is_empty(), "no pools");
+    for (i, pool) in pools.iter().enumerate() {
+        assert_eq!(
+            pool["cluster"].as_str(),
+            Some(outbound(&inference, port(&inference)).as_str())
+        );
+        assert_eq!(
+            pool["name"], wasm["pools"][i]["name"],
+            "same pool names as wasm"
+        );
+    }
+    let native = native_named("EnvoyFilter", "ai-lb-route");
+    let cluster_patch = config_patch(&native, "CLUSTER");
+    let header = at(
+        &cluster_patch,
+        "patch.value.load_balancing_policy.policies.0.typed_extension_config.typed_config.override_host_sources.0.header",
+    );
+    assert_eq!(header.as_str(), filter["routingHeader"].as_str());
+    assert!(
+        matches!(
+            cfg["steering"].as_str(),
+            None | Some("header") | Some("both")
+        ),
+        "the cluster runs override_host on the routing header: steering must write it"
+    );
+    let vs = istio_named("VirtualService", "vllm-llama-8b");
+    assert_eq!(
+        seq(&vs, "spec.http")[0]["retries"]["attempts"].as_u64(),
+        filter["fallbackEndpoints"].as_u64(),
+        "each retry should go to the next ranked endpoint"
+    );
+
+    let listener = config_patch(&native, "LISTENER");
+    assert_eq!(s(&listener, "match.context"), "SIDECAR_OUTBOUND");
+    assert_eq!(s(&listener, "patch.operation"), "ADD");
+    let addr = at(&listener, "patch.value.address.socket_address");
+    let loopback = format!(
+        "{}:{}",
+        s(addr, "address"),
+        addr["port_value"].as_u64().unwrap_or(0)
+    );
+    assert!(
+        loopback.starts_with("127.0.0.1:"),
+        "the tunnel listens on loopback only: {loopback}"
+    );
+    let filters = seq(&listener, "patch.value.filter_chains.0.filters");
+    assert_eq!(filters.len(), 1);
+    assert_eq!(s(&filters[0], "name"), "envoy.filters.network.tcp_proxy");
+    assert_eq!(
+        s(&filters[0], "typed_config.cluster"),
+        outbound(&agents, port(&agents)),
+        "the tunnel goes to Istio's cluster of the agents' Service"
+    );
+    for pool in &pools {
+        let name = pool["name"].as_str().unwrap_or("");
+        assert_eq!(
+            cfg["agents"][name],
+            serde_json::json!([loopback]),
+            "pool {name}: the agents are reached through the loopback tunnel"
+        );
+    }
+}
+
+/// client-patch.yaml puts the module where Envoy looks for it: the init container writes
+/// lib<name>.so (name = the EnvoyFilter's dynamic_module_config.name) into the volume that
+/// istio-proxy mounts at ENVOY_DYNAMIC_MODULES_SEARCH_PATH; the module image holds the file the
+/// init container copies; the pod is selected by the EnvoyFilter and opts in to the native
+/// stats; istio-proxy runs as a regular container, so the copy is done before Envoy starts.
+#[test]
+fn native_client_patch_delivers_the_module_where_envoy_looks() {
+    let docs =
+        load_yaml_docs(&repo_root().join(NATIVE_CLIENT_PATCH)).unwrap_or_else(|e| panic!("{e}"));
+    let [patch] = docs.as_slice() else {
+        panic!("{NATIVE_CLIENT_PATCH}: expected one document");
+    };
+    let meta = at(patch, "spec.template.metadata");
+    // Annotation keys hold dots: index, do not `at`.
+    let ann = |k: &str| {
+        meta["annotations"][k]
+            .as_str()
+            .unwrap_or_else(|| panic!("{NATIVE_CLIENT_PATCH}: no annotation {k}"))
+            .to_string()
+    };
+    let native = native_named("EnvoyFilter", "ai-lb-route");
+    for (k, v) in native["spec"]["workloadSelector"]["labels"]
+        .as_mapping()
+        .into_iter()
+        .flatten()
+    {
+        assert_eq!(
+            meta["labels"].get(k),
+            Some(v),
+            "the EnvoyFilter selects {k:?}"
+        );
+    }
+    assert_eq!(
+        ann("sidecar.istio.io/nativeSidecar"),
+        "false",
+        "a native sidecar starts before the pod's init containers, before the module is copied"
+    );
+
+    let mounts: serde_json::Value = serde_json::from_str(&ann("sidecar.istio.io/userVolumeMount"))
+        .unwrap_or_else(|e| panic!("userVolumeMount is not JSON: {e}"));
+    let mounts = mounts.as_object().cloned().unwrap_or_default();
+    let [(volume, mount)] = mounts.iter().collect::<Vec<_>>()[..] else {
+        panic!("userVolumeMount: expected one volume, got {mounts:?}");
+    };
+    assert_eq!(
+        mount["readOnly"],
+        serde_json::json!(true),
+        "istio-proxy only reads the module"
+    );
+    let search_path = mount["mountPath"].as_str().unwrap_or("").to_string();
+
+    let proxy_config: Value = serde_yaml::from_str(&ann("proxy.istio.io/config"))
+        .unwrap_or_else(|e| panic!("proxy.istio.io/config is not YAML: {e}"));
+    assert_eq!(
+        s(
+            &proxy_config,
+            "proxyMetadata.ENVOY_DYNAMIC_MODULES_SEARCH_PATH"
+        ),
+        search_path,
+        "Envoy must search the directory istio-proxy mounts"
+    );
+    let prefixes: Vec<&str> = seq(&proxy_config, "proxyStatsMatcher.inclusionPrefixes")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert!(
+        prefixes.contains(&"dynamicmodulescustom.ailb"),
+        "{prefixes:?}"
+    );
+    let stats = native_named("ConfigMap", "ai-lb-stats-bootstrap");
+    assert_eq!(
+        ann("sidecar.istio.io/bootstrapOverride"),
+        s(&stats, "metadata.name")
+    );
+
+    let spec = at(patch, "spec.template.spec");
+    let volumes = seq(spec, "volumes");
+    let vol = volumes
+        .iter()
+        .find(|v| v["name"].as_str() == Some(volume.as_str()))
+        .unwrap_or_else(|| panic!("no volume {volume} in the pod spec"));
+    assert!(vol["emptyDir"].is_mapping(), "{volume}: an emptyDir");
+    let inits = seq(spec, "initContainers");
+    let [init] = inits.as_slice() else {
+        panic!("expected one init container");
+    };
+    let dest_dir = seq(init, "volumeMounts")
+        .iter()
+        .find(|m| m["name"].as_str() == Some(volume.as_str()))
+        .map(|m| s(m, "mountPath").to_string())
+        .unwrap_or_else(|| panic!("the init container does not mount {volume}"));
+    let module = format!(
+        "lib{}.so",
+        s(
+            &native_extension_config(),
+            "typed_config.dynamic_module_config.name"
+        )
+    );
+    let command: Vec<&str> = seq(init, "command")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    let [cp, from, to] = command[..] else {
+        panic!("init container command: expected cp FROM TO, got {command:?}");
+    };
+    assert_eq!(cp, "cp");
+    assert_eq!(
+        to,
+        format!("{dest_dir}/{module}"),
+        "Envoy looks for $ENVOY_DYNAMIC_MODULES_SEARCH_PATH/{module}"
+    );
+    let dockerfile = std::fs::read_to_string(repo_root().join("istio/native/module.Dockerfile"))
+        .unwrap_or_else(|e| panic!("istio/native/module.Dockerfile: {e}"));
+    assert!(
+        dockerfile
+            .lines()
+            .any(|l| l.starts_with("COPY ") && l.ends_with(&format!(" {from}"))),
+        "module.Dockerfile does not put the module at {from}"
+    );
+    assert!(
+        dockerfile.contains("-p ai-lb-filter-native"),
+        "module.Dockerfile must build the native module"
+    );
+    assert_eq!(
+        init["securityContext"]["runAsNonRoot"].as_bool(),
+        Some(true)
+    );
+    assert_eq!(
+        init["securityContext"]["allowPrivilegeEscalation"].as_bool(),
+        Some(false)
+    );
+    assert!(
+        init["resources"]["requests"].is_mapping(),
+        "resource requests"
+    );
 }

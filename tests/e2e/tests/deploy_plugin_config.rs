@@ -62,6 +62,42 @@ fn wasmplugin_route_config_is_accepted_and_header_only() {
     assert_eq!(cfg.fallback_endpoints, ef.fallback_endpoints);
 }
 
+/// The native router's `filter` section (istio/native/envoyfilter.yaml) is accepted in route
+/// mode, holds nothing the native module refuses (admission, bigRequestHold: Envoy would
+/// reject the whole config), and routes as the wasm router does: switching data path changes
+/// nothing else. The module's own parser (agents, steering) runs in deploy_envoy_validate's
+/// native_module_loads_the_istio_config_by_name.
+#[test]
+fn native_envoyfilter_filter_config_is_accepted_and_routes_like_the_wasm_one() {
+    let module = native_module_config();
+    let json = serde_json::to_string(&module["filter"]).unwrap_or_default();
+    let cfg = parse("istio/native/envoyfilter.yaml (filter)", &json);
+    assert_eq!(cfg.mode, Mode::Route);
+    assert!(
+        cfg.admission.is_none(),
+        "the native module refuses `admission`"
+    );
+    assert!(
+        cfg.big_request_hold.is_none(),
+        "the native module refuses `bigRequestHold`"
+    );
+    let wasm = parse(
+        "istio/envoyfilter.yaml",
+        &wasm_configuration_json(&route_extension_config()["typed_config"]),
+    );
+    let names = |c: &FilterConfig| {
+        c.pools
+            .iter()
+            .map(|p| (p.name.clone(), p.cluster.clone(), p.model_type.clone()))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(names(&cfg), names(&wasm));
+    assert_eq!(cfg.cutoffs, wasm.cutoffs);
+    assert_eq!(cfg.routing_header, wasm.routing_header);
+    assert_eq!(cfg.fallback_endpoints, wasm.fallback_endpoints);
+    assert_eq!(cfg.model_header, wasm.model_header);
+}
+
 #[test]
 fn guard_config_is_accepted_in_guard_mode() {
     let wp = istio_named("WasmPlugin", "ai-lb-guard");
