@@ -74,12 +74,13 @@ pub struct RawArgs {
     /// KV-cache capacity in tokens; wins over the model server's own figure.
     #[arg(long, env = "AI_LB_AGENT_KV_CAPACITY_TOKENS")]
     pub kv_capacity_tokens: Option<String>,
-    /// How often every source is read, the model server's metrics included [default: 50ms,
-    /// the rate the Gateway API Inference Extension's endpoint picker scrapes vLLM at].
+    /// How often the model server's metrics (every source but the GPUs) are read [default:
+    /// 50ms, the rate the Gateway API Inference Extension's endpoint picker scrapes vLLM at].
     #[arg(long, env = "AI_LB_AGENT_SAMPLE_INTERVAL")]
     pub sample_interval: Option<String>,
-    /// How often the GPUs (NVML, or the sim source) are read between full samples; at most
-    /// --sample-interval [default: 20ms, or --sample-interval when shorter].
+    /// How often the GPUs (NVML, or the sim source) are read, on their own clock: a frozen
+    /// model server does not delay them; at most --sample-interval [default: 20ms, or
+    /// --sample-interval when shorter].
     #[arg(long, env = "AI_LB_AGENT_GPU_SAMPLE_INTERVAL")]
     pub gpu_sample_interval: Option<String>,
     /// How often NVML GPM activity (SM occupancy, SM, tensor and DRAM activity; Hopper and
@@ -87,10 +88,10 @@ pub struct RawArgs {
     /// [default: 100ms].
     #[arg(long, env = "AI_LB_AGENT_GPM_INTERVAL")]
     pub gpm_interval: Option<String>,
-    /// A sample that has waited this long on a source reports it failing, and keeps waiting up
-    /// to the source timeout (500ms, or --sample-interval when longer). Filters cut a pod
-    /// whose model server fails after it has answered once. A GPU read between full samples
-    /// fails after this long [default: 3 × --sample-interval, at least 150ms].
+    /// A read that has waited this long on the model server reports it failing, and keeps
+    /// waiting up to the source timeout (500ms, or --sample-interval when longer). Filters cut
+    /// a pod whose model server fails after it has answered once. A GPU read fails after this
+    /// long [default: 3 × --sample-interval, at least 150ms].
     #[arg(long, env = "AI_LB_AGENT_SOURCE_STALL_AFTER")]
     pub source_stall_after: Option<String>,
     /// Window for latency quantiles [default: 10s].

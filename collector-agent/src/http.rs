@@ -129,12 +129,34 @@ pub fn render_metrics(st: &HttpState) -> String {
 
     o.head("ai_lb_agent_up", "gauge", "1 while the agent process runs.");
     o.line("ai_lb_agent_up", "", 1.0);
-    o.head("ai_lb_agent_samples_total", "counter", "Samples taken.");
+    o.head(
+        "ai_lb_agent_samples_total",
+        "counter",
+        "Snapshots published (one per source read, and one when a read stalls).",
+    );
     o.line(
         "ai_lb_agent_samples_total",
         "",
         st.hub.samples_taken() as f64,
     );
+    o.head(
+        "ai_lb_agent_source_reads_total",
+        "counter",
+        "Reads of each source by outcome; each source is read on its own clock.",
+    );
+    for (source, ok, failed) in st.hub.source_reads() {
+        let s = escape_label(&source);
+        o.line(
+            "ai_lb_agent_source_reads_total",
+            &format!("source=\"{s}\",outcome=\"ok\""),
+            ok as f64,
+        );
+        o.line(
+            "ai_lb_agent_source_reads_total",
+            &format!("source=\"{s}\",outcome=\"failed\""),
+            failed as f64,
+        );
+    }
 
     if let Some(s) = &snap {
         o.head(

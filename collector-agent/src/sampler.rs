@@ -1,7 +1,10 @@
-//! The sampler decides what the pod's current snapshot is: it runs every configured source at the
-//! sample interval (time from an injected clock), merges their readings into one `PodSnapshot`
-//! with per-source health, publishes it by swapping an `Arc` (readers never block the sampler),
-//! and wakes watchers only when the change is meaningful (a pure function, [`meaningful_change`]).
+//! The sampler decides what the pod's current snapshot is: it reads every configured source on
+//! that source's own clock (one task per source; the GPUs every `--gpu-sample-interval`, the
+//! model server every `--sample-interval`; time from an injected clock), merges each outcome
+//! with the other sources' latest into one `PodSnapshot` with per-source health, publishes it by
+//! swapping an `Arc` (readers never block the sampler), and wakes watchers only when the change
+//! is meaningful (a pure function, [`meaningful_change`]). A source that does not answer holds
+//! up only its own reads.
 
 use crate::kv_events::KvFeed;
 use crate::sources::{Reading, Source};
@@ -11,7 +14,7 @@ use ai_lb_proto::v1::{
 };
 use arc_swap::ArcSwapOption;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::watch;
@@ -93,6 +96,8 @@ pub struct Hub {
     urgent: watch::Sender<u64>,
     samples: AtomicU64,
     rejected: Mutex<BTreeMap<(String, String), u64>>,
+    /// Reads finished per source: `[ok, failed]`.
+    source_reads: Mutex<BTreeMap<String, [u64; 2]>>,
     instance: String,
 }
 
@@ -104,6 +109,7 @@ impl Hub {
             urgent: watch::channel(0).0,
             samples: AtomicU64::new(0),
             rejected: Mutex::new(BTreeMap::new()),
+            source_reads: Mutex::new(BTreeMap::new()),
             instance,
         })
     }
@@ -155,6 +161,26 @@ impl Hub {
         if meaningful || urgent {
             self.changes.send_modify(|v| *v += 1);
         }
+    }
+
+    /// Reads finished so far, by source: `(ok, failed)`.
+    pub fn source_reads(&self) -> Vec<(String, u64, u64)> {
+        let m = match self.source_reads.lock() {
+            Ok(m) => m,
+            Err(p) => p.into_inner(),
+        };
+        m.iter()
+            .map(|(k, [ok, bad])| (k.clone(), *ok, *bad))
+            .collect()
+    }
+
+    fn count_source_sample(&self, source: &str, ok: bool) {
+        let mut m = match self.source_reads.lock() {
+            Ok(m) => m,
+            Err(p) => p.into_inner(),
+        };
+        let slot = m.entry(source.to_string()).or_insert([0, 0]);
+        slot[usize::from(!ok)] += 1;
     }
 
     fn count_rejected(&self, source: &str, field: &str) {
@@ -488,12 +514,19 @@ pub async fn stopped(shutdown: &mut watch::Receiver<bool>) {
     let _ = shutdown.wait_for(|s| *s).await;
 }
 
-/// Runs the sources and publishes snapshots into a [`Hub`].
+/// Runs the sources, each on its own clock, and publishes snapshots into a [`Hub`].
+///
+/// Every source is sampled by a task of its own at its own interval (the local GPU sources
+/// every `--gpu-sample-interval`, the others every `--sample-interval`); each outcome is merged
+/// at once with the other sources' latest outcomes and published. A source that answers late
+/// or never (a frozen model server, a wedged GPU read) holds up only its own task, so the
+/// others keep their cadence (issue 31: one sample used to wait on every source, and a frozen
+/// model server slowed the GPU readings from every 20 ms to every ~0.5 s).
 pub struct Sampler {
     sources: Vec<Box<dyn Source>>,
-    /// Everything but the sources, so a snapshot can be published while a source is still
-    /// being awaited (see [`Sampler::stall_after`]).
-    out: Outbox,
+    /// Shared by the per-source tasks; held only to merge and publish, never across a read.
+    out: Arc<Mutex<Outbox>>,
+    clock: Arc<dyn Clock>,
     source_timeout: Duration,
     stall_after: Duration,
 }
@@ -509,25 +542,40 @@ struct Outbox {
     /// The snapshot watchers were last woken for.
     baseline: Option<PodSnapshot>,
     /// Each source's last outcome (`last[i]` belongs to `sources[i]`), merged into every
-    /// snapshot, so a local-only sample keeps the model server's last reading.
+    /// snapshot, so a GPU reading keeps the model server's last reading.
     last: Vec<Result<Reading, String>>,
+    /// Sources whose current read has waited past the stall time, and that time: until they
+    /// answer (or time out) every snapshot shows them failing with "no answer for …" and
+    /// without their last reading. The real records are left alone: the answer, or the
+    /// timeout, is recorded when it comes.
+    stalled: Vec<Option<Duration>>,
+    /// The newest time a snapshot was published for: a late answer to a read started earlier
+    /// does not make the snapshot look older than the readings it already holds.
+    newest: Option<Instant>,
     thresholds: Thresholds,
     /// The pod's prefix cache from its KV events, when subscribed.
     prefix: Option<Arc<KvFeed>>,
 }
 
+fn lock(out: &Mutex<Outbox>) -> std::sync::MutexGuard<'_, Outbox> {
+    match out.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
 impl Outbox {
-    /// Merges every source's last outcome into a snapshot taken at `now` and publishes it.
-    /// With `stalled = Some((done, waited))`, the sources not yet `done` are shown failing
-    /// with "no answer for `waited`" and without their last readings; the real records are
-    /// left alone, since the answer (or the timeout) is recorded when it comes.
-    fn publish(
-        &mut self,
-        stalled: Option<(&[AtomicBool], Duration)>,
-        now: Instant,
-    ) -> Arc<Published> {
+    /// Merges every source's last outcome (stalled ones shown failing) into a snapshot taken
+    /// at `at` (or at the newest time already published, if later) and publishes it.
+    fn publish(&mut self, at: Instant) -> Arc<Published> {
+        let now = self.newest.map_or(at, |n| n.max(at));
+        self.newest = Some(now);
         self.sequence += 1;
-        let interim = stalled.map(|(done, waited)| self.stalled_view(done, waited, now));
+        let interim = self
+            .stalled
+            .iter()
+            .any(Option::is_some)
+            .then(|| self.stalled_view(now));
         let (tracks, last) = match &interim {
             Some((t, l)) => (t.as_slice(), l.as_slice()),
             None => (self.tracks.as_slice(), self.last.as_slice()),
@@ -570,34 +618,145 @@ impl Outbox {
         published
     }
 
-    /// Copies of the tracks and last outcomes with every source not yet `done` failing.
-    fn stalled_view(
-        &self,
-        done: &[AtomicBool],
-        waited: Duration,
-        now: Instant,
-    ) -> (Vec<SourceTrack>, Vec<Result<Reading, String>>) {
+    /// Copies of the tracks and last outcomes with every stalled source failing.
+    fn stalled_view(&self, now: Instant) -> (Vec<SourceTrack>, Vec<Result<Reading, String>>) {
         let mut tracks = self.tracks.clone();
         let mut last = self.last.clone();
-        for (i, (t, l)) in tracks.iter_mut().zip(last.iter_mut()).enumerate() {
-            if done.get(i).is_some_and(|d| !d.load(Ordering::Acquire)) {
-                if t.consecutive_failures == 0 {
-                    tracing::warn!(source = t.name, waited = ?waited, "source stalled");
-                }
+        for ((t, l), waited) in tracks.iter_mut().zip(last.iter_mut()).zip(&self.stalled) {
+            if let Some(waited) = waited {
                 *l = Err(format!("{}: no answer for {waited:?}", t.name));
                 t.record(l, now);
             }
         }
         (tracks, last)
     }
+
+    /// Source `i`'s current read has waited `waited` (at `at`): publish it failing.
+    fn mark_stalled(&mut self, i: usize, waited: Duration, at: Instant) -> Arc<Published> {
+        if let (Some(slot), Some(t)) = (self.stalled.get_mut(i), self.tracks.get(i)) {
+            *slot = Some(waited);
+            if t.consecutive_failures == 0 {
+                tracing::warn!(source = t.name, waited = ?waited, "source stalled");
+            }
+        }
+        self.publish(at)
+    }
+
+    /// Records source `i`'s outcome of the read started at `now` and publishes.
+    fn record(
+        &mut self,
+        i: usize,
+        outcome: Result<Reading, String>,
+        now: Instant,
+    ) -> Arc<Published> {
+        if let Some(s) = self.stalled.get_mut(i) {
+            *s = None;
+        }
+        if let (Some(track), Some(slot)) = (self.tracks.get_mut(i), self.last.get_mut(i)) {
+            track.record(&outcome, now);
+            self.hub.count_source_sample(track.name, outcome.is_ok());
+            match &outcome {
+                Ok(r) => {
+                    for rej in &r.rejected {
+                        self.hub.count_rejected(track.name, &rej.field);
+                        tracing::debug!(source = track.name, field = %rej.field, value = %rej.value, reason = %rej.reason, "rejected value");
+                    }
+                }
+                Err(e) => {
+                    if track.consecutive_failures == 1 {
+                        tracing::warn!(source = track.name, error = %e, "source failing");
+                    }
+                }
+            }
+            *slot = outcome;
+        }
+        self.publish(now)
+    }
+}
+
+/// How one source is read: the timeout of a read, and when a read still waiting is published
+/// as failing (`None`: only at the timeout).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Cadence {
+    timeout: Duration,
+    stall: Option<Duration>,
+}
+
+/// Reads source `i` once (time from `clock`): publishes it stalled if it has not answered
+/// within the stall time, then its outcome. Returns the last snapshot published.
+async fn sample_source(
+    i: usize,
+    source: &mut dyn Source,
+    out: &Mutex<Outbox>,
+    clock: &dyn Clock,
+    cadence: Cadence,
+) -> Arc<Published> {
+    let now = clock.now();
+    let name = source.name();
+    let timeout = cadence.timeout;
+    let read = async {
+        match tokio::time::timeout(timeout, source.sample(now)).await {
+            Ok(Ok(r)) => Ok(r),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!("{name}: no answer within {timeout:?}")),
+        }
+    };
+    tokio::pin!(read);
+    let outcome = match cadence.stall {
+        Some(stall) => tokio::select! {
+            o = &mut read => o,
+            _ = tokio::time::sleep(stall) => {
+                lock(out).mark_stalled(i, stall, clock.now());
+                read.await
+            }
+        },
+        None => read.await,
+    };
+    lock(out).record(i, outcome, now)
+}
+
+/// Reads source `i` every `every` until `shutdown`.
+async fn run_source(
+    i: usize,
+    mut source: Box<dyn Source>,
+    out: Arc<Mutex<Outbox>>,
+    clock: Arc<dyn Clock>,
+    every: Duration,
+    cadence: Cadence,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut ticker = tokio::time::interval(every);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            _ = stopped(&mut shutdown) => return,
+        }
+        tokio::select! {
+            _ = sample_source(i, source.as_mut(), &out, clock.as_ref(), cadence) => {}
+            _ = stopped(&mut shutdown) => return,
+        }
+    }
+}
+
+/// Aborts the per-source tasks when [`Sampler::run`] is dropped.
+struct AbortOnDrop(Vec<tokio::task::JoinHandle<()>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        for t in &self.0 {
+            t.abort();
+        }
+    }
 }
 
 impl std::fmt::Debug for Sampler {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let out = lock(&self.out);
         f.debug_struct("Sampler")
-            .field("tracks", &self.out.tracks)
-            .field("absent", &self.out.absent)
-            .field("sequence", &self.out.sequence)
+            .field("tracks", &out.tracks)
+            .field("absent", &out.absent)
+            .field("sequence", &out.sequence)
             .finish()
     }
 }
@@ -620,29 +779,33 @@ impl Sampler {
         let source_timeout =
             sample_interval.clamp(Duration::from_millis(500), Duration::from_secs(5));
         Sampler {
-            sources,
-            out: Outbox {
+            out: Arc::new(Mutex::new(Outbox {
                 tracks,
                 absent,
                 identity,
                 hub,
-                clock,
+                clock: clock.clone(),
                 sequence: 0,
                 baseline: None,
                 last,
+                stalled: vec![None; sources.len()],
+                newest: None,
                 thresholds: Thresholds::default(),
                 prefix: None,
-            },
+            })),
+            sources,
+            clock,
             source_timeout,
             stall_after: Self::default_stall_after(sample_interval, source_timeout),
         }
     }
 
-    /// How long a full sample waits on a source before it reports that source failing while
-    /// still waiting for the answer: three sample intervals, at least 150 ms, and never past
-    /// the source timeout. A model server that froze (SIGSTOP, a hung event loop) is reported
-    /// after this, not after the timeout, and filters cut its pod; a slow one that answers
-    /// later is fresh again on that answer.
+    /// How long a read of a (non-local) source may wait before the source is reported failing
+    /// while the read still waits for the answer: three sample intervals, at least 150 ms,
+    /// and never past the source timeout. A model server that froze (SIGSTOP, a hung event
+    /// loop) is reported after this, not after the timeout, and filters cut its pod; a slow
+    /// one that answers later is fresh again on that answer. A local (GPU) read times out
+    /// after this long.
     pub fn default_stall_after(sample_interval: Duration, source_timeout: Duration) -> Duration {
         (sample_interval * 3)
             .max(Duration::from_millis(150))
@@ -650,13 +813,13 @@ impl Sampler {
     }
 
     /// Puts the pod's prefix-cache summary from `feed` into every snapshot.
-    pub fn with_prefix_feed(mut self, feed: Arc<KvFeed>) -> Sampler {
-        self.out.prefix = Some(feed);
+    pub fn with_prefix_feed(self, feed: Arc<KvFeed>) -> Sampler {
+        lock(&self.out).prefix = Some(feed);
         self
     }
 
-    pub fn with_thresholds(mut self, thresholds: Thresholds) -> Sampler {
-        self.out.thresholds = thresholds;
+    pub fn with_thresholds(self, thresholds: Thresholds) -> Sampler {
+        lock(&self.out).thresholds = thresholds;
         self
     }
 
@@ -667,119 +830,107 @@ impl Sampler {
         self
     }
 
-    /// Samples every source once, publishes the merged snapshot and returns it.
-    pub async fn step(&mut self) -> Arc<Published> {
-        self.sample(false).await
-    }
-
-    /// Samples only the local sources (GPUs, see [`Source::local`]) and publishes them merged
-    /// with the other sources' last readings; `None` when no source is local.
-    pub async fn step_local(&mut self) -> Option<Arc<Published>> {
-        if !self.sources.iter().any(|s| s.local()) {
-            return None;
-        }
-        Some(self.sample(true).await)
-    }
-
-    async fn sample(&mut self, only_local: bool) -> Arc<Published> {
-        let now = self.out.clock.now();
-        let stall = self.stall_after;
-        // A GPU read normally takes microseconds: one that has not answered within the stall
-        // time fails rather than hold up the next full sample (which finds a frozen model
-        // server) for the whole timeout.
-        let timeout = if only_local {
-            self.source_timeout.min(stall)
+    /// A local (GPU) read normally takes microseconds: one that has not answered within the
+    /// stall time fails then. Any other read is reported stalled at the stall time and fails
+    /// at the source timeout.
+    fn cadence(&self, local: bool) -> Cadence {
+        if local {
+            Cadence {
+                timeout: self.source_timeout.min(self.stall_after),
+                stall: None,
+            }
         } else {
-            self.source_timeout
-        };
-        let done: Vec<AtomicBool> = self
+            Cadence {
+                timeout: self.source_timeout,
+                stall: (self.stall_after < self.source_timeout).then_some(self.stall_after),
+            }
+        }
+    }
+
+    /// Reads every source once, concurrently, each outcome published as it comes (as in
+    /// [`Sampler::run`]); returns the last snapshot published. With no source, publishes
+    /// the configuration alone.
+    pub async fn step(&mut self) -> Arc<Published> {
+        let cadences: Vec<Cadence> = self
             .sources
             .iter()
-            .map(|_| AtomicBool::new(false))
+            .map(|s| self.cadence(s.local()))
             .collect();
-        let watch_stall = !only_local && stall < timeout && self.sources.iter().any(|s| !s.local());
-        let done_ref = &done;
-        let all = futures::future::join_all(
+        let (out, clock) = (&self.out, self.clock.as_ref());
+        let published = futures::future::join_all(
             self.sources
                 .iter_mut()
+                .zip(cadences)
                 .enumerate()
-                .filter(|(_, s)| !only_local || s.local())
-                .map(|(i, s)| async move {
-                    let outcome = match tokio::time::timeout(timeout, s.sample(now)).await {
-                        Ok(Ok(r)) => Ok(r),
-                        Ok(Err(e)) => Err(e.to_string()),
-                        Err(_) => Err(format!("{}: no answer within {timeout:?}", s.name())),
-                    };
-                    if let Some(d) = done_ref.get(i) {
-                        d.store(true, Ordering::Release);
-                    }
-                    (i, outcome)
-                }),
-        );
-        tokio::pin!(all);
-        let outcomes = if watch_stall {
-            tokio::select! {
-                o = &mut all => o,
-                _ = tokio::time::sleep(stall) => {
-                    let at = self.out.clock.now();
-                    self.out.publish(Some((&done, stall)), at);
-                    all.await
-                }
-            }
-        } else {
-            all.await
-        };
-        for (i, outcome) in outcomes {
-            let (Some(track), Some(slot)) = (self.out.tracks.get_mut(i), self.out.last.get_mut(i))
-            else {
-                continue;
-            };
-            track.record(&outcome, now);
-            if let Ok(r) = &outcome {
-                for rej in &r.rejected {
-                    self.out.hub.count_rejected(track.name, &rej.field);
-                    tracing::debug!(source = track.name, field = %rej.field, value = %rej.value, reason = %rej.reason, "rejected value");
-                }
-            } else if let Err(e) = &outcome {
-                if track.consecutive_failures == 1 {
-                    tracing::warn!(source = track.name, error = %e, "source failing");
-                }
-            }
-            *slot = outcome;
+                .map(|(i, (s, c))| sample_source(i, s.as_mut(), out, clock, c)),
+        )
+        .await;
+        match published.into_iter().max_by_key(|p| p.snapshot.sequence) {
+            Some(p) => p,
+            None => lock(out).publish(clock.now()),
         }
-        self.out.publish(None, now)
     }
 
-    /// Samples every source at `interval`, and the local (GPU) sources alone every
-    /// `local_interval` in between, until `shutdown` turns true.
+    /// Reads source `i` alone once and publishes it with the others' last outcomes; `None`
+    /// if there is no source `i`.
+    pub async fn step_source(&mut self, i: usize) -> Option<Arc<Published>> {
+        let local = self.sources.get(i)?.local();
+        let cadence = self.cadence(local);
+        let source = self.sources.get_mut(i)?;
+        Some(sample_source(i, source.as_mut(), &self.out, self.clock.as_ref(), cadence).await)
+    }
+
+    /// Reads each source on its own task until `shutdown` turns true: the local (GPU) sources
+    /// every `local_interval` (at most `interval`; zero means `interval`), the others every
+    /// `interval`. With no source at all, the snapshot (identity and absent sources only) is
+    /// published every `interval`, so it does not age.
     pub async fn run(
-        mut self,
+        self,
         interval: Duration,
         local_interval: Duration,
         mut shutdown: watch::Receiver<bool>,
     ) {
-        let has_local = self.sources.iter().any(|s| s.local());
-        let tick = if has_local && !local_interval.is_zero() {
-            local_interval.min(interval)
-        } else {
-            interval
-        };
-        let mut ticker = tokio::time::interval(tick);
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut next_full = tokio::time::Instant::now();
-        loop {
-            tokio::select! {
-                _ = ticker.tick() => {}
-                _ = stopped(&mut shutdown) => return,
+        if self.sources.is_empty() {
+            let mut ticker = tokio::time::interval(interval);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = ticker.tick() => {}
+                    _ = stopped(&mut shutdown) => return,
+                }
+                lock(&self.out).publish(self.clock.now());
             }
-            let now = tokio::time::Instant::now();
-            // Half a tick of slack, so timer jitter does not push a full sample a tick late.
-            if now + tick / 2 >= next_full {
-                self.step().await;
-                next_full = (next_full + interval).max(now + interval - tick / 2);
+        }
+        let cadences: Vec<Cadence> = self
+            .sources
+            .iter()
+            .map(|s| self.cadence(s.local()))
+            .collect();
+        let Sampler {
+            sources,
+            out,
+            clock,
+            ..
+        } = self;
+        let mut tasks = AbortOnDrop(Vec::with_capacity(sources.len()));
+        for (i, (source, cadence)) in sources.into_iter().zip(cadences).enumerate() {
+            let every = if source.local() && !local_interval.is_zero() {
+                local_interval.min(interval)
             } else {
-                self.step_local().await;
-            }
+                interval
+            };
+            tasks.0.push(tokio::spawn(run_source(
+                i,
+                source,
+                out.clone(),
+                clock.clone(),
+                every,
+                cadence,
+                shutdown.clone(),
+            )));
+        }
+        for t in tasks.0.iter_mut() {
+            let _ = t.await;
         }
     }
 }
@@ -788,6 +939,7 @@ impl Sampler {
 mod tests {
     use super::*;
     use ai_lb_proto::v1::LatencyQuantiles;
+    use std::sync::atomic::AtomicBool;
 
     fn snap(util: f64, waiting: u32) -> PodSnapshot {
         PodSnapshot {
@@ -974,29 +1126,33 @@ mod tests {
         (sampler, hub)
     }
 
-    /// Runs `sampler` (full samples every 100 ms, local every 20 ms) for 1 s of paused time.
-    async fn run_one_second(sampler: Sampler) {
+    /// Runs `sampler` (model server every 100 ms, GPUs every 20 ms) for `ms` of paused time.
+    async fn run_for(sampler: Sampler, ms: u64) {
         let (stop_tx, stop_rx) = watch::channel(false);
         let task = tokio::spawn(sampler.run(
             Duration::from_millis(100),
             Duration::from_millis(20),
             stop_rx,
         ));
-        tokio::time::sleep(Duration::from_millis(1_010)).await;
+        tokio::time::sleep(Duration::from_millis(ms)).await;
         stop_tx.send_replace(true);
         task.await.unwrap();
     }
 
+    async fn run_one_second(sampler: Sampler) {
+        run_for(sampler, 1_010).await;
+    }
+
     #[tokio::test(start_paused = true)]
-    async fn gpus_are_read_between_full_samples_and_keep_the_model_servers_reading() {
+    async fn each_source_keeps_its_own_cadence_and_the_others_last_reading() {
         let (mut sampler, hub, calls) = counting_sampler(&[("sim", true), ("model-server", false)]);
         let (gpu, server) = (calls[0].clone(), calls[1].clone());
         sampler.step().await;
-        let local = sampler.step_local().await.unwrap();
+        let local = sampler.step_source(0).await.unwrap();
         assert_eq!(
             server.load(Ordering::Relaxed),
             1,
-            "a local step skips the model server"
+            "a GPU read skips the model server"
         );
         assert_eq!(gpu.load(Ordering::Relaxed), 2);
         let inf = local.snapshot.inference.unwrap();
@@ -1007,6 +1163,7 @@ mod tests {
         );
         assert_eq!(local.snapshot.sources[1].state, SourceState::Fresh as i32);
         assert!(hub.urgent_changes() >= 1, "utilisation 1 -> 0 is urgent");
+        assert!(sampler.step_source(2).await.is_none());
 
         let (g0, s0) = (gpu.load(Ordering::Relaxed), server.load(Ordering::Relaxed));
         run_one_second(sampler).await;
@@ -1014,16 +1171,24 @@ mod tests {
         let all = gpu.load(Ordering::Relaxed) - g0;
         assert!(
             (10..=12).contains(&full),
-            "full samples in 1 s at 100 ms: {full}"
+            "model-server reads in 1 s at 100 ms: {full}"
         );
         assert!((50..=52).contains(&all), "GPU reads in 1 s at 20 ms: {all}");
+        assert_eq!(
+            hub.source_reads(),
+            vec![
+                ("model-server".to_string(), full + s0, 0),
+                ("sim".to_string(), all + g0, 0)
+            ]
+        );
     }
 
     /// A model-server source that answers after `delay` (the test's paused clock), or never
-    /// once `frozen` is set.
+    /// once `frozen` is set; counts its answers.
     struct Freezable {
         delay: Duration,
         frozen: Arc<AtomicBool>,
+        answers: Arc<AtomicU64>,
     }
 
     #[async_trait::async_trait]
@@ -1036,6 +1201,7 @@ mod tests {
                 std::future::pending::<()>().await;
             }
             tokio::time::sleep(self.delay).await;
+            self.answers.fetch_add(1, Ordering::Relaxed);
             Ok(Reading {
                 inference: Some(InferenceStats {
                     waiting: Some(2),
@@ -1046,23 +1212,63 @@ mod tests {
         }
     }
 
-    /// A sampler at the 50 ms default over a local GPU source and a [`Freezable`] model
-    /// server answering after `delay`; its hub and the freeze switch.
-    fn freezable_sampler(delay: Duration) -> (Sampler, Arc<Hub>, Arc<AtomicBool>) {
-        let frozen = Arc::new(AtomicBool::new(false));
+    /// A local GPU source whose reading never changes; counts its reads.
+    struct SteadyGpu(Arc<AtomicU64>);
+
+    #[async_trait::async_trait]
+    impl Source for SteadyGpu {
+        fn name(&self) -> &'static str {
+            "sim"
+        }
+        fn local(&self) -> bool {
+            true
+        }
+        async fn sample(&mut self, _now: Instant) -> Result<Reading, crate::sources::SourceError> {
+            self.0.fetch_add(1, Ordering::Relaxed);
+            Ok(Reading {
+                gpus: Some(vec![GpuStats {
+                    utilization: Some(0.5),
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            })
+        }
+    }
+
+    /// What a [`freezable_sampler`] test holds on to.
+    struct Frozen {
+        hub: Arc<Hub>,
+        frozen: Arc<AtomicBool>,
+        gpu_reads: Arc<AtomicU64>,
+        answers: Arc<AtomicU64>,
+    }
+
+    /// A sampler at the 50 ms default over a steady local GPU source and a [`Freezable`]
+    /// model server answering after `delay`.
+    fn freezable_sampler(delay: Duration) -> (Sampler, Frozen) {
+        let f = Frozen {
+            hub: Hub::new("x".into()),
+            frozen: Arc::new(AtomicBool::new(false)),
+            gpu_reads: Arc::new(AtomicU64::new(0)),
+            answers: Arc::new(AtomicU64::new(0)),
+        };
         let sources: Vec<Box<dyn Source>> = vec![
-            Box::new(Counting {
-                name: "sim",
-                local: true,
-                calls: Arc::new(AtomicU64::new(0)),
-            }),
+            Box::new(SteadyGpu(f.gpu_reads.clone())),
             Box::new(Freezable {
                 delay,
-                frozen: frozen.clone(),
+                frozen: f.frozen.clone(),
+                answers: f.answers.clone(),
             }),
         ];
-        let (sampler, hub) = test_sampler(sources, Duration::from_millis(50));
-        (sampler, hub, frozen)
+        let sampler = Sampler::new(
+            sources,
+            vec![],
+            IdentityConfig::default(),
+            f.hub.clone(),
+            Arc::new(SystemClock),
+            Duration::from_millis(50),
+        );
+        (sampler, f)
     }
 
     fn model_server_status(hub: &Hub) -> SourceStatus {
@@ -1071,12 +1277,13 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_frozen_model_server_is_reported_failing_after_the_stall_time_not_the_timeout() {
-        let (mut sampler, hub, frozen) = freezable_sampler(Duration::ZERO);
+        let (mut sampler, f) = freezable_sampler(Duration::ZERO);
+        let hub = f.hub.clone();
         assert_eq!(sampler.stall_after, Duration::from_millis(150));
         assert_eq!(sampler.source_timeout, Duration::from_millis(500));
         sampler.step().await;
         assert_eq!(model_server_status(&hub).state, SourceState::Fresh as i32);
-        frozen.store(true, Ordering::Relaxed);
+        f.frozen.store(true, Ordering::Relaxed);
         let mut urgent = hub.subscribe_urgent();
         urgent.borrow_and_update();
         let t0 = tokio::time::Instant::now();
@@ -1102,7 +1309,7 @@ mod tests {
             "the GPU answered"
         );
         assert!(!interim.gpus.is_empty());
-        // The sample itself still ends at the timeout, and records it.
+        // The read itself still ends at the timeout, and records it.
         let done = task.await.unwrap();
         assert_eq!(t0.elapsed(), Duration::from_millis(500));
         let ms = &done.snapshot.sources[1];
@@ -1118,14 +1325,60 @@ mod tests {
         );
     }
 
+    /// Issue 31, at the sampler: while the model server is frozen the GPU keeps its 20 ms
+    /// cadence (it used to be read once per 500 ms timeout), and every snapshot the GPU
+    /// publishes meanwhile still shows the model server failing, without its reading.
+    #[tokio::test(start_paused = true)]
+    async fn a_frozen_model_server_does_not_hold_up_the_gpu_reads() {
+        let (mut sampler, f) = freezable_sampler(Duration::ZERO);
+        sampler.step().await;
+        f.frozen.store(true, Ordering::Relaxed);
+        let (g0, a0) = (
+            f.gpu_reads.load(Ordering::Relaxed),
+            f.answers.load(Ordering::Relaxed),
+        );
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let task = tokio::spawn(sampler.run(
+            Duration::from_millis(50),
+            Duration::from_millis(20),
+            stop_rx,
+        ));
+        let mut last_seq = 0;
+        for step in 1..=10u64 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let s = f.hub.latest().unwrap().render(Instant::now());
+            assert!(s.sequence > last_seq, "published since the last look");
+            last_seq = s.sequence;
+            if step >= 2 {
+                let ms = &s.sources[1];
+                assert_eq!(ms.state, SourceState::Failing as i32, "at {step}00 ms");
+                assert!(ms.last_success_age_ms.is_some());
+                assert_eq!(s.inference, None, "at {step}00 ms");
+            }
+            assert_eq!(s.sources[0].state, SourceState::Fresh as i32);
+        }
+        stop_tx.send_replace(true);
+        task.await.unwrap();
+        let gpu = f.gpu_reads.load(Ordering::Relaxed) - g0;
+        assert!((50..=52).contains(&gpu), "GPU reads in 1 s at 20 ms: {gpu}");
+        assert_eq!(f.answers.load(Ordering::Relaxed), a0, "still frozen");
+        let failed = f
+            .hub
+            .source_reads()
+            .into_iter()
+            .find(|(n, _, _)| n == "model-server")
+            .map(|(_, _, bad)| bad);
+        assert_eq!(failed, Some(2), "timed out at 500 ms and 1000 ms");
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_slow_model_server_is_failing_between_the_stall_time_and_its_answer() {
-        let (mut sampler, hub, _frozen) = freezable_sampler(Duration::from_millis(300));
-        // Each sample reports it failing at 150 ms and fresh again on its answer at 300 ms.
-        let first = sampler.step().await;
+        let (mut sampler, _f) = freezable_sampler(Duration::from_millis(300));
+        // Each read reports it failing at 150 ms and fresh again on its answer at 300 ms.
+        let first = sampler.step_source(1).await.unwrap();
         assert_eq!(first.snapshot.sources[1].state, SourceState::Fresh as i32);
         let seq = first.snapshot.sequence;
-        let done = sampler.step().await;
+        let done = sampler.step_source(1).await.unwrap();
         assert_eq!(done.snapshot.sources[1].state, SourceState::Fresh as i32);
         assert_eq!(done.snapshot.inference.unwrap().waiting, Some(2));
         assert_eq!(
@@ -1133,12 +1386,14 @@ mod tests {
             seq + 2,
             "one interim snapshot in between"
         );
-        drop(hub);
         // A stall time at or past the timeout publishes no interim snapshot.
-        let (sampler, _hub, _f) = freezable_sampler(Duration::from_millis(300));
+        let (sampler, _f) = freezable_sampler(Duration::from_millis(300));
         let mut sampler = sampler.with_stall_after(Duration::from_millis(500));
-        let a = sampler.step().await.snapshot.sequence;
-        assert_eq!(sampler.step().await.snapshot.sequence, a + 1);
+        let a = sampler.step_source(1).await.unwrap().snapshot.sequence;
+        assert_eq!(
+            sampler.step_source(1).await.unwrap().snapshot.sequence,
+            a + 1
+        );
     }
 
     /// A local (GPU) source that never answers.
@@ -1158,10 +1413,10 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_hung_gpu_read_fails_at_the_stall_time_and_frees_the_loop() {
+    async fn a_hung_gpu_read_fails_at_the_stall_time() {
         let (mut sampler, _hub) = test_sampler(vec![Box::new(HungGpu)], Duration::from_millis(50));
         let t0 = tokio::time::Instant::now();
-        let p = sampler.step_local().await.unwrap();
+        let p = sampler.step_source(0).await.unwrap();
         assert_eq!(t0.elapsed(), Duration::from_millis(150));
         let gpu = &p.snapshot.sources[0];
         assert_eq!(gpu.state, SourceState::Failing as i32);
@@ -1170,6 +1425,27 @@ mod tests {
             "{}",
             gpu.reason
         );
+    }
+
+    /// The other way round: a hung GPU read does not hold up the model server's reads.
+    #[tokio::test(start_paused = true)]
+    async fn a_hung_gpu_read_does_not_hold_up_the_model_server() {
+        let answers = Arc::new(AtomicU64::new(0));
+        let sources: Vec<Box<dyn Source>> = vec![
+            Box::new(HungGpu),
+            Box::new(Freezable {
+                delay: Duration::ZERO,
+                frozen: Arc::new(AtomicBool::new(false)),
+                answers: answers.clone(),
+            }),
+        ];
+        let (sampler, hub) = test_sampler(sources, Duration::from_millis(100));
+        run_one_second(sampler).await;
+        let n = answers.load(Ordering::Relaxed);
+        assert!((10..=12).contains(&n), "model-server reads in 1 s: {n}");
+        let s = hub.latest().unwrap().snapshot.clone();
+        assert_eq!(s.sources[0].state, SourceState::Failing as i32);
+        assert_eq!(s.sources[1].state, SourceState::Fresh as i32);
     }
 
     #[test]
@@ -1183,12 +1459,34 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn without_local_sources_only_full_samples_run() {
-        let (mut sampler, _hub, calls) = counting_sampler(&[("model-server", false)]);
-        assert!(sampler.step_local().await.is_none());
+    async fn without_local_sources_only_model_server_reads_run() {
+        let (sampler, _hub, calls) = counting_sampler(&[("model-server", false)]);
         run_one_second(sampler).await;
         let n = calls[0].load(Ordering::Relaxed);
         assert!((10..=12).contains(&n), "{n}");
+    }
+
+    /// With no source configured the snapshot (identity, absent sources) is still published
+    /// every interval, so receivers do not see it age.
+    #[tokio::test(start_paused = true)]
+    async fn without_any_source_the_snapshot_is_still_renewed() {
+        let hub = Hub::new("x".into());
+        let sampler = Sampler::new(
+            vec![],
+            vec!["nvml", "model-server"],
+            IdentityConfig::default(),
+            hub.clone(),
+            Arc::new(SystemClock),
+            Duration::from_millis(100),
+        );
+        run_one_second(sampler).await;
+        let n = hub.samples_taken();
+        assert!((10..=12).contains(&n), "{n}");
+        let s = hub.latest().unwrap().snapshot.clone();
+        assert!(s
+            .sources
+            .iter()
+            .all(|x| x.state == SourceState::Absent as i32));
     }
 
     #[test]

@@ -62,16 +62,17 @@ pub enum SourceError {
     },
 }
 
-/// A metrics source. `sample` is called by the sampler at its interval with the current
+/// A metrics source. `sample` is called by the sampler at the source's interval with the current
 /// monotonic time, which windowed computations (histogram deltas, rates) must use instead of
 /// reading the clock themselves, so tests can drive time explicitly.
 #[async_trait::async_trait]
 pub trait Source: Send {
     /// Stable short name: `nvml`, `model-server`, `sim`.
     fn name(&self) -> &'static str;
-    /// A cheap read of local hardware (NVML, or the simulated GPU standing in for it): sampled
-    /// every `--gpu-sample-interval` between the full samples, so a GPU change is seen without
-    /// scraping the model server more often.
+    /// A cheap read of local hardware (NVML, or the simulated GPU standing in for it): read
+    /// every `--gpu-sample-interval` (the others every `--sample-interval`), each source on its
+    /// own task, so a GPU change is seen without scraping the model server more often, and a
+    /// model server that does not answer does not delay it.
     fn local(&self) -> bool {
         false
     }
