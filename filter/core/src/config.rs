@@ -272,6 +272,9 @@ pub struct FilterConfig {
     pub debug_header: Option<String>,
     /// Path answered locally with the scoreboard JSON.
     pub status_path: Option<String>,
+    /// Most request-body bytes the filter holds back to read the model, the output
+    /// reservation and the prompt (and admission to cost it); the rest streams untouched.
+    pub max_body_read_bytes: u32,
     pub watch: WatchConfig,
     /// Holding big requests in the sidecar while no pod has room for them (None = off).
     pub big_request_hold: Option<BigRequestHold>,
@@ -281,6 +284,9 @@ pub struct FilterConfig {
     /// `admission.`). None (absent or null in the JSON) = admission off.
     pub admission: Option<AdmissionConfig>,
 }
+
+/// `maxBodyReadBytes` when unset: half of Envoy's default buffer limit (1 MiB).
+pub const DEFAULT_MAX_BODY_READ_BYTES: u32 = 512 * 1024;
 
 impl FilterConfig {
     /// Parses and validates the plugin configuration JSON.
@@ -493,6 +499,19 @@ struct RawConfig {
     #[serde(default)]
     #[cfg_attr(feature = "schema", schemars(extend("default" = null)))]
     status_path: Option<String>,
+    /// Most request-body bytes held back while the filter reads the model, the output
+    /// reservation and the prompt from the body (and admission costs it). A larger body (a
+    /// multimodal request with base64 images, say) is read only up to here: the fields that lie
+    /// complete in that prefix are used, admission costs it by its length, and the rest streams
+    /// to the pod untouched. Keep it below Envoy's buffer limit
+    /// (`per_connection_buffer_limit_bytes`, 1 MiB by default): a filter that waits for a body
+    /// past that limit gets the request answered `413`.
+    #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 524_288, "minimum" = 1024, "maximum" = 67_108_864))
+    )]
+    max_body_read_bytes: Option<u64>,
     /// The pool subscription to the agents' `WatchPool` stream.
     #[serde(default)]
     #[cfg_attr(feature = "schema", schemars(extend("default" = {})))]
@@ -1292,6 +1311,14 @@ impl TryFrom<RawConfig> for FilterConfig {
             }
         };
 
+        let max_body_read_bytes = u32_in(
+            "maxBodyReadBytes",
+            raw.max_body_read_bytes,
+            DEFAULT_MAX_BODY_READ_BYTES,
+            1024,
+            64 << 20,
+        )?;
+
         let d = WatchConfig::default();
         let reconnect_base_ms = positive_ms(
             "watch.reconnectBaseMs",
@@ -1384,6 +1411,7 @@ impl TryFrom<RawConfig> for FilterConfig {
             model_header,
             debug_header,
             status_path,
+            max_body_read_bytes,
             watch,
             big_request_hold,
             prefix_affinity: raw

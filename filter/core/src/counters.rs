@@ -21,6 +21,9 @@ pub struct Counters {
     /// Decided, but the ranked list did not reach Envoy (the pool changed during the
     /// decision, or the proxy refused the header): Envoy's own balancing took the request.
     pub steer_failed: u64,
+    /// Request bodies over `maxBodyReadBytes`: routed on the fields complete in their first
+    /// `maxBodyReadBytes` (no prefix keying), the rest streamed untouched.
+    pub body_truncated: u64,
     /// Steered to a pod over the GPU hard limit because both drawn candidates would queue
     /// and it had a free seat (`twoChoices`).
     pub overflow_over_gpu_limit: u64,
@@ -63,6 +66,9 @@ pub struct Counters {
 }
 
 impl Counters {
+    /// How many counters [`Counters::iter`] lists.
+    pub const COUNT: usize = 26;
+
     /// Counts one breaker transition into `to`.
     pub fn count_transition(&mut self, to: BreakerState) {
         match to {
@@ -73,7 +79,7 @@ impl Counters {
     }
 
     /// `(stat name, value)` pairs, stable names for Envoy counters.
-    pub fn iter(&self) -> [(&'static str, u64); 25] {
+    pub fn iter(&self) -> [(&'static str, u64); Self::COUNT] {
         [
             ("steered", self.steered),
             ("fallback.no_agent_data", self.fallback_no_agent_data),
@@ -82,6 +88,7 @@ impl Counters {
             ("fallback.too_few_pods", self.fallback_too_few_pods),
             ("fail_open", self.fail_open),
             ("steer_failed", self.steer_failed),
+            ("body_truncated", self.body_truncated),
             ("overflow_over_gpu_limit", self.overflow_over_gpu_limit),
             ("signal_issues", self.signal_issues),
             ("snapshots_rejected", self.snapshots_rejected),

@@ -356,7 +356,7 @@ fn the_model_is_read_from_the_body_when_no_header_names_it() {
     assert!(h.steered.is_empty(), "nothing is steered before the body");
     let body = br#"{"model":"m","max_tokens":64,"messages":[{"role":"user","content":"hi"}]}"#;
     assert_eq!(
-        ex.on_request_body(&mut h, &mut w, &mut NoGate, body),
+        ex.on_request_body(&mut h, &mut w, &mut NoGate, body, true),
         Next::Continue
     );
     assert_eq!(ex.model(), Some("m"));
@@ -531,7 +531,7 @@ fn a_held_request_released_later_is_closed_in_flight_at_its_end() {
         Next::StopForBody
     );
     assert_eq!(
-        ex.on_request_body(&mut h, &mut w, &mut g, b"{}"),
+        ex.on_request_body(&mut h, &mut w, &mut g, b"{}", true),
         Next::Stop
     );
     assert!(h.steered.is_empty());
@@ -593,4 +593,52 @@ fn a_trip_the_agent_reports_reaches_the_shared_breaker_once() {
     // Nothing new reported: nothing carried again.
     carry_signal_trips(&mut h, &mut w, 1_200);
     assert_eq!(w.stats.transitions.len(), 1);
+}
+
+#[test]
+fn a_body_over_the_read_limit_is_routed_on_its_first_bytes() {
+    let mut w = worker();
+    let mut h = host(1_010);
+    h.req.insert("content-length".into(), "5000000".into());
+    let mut ex = Exchange::new();
+    assert_eq!(
+        ex.on_request_headers(&mut h, &mut w, &mut NoGate, false),
+        Next::StopForBody
+    );
+    assert_eq!(ex.body_read_limit(), 512 * 1024);
+    // The first bytes of a 5 MB multimodal body: the model comes before the images.
+    let prefix = br#"{"model":"m","max_tokens":32,"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAAAAAA"#;
+    assert_eq!(
+        ex.on_request_body(&mut h, &mut w, &mut NoGate, prefix, false),
+        Next::Continue
+    );
+    assert_eq!(ex.model(), Some("m"));
+    assert_eq!(h.steered.len(), 1);
+    assert_eq!(w.router.counters().body_truncated, 1);
+    // The declared length sizes it: far more than the prefix read.
+    let small = {
+        let mut w2 = worker();
+        let mut h2 = host(1_010);
+        let mut e2 = Exchange::new();
+        e2.on_request_headers(&mut h2, &mut w2, &mut NoGate, false);
+        e2.on_request_body(&mut h2, &mut w2, &mut NoGate, prefix, true);
+        e2.size()
+    };
+    assert!(ex.size() != small, "{:?} vs {:?}", ex.size(), small);
+}
+
+#[test]
+fn a_model_beyond_the_read_limit_is_not_seen_and_the_request_is_still_routed() {
+    let mut w = worker();
+    let mut h = host(1_010);
+    let mut ex = Exchange::new();
+    ex.on_request_headers(&mut h, &mut w, &mut NoGate, false);
+    let prefix = br#"{"messages":[{"role":"user","content":"xxxxxxxxxxxxxxxxxxxxxx"#;
+    assert_eq!(
+        ex.on_request_body(&mut h, &mut w, &mut NoGate, prefix, false),
+        Next::Continue
+    );
+    assert_eq!(ex.model(), None);
+    // Every pod serves every request when no model is named: still steered by score.
+    assert_eq!(h.steered.len(), 1);
 }

@@ -141,7 +141,7 @@ struct Worker {
 }
 
 /// The number of the core's counters ([`ai_lb_filter_core::Counters::iter`]).
-const CORE_COUNTERS: usize = 25;
+const CORE_COUNTERS: usize = CoreCounters::COUNT;
 
 /// This worker's side of the shared breakers: the pools' epochs it copied, and the cooldown
 /// jitter of the breakers it creates (see `Breaker::with_jitter`: random, so sidecars that
@@ -536,29 +536,38 @@ impl Request {
         }
     }
 
-    /// A request-body chunk; true when the filter still waits for more (Envoy buffers).
+    /// A request-body chunk; true when the filter still waits for more (Envoy buffers). The
+    /// body is held back only up to `maxBodyReadBytes`: past that its first bytes are read and
+    /// the rest streams (waiting for the end would make Envoy answer 413 at its limit).
     pub fn on_request_body(&mut self, s: &Stream, end_of_stream: bool) -> bool {
         if !self.ex.waiting_body() {
             return false;
         }
-        if !end_of_stream {
+        let (len, cap) = (s.request_body_len(), self.ex.body_read_limit());
+        if !end_of_stream && len < cap {
             return true;
         }
-        self.body_done(s, true);
+        self.body_done(s, true, end_of_stream);
         false
     }
 
     /// Trailers: the body ended without end_of_stream.
     pub fn on_request_trailers(&mut self, s: &Stream) {
         if self.ex.waiting_body() {
-            self.body_done(s, false);
+            self.body_done(s, false, true);
         }
     }
 
-    /// The whole body is here (`in_hook`: the last chunk is the current body hook's).
-    fn body_done(&mut self, s: &Stream, in_hook: bool) {
-        let body = s.request_body(in_hook);
-        self.event(s, |ex, h, w| ex.on_request_body(h, w, &mut NoGate, &body));
+    /// The body is here, whole or up to `maxBodyReadBytes` (`in_hook`: the last chunk is the
+    /// current body hook's).
+    fn body_done(&mut self, s: &Stream, in_hook: bool, ended: bool) {
+        let cap = self.ex.body_read_limit();
+        let mut body = s.request_body(in_hook);
+        let complete = ended && body.len() <= cap;
+        body.truncate(cap);
+        self.event(s, |ex, h, w| {
+            ex.on_request_body(h, w, &mut NoGate, &body, complete)
+        });
     }
 
     pub fn on_response_headers(&mut self, s: &Stream, end_of_stream: bool) {

@@ -145,6 +145,18 @@ impl Stream {
         body
     }
 
+    /// The request body's size so far: what Envoy buffered plus the current hook's chunk.
+    pub fn request_body_len(&self) -> usize {
+        [
+            body_type::BUFFERED_REQUEST_BODY,
+            body_type::RECEIVED_REQUEST_BODY,
+        ]
+        .iter()
+        // SAFETY: live filter pointer.
+        .map(|kind| unsafe { abi::envoy_dynamic_module_callback_http_get_body_size(self.0, *kind) })
+        .sum()
+    }
+
     fn append_body(&self, kind: u32, out: &mut Vec<u8>) {
         // SAFETY: live filter pointer.
         let n =

@@ -208,30 +208,6 @@ pub fn record_metric(id: u32, value: u64) {
     let _ = hostcalls::record_metric(id, value);
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn header_map_serialization_matches_the_abi() {
-        let b = serialize_map(&[("a", "bc"), ("", "d")]);
-        let mut want = vec![2, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0];
-        want.extend_from_slice(b"a\0bc\0\0d\0");
-        assert_eq!(b, want);
-    }
-
-    #[test]
-    fn filter_state_argument_encoding() {
-        let b = SetEnvoyFilterStateArguments {
-            path: "k".into(),
-            value: "42".into(),
-            span: 0,
-        }
-        .encode_to_vec();
-        assert_eq!(b, vec![0x0a, 1, b'k', 0x12, 2, b'4', b'2']);
-    }
-}
-
 /// The proxy as the core's request lifecycle sees it: the hostcalls of the context that is
 /// current (the request's own, or a held one the root made current to release it).
 pub struct WasmHost;
@@ -284,5 +260,29 @@ impl ai_lb_filter_core::lifecycle::Host for WasmHost {
     }
     fn warn(&mut self, msg: &str) {
         log(LogLevel::Warn, msg);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_map_serialization_matches_the_abi() {
+        let b = serialize_map(&[("a", "bc"), ("", "d")]);
+        let mut want = vec![2, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0];
+        want.extend_from_slice(b"a\0bc\0\0d\0");
+        assert_eq!(b, want);
+    }
+
+    #[test]
+    fn filter_state_argument_encoding() {
+        let b = SetEnvoyFilterStateArguments {
+            path: "k".into(),
+            value: "42".into(),
+            span: 0,
+        }
+        .encode_to_vec();
+        assert_eq!(b, vec![0x0a, 1, b'k', 0x12, 2, b'4', b'2']);
     }
 }

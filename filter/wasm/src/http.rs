@@ -85,6 +85,18 @@ impl Request {
     }
 }
 
+impl Request {
+    /// Hands the buffered body (at most `maxBodyReadBytes` of it) to the lifecycle.
+    fn body_read(&mut self, size: usize, ended: bool) -> Action {
+        let cap = self.ex.body_read_limit();
+        let mut b = host::request_body(size.min(cap.saturating_add(1))).unwrap_or_default();
+        let complete = ended && b.len() <= cap;
+        b.truncate(cap);
+        self.event(|ex, s, g| ex.on_request_body(&mut WasmHost, s, g, &b, complete))
+            .map_or(Action::Continue, action)
+    }
+}
+
 fn action(next: Next) -> Action {
     match next {
         Next::Continue => Action::Continue,
@@ -104,12 +116,13 @@ impl HttpContext for Request {
         if !self.ex.waiting_body() {
             return Action::Continue;
         }
-        if !end_of_stream {
+        // Hold the body back only up to `maxBodyReadBytes`: past that, read its first bytes and
+        // let the rest stream (waiting for the end would make Envoy answer 413 at its limit).
+        let cap = self.ex.body_read_limit();
+        if !end_of_stream && body_size < cap {
             return Action::Pause;
         }
-        let b = host::request_body(body_size).unwrap_or_default();
-        self.event(|ex, s, g| ex.on_request_body(&mut WasmHost, s, g, &b))
-            .map_or(Action::Continue, action)
+        self.body_read(body_size, end_of_stream && body_size <= cap)
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
@@ -117,9 +130,7 @@ impl HttpContext for Request {
             return Action::Continue;
         }
         // The body ended without end_of_stream: it is all buffered now.
-        let b = host::request_body(usize::MAX).unwrap_or_default();
-        self.event(|ex, s, g| ex.on_request_body(&mut WasmHost, s, g, &b))
-            .map_or(Action::Continue, action)
+        self.body_read(usize::MAX, true)
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
@@ -202,12 +213,18 @@ impl Gate<State> for WasmGate {
         step
     }
 
-    /// Costs the whole body (an empty or unreadable one, e.g. after trailers, by its length).
-    fn body(&mut self, s: &mut State, body: &[u8], now: u64) -> GateStep {
+    /// Costs the whole body (an empty or unreadable one, e.g. after trailers, by its length;
+    /// one larger than `maxBodyReadBytes` by its declared length, else what was read).
+    fn body(&mut self, s: &mut State, body: &[u8], complete: bool, now: u64) -> GateStep {
         let Some(a) = self.adm.as_mut() else {
             return GateStep::Proceed;
         };
-        if body.is_empty() {
+        if !complete {
+            let length = host::request_header("content-length")
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(body.len() as u64);
+            step(a.admit_length(length, now, &mut s.metrics))
+        } else if body.is_empty() {
             step(a.admit_length(0, now, &mut s.metrics))
         } else {
             step(a.admit_body(body, now, &mut s.metrics))

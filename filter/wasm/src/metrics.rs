@@ -212,6 +212,18 @@ fn vm_memory_bytes() -> Option<u64> {
     None
 }
 
+impl ai_lb_filter_core::lifecycle::Stats for Metrics {
+    fn picked(&mut self, pod: &str) {
+        self.pick(pod);
+    }
+    fn failed(&mut self, pod: &str) {
+        self.failure(pod);
+    }
+    fn transitions(&mut self, _pod: &str, ts: &[ai_lb_filter_core::breaker::Transition]) {
+        Metrics::transitions(self, ts);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -236,17 +248,5 @@ mod tests {
         m.forget_pods_except(&live);
         assert_eq!(m.pod_count(), 1);
         assert!(m.pods.contains_key("10.0.0.2:8000"));
-    }
-}
-
-impl ai_lb_filter_core::lifecycle::Stats for Metrics {
-    fn picked(&mut self, pod: &str) {
-        self.pick(pod);
-    }
-    fn failed(&mut self, pod: &str) {
-        self.failure(pod);
-    }
-    fn transitions(&mut self, _pod: &str, ts: &[ai_lb_filter_core::breaker::Transition]) {
-        Metrics::transitions(self, ts);
     }
 }

@@ -219,6 +219,9 @@ pub fn spawn_engine(state: Arc<AppState>) -> tokio::task::JoinHandle<()> {
     })
 }
 
+/// The largest request body accepted (64 MiB).
+pub const MAX_REQUEST_BODY_BYTES: usize = 64 << 20;
+
 /// The HTTP routes, every response tagged with `x-fake-pod`.
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
@@ -232,6 +235,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/sim/cache", get(sim_cache))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/control", get(get_control).post(post_control))
+        // A model server takes multimodal bodies of many MB (base64 images); axum's default
+        // cap (2 MB) would answer 413 where vLLM does not.
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_REQUEST_BODY_BYTES))
         .layer(middleware::from_fn_with_state(state.clone(), tag_pod))
         .with_state(state)
 }

@@ -137,8 +137,9 @@ pub trait Gate<W: ?Sized> {
     fn begin(&mut self, _worker: &mut W, _end_of_stream: bool, _now: u64) -> GateStep {
         GateStep::Proceed
     }
-    /// The whole body arrived (after [`GateStep::NeedBody`]): cost it.
-    fn body(&mut self, _worker: &mut W, _body: &[u8], _now: u64) -> GateStep {
+    /// The body arrived (after [`GateStep::NeedBody`]): cost it. `complete` is false when
+    /// only its first `maxBodyReadBytes` were held back (cost it by its length then).
+    fn body(&mut self, _worker: &mut W, _body: &[u8], _complete: bool, _now: u64) -> GateStep {
         GateStep::Proceed
     }
     /// Just before routing: shed, hold or let through.
@@ -194,6 +195,8 @@ pub struct Exchange {
     waiting_body: bool,
     /// The gate costs the body when it is whole.
     gate_body: bool,
+    /// Most body bytes held back (`maxBodyReadBytes`).
+    body_cap: usize,
     /// Body size: the buffered body's, else `content-length`.
     body_bytes: Option<usize>,
     /// The body's output reservation (`max_completion_tokens` or `max_tokens`, times `n`).
@@ -232,6 +235,7 @@ impl Exchange {
             prompt: None,
             waiting_body: false,
             gate_body: false,
+            body_cap: crate::config::DEFAULT_MAX_BODY_READ_BYTES as usize,
             body_bytes: None,
             max_output_tokens: None,
             size: RequestSize::UNIT,
@@ -276,6 +280,13 @@ impl Exchange {
         self.waiting_body
     }
 
+    /// How many body bytes to hold back at most: once this many are buffered, the glue hands
+    /// them to [`Exchange::on_request_body`] as an incomplete body and lets the rest stream
+    /// (so Envoy never buffers past its limit and answers 413).
+    pub fn body_read_limit(&self) -> usize {
+        self.body_cap
+    }
+
     /// Whether the end was handled (the in-flight count closed).
     pub fn ended(&self) -> bool {
         self.ended
@@ -302,6 +313,7 @@ impl Exchange {
         let model_header = cfg.model_header.clone();
         let debug_header = cfg.debug_header.clone();
         let pools = cfg.pools.len();
+        self.body_cap = cfg.max_body_read_bytes as usize;
         // Clients cannot steer: whatever they sent in the routing header is dropped first.
         if !host.set_request_header(&routing_header, None) {
             host.warn(&format!("ai-lb: cannot remove `{routing_header}`"));
@@ -362,13 +374,15 @@ impl Exchange {
         self.gate_and_route(host, worker, gate, now)
     }
 
-    /// The whole request body is here (only after [`Next::StopForBody`]).
+    /// The request body is here (only after [`Next::StopForBody`]): whole (`complete`), or its
+    /// first [`Exchange::body_read_limit`] bytes of a larger body, whose rest then streams.
     pub fn on_request_body<H, W, G>(
         &mut self,
         host: &mut H,
         worker: &mut W,
         gate: &mut G,
         body: &[u8],
+        complete: bool,
     ) -> Next
     where
         H: Host + ?Sized,
@@ -380,18 +394,28 @@ impl Exchange {
         }
         self.waiting_body = false;
         let now = host.now_ms();
-        self.body_bytes = Some(body.len());
-        let fields = crate::body::routing_fields(body);
+        let fields = if complete {
+            self.body_bytes = Some(body.len());
+            crate::body::routing_fields(body)
+        } else {
+            worker.parts().router.counters_mut().body_truncated += 1;
+            // The declared length sizes the prompt; without one, what was read is a floor.
+            self.body_bytes = host
+                .request_header("content-length")
+                .and_then(|v| v.trim().parse().ok())
+                .or(Some(body.len()));
+            crate::body::routing_fields_prefix(body)
+        };
         self.max_output_tokens = fields.max_output_tokens;
         if self.model_from_body {
             self.model = fields.model;
         }
-        if let Some(pool) = self.pool.filter(|_| self.prompt_from_body) {
+        if let Some(pool) = self.pool.filter(|_| self.prompt_from_body && complete) {
             let p = worker.parts();
             self.prompt = p.router.key_prompt(pool, body, p.prompt_ids, p.key_scratch);
         }
         if std::mem::take(&mut self.gate_body) {
-            match gate.body(worker, body, now) {
+            match gate.body(worker, body, complete, now) {
                 GateStep::Replied | GateStep::Held => return Next::Stop,
                 GateStep::Proceed | GateStep::NeedBody => {}
             }
