@@ -3,6 +3,7 @@
 //! are validated into an [`AgentConfig`]. Every error names the flag and the offending value.
 
 use crate::kv_events::{KvEventsConfig, DEFAULT_BLOCK_TOKENS, DEFAULT_MAX_KEYS};
+use crate::ports::{defaults as port_defaults, PortLimits};
 use clap::Parser;
 use serde::Deserialize;
 use std::net::SocketAddr;
@@ -140,6 +141,45 @@ pub struct RawArgs {
     /// Most keys in one summary; past it the most recently stored are kept [default: 4096].
     #[arg(long, env = "AI_LB_AGENT_PREFIX_MAX_KEYS")]
     pub prefix_max_keys: Option<String>,
+    /// Open gRPC connections, all peers together; one over it is closed at once [default:
+    /// 1024].
+    #[arg(long, env = "AI_LB_AGENT_GRPC_MAX_CONNECTIONS")]
+    pub grpc_max_connections: Option<String>,
+    /// Open gRPC connections from one peer IP [default: 64].
+    #[arg(long, env = "AI_LB_AGENT_GRPC_MAX_CONNECTIONS_PER_PEER")]
+    pub grpc_max_connections_per_peer: Option<String>,
+    /// Open Watch + WatchPool streams, all peers together; one over it gets
+    /// RESOURCE_EXHAUSTED [default: 512].
+    #[arg(long, env = "AI_LB_AGENT_GRPC_MAX_STREAMS")]
+    pub grpc_max_streams: Option<String>,
+    /// Open Watch + WatchPool streams from one peer IP [default: 32].
+    #[arg(long, env = "AI_LB_AGENT_GRPC_MAX_STREAMS_PER_PEER")]
+    pub grpc_max_streams_per_peer: Option<String>,
+    /// RPCs of any kind in flight on one gRPC connection (HTTP/2
+    /// SETTINGS_MAX_CONCURRENT_STREAMS) [default: 32].
+    #[arg(long, env = "AI_LB_AGENT_GRPC_MAX_STREAMS_PER_CONNECTION")]
+    pub grpc_max_streams_per_connection: Option<String>,
+    /// Largest request message decoded, in bytes; a larger one is refused from its length
+    /// prefix with OUT_OF_RANGE [default: 16384].
+    #[arg(long, env = "AI_LB_AGENT_GRPC_MAX_REQUEST_BYTES")]
+    pub grpc_max_request_bytes: Option<String>,
+    /// Largest message sent, and accepted from peers' Watch, in bytes [default: 16777216].
+    #[arg(long, env = "AI_LB_AGENT_GRPC_MAX_MESSAGE_BYTES")]
+    pub grpc_max_message_bytes: Option<String>,
+    /// A Watch/WatchPool subscriber that leaves an event untaken this long is dropped and its
+    /// connection closed [default: 10s].
+    #[arg(long, env = "AI_LB_AGENT_STREAM_SEND_TIMEOUT")]
+    pub stream_send_timeout: Option<String>,
+    /// A connection (either port) that sends no request this long after opening is closed
+    /// [default: 10s].
+    #[arg(long, env = "AI_LB_AGENT_FIRST_REQUEST_TIMEOUT")]
+    pub first_request_timeout: Option<String>,
+    /// Open HTTP (/metrics, probes) connections, all peers together [default: 64].
+    #[arg(long, env = "AI_LB_AGENT_HTTP_MAX_CONNECTIONS")]
+    pub http_max_connections: Option<String>,
+    /// Open HTTP connections from one peer IP [default: 16].
+    #[arg(long, env = "AI_LB_AGENT_HTTP_MAX_CONNECTIONS_PER_PEER")]
+    pub http_max_connections_per_peer: Option<String>,
 }
 
 /// The same keys in a config file (kebab-case, as the flags), all optional.
@@ -178,6 +218,17 @@ pub struct FileArgs {
     pub kv_events_topic: Option<String>,
     pub prefix_block_tokens: Option<serde_yaml::Value>,
     pub prefix_max_keys: Option<serde_yaml::Value>,
+    pub grpc_max_connections: Option<serde_yaml::Value>,
+    pub grpc_max_connections_per_peer: Option<serde_yaml::Value>,
+    pub grpc_max_streams: Option<serde_yaml::Value>,
+    pub grpc_max_streams_per_peer: Option<serde_yaml::Value>,
+    pub grpc_max_streams_per_connection: Option<serde_yaml::Value>,
+    pub grpc_max_request_bytes: Option<serde_yaml::Value>,
+    pub grpc_max_message_bytes: Option<serde_yaml::Value>,
+    pub stream_send_timeout: Option<String>,
+    pub first_request_timeout: Option<String>,
+    pub http_max_connections: Option<serde_yaml::Value>,
+    pub http_max_connections_per_peer: Option<serde_yaml::Value>,
 }
 
 impl RawArgs {
@@ -248,6 +299,41 @@ impl RawArgs {
             file.prefix_block_tokens.map(text),
         );
         fill(&mut self.prefix_max_keys, file.prefix_max_keys.map(text));
+        fill(
+            &mut self.grpc_max_connections,
+            file.grpc_max_connections.map(text),
+        );
+        fill(
+            &mut self.grpc_max_connections_per_peer,
+            file.grpc_max_connections_per_peer.map(text),
+        );
+        fill(&mut self.grpc_max_streams, file.grpc_max_streams.map(text));
+        fill(
+            &mut self.grpc_max_streams_per_peer,
+            file.grpc_max_streams_per_peer.map(text),
+        );
+        fill(
+            &mut self.grpc_max_streams_per_connection,
+            file.grpc_max_streams_per_connection.map(text),
+        );
+        fill(
+            &mut self.grpc_max_request_bytes,
+            file.grpc_max_request_bytes.map(text),
+        );
+        fill(
+            &mut self.grpc_max_message_bytes,
+            file.grpc_max_message_bytes.map(text),
+        );
+        fill(&mut self.stream_send_timeout, file.stream_send_timeout);
+        fill(&mut self.first_request_timeout, file.first_request_timeout);
+        fill(
+            &mut self.http_max_connections,
+            file.http_max_connections.map(text),
+        );
+        fill(
+            &mut self.http_max_connections_per_peer,
+            file.http_max_connections_per_peer.map(text),
+        );
         Ok(self)
     }
 }
@@ -341,6 +427,8 @@ pub struct AgentConfig {
     pub peer_stale_after: Duration,
     /// The KV-event subscription; `None`: no prefix-cache summary.
     pub kv_events: Option<KvEventsConfig>,
+    /// The caps on what peers may hold on the agent's ports.
+    pub limits: PortLimits,
 }
 
 impl AgentConfig {
@@ -724,6 +812,7 @@ impl TryFrom<RawArgs> for AgentConfig {
                 max_keys: prefix_max_keys,
             }),
         };
+        let limits = port_limits(&raw)?;
         Ok(AgentConfig {
             grpc_listen,
             http_listen,
@@ -751,13 +840,234 @@ impl TryFrom<RawArgs> for AgentConfig {
             peers_refresh,
             peer_stale_after,
             kv_events,
+            limits,
         })
     }
+}
+
+/// An integer in `min..=max` (`default` when unset).
+fn integer_in(
+    flag: &'static str,
+    value: Option<&str>,
+    default: usize,
+    min: usize,
+    max: usize,
+) -> Result<usize, ConfigError> {
+    match value {
+        None => Ok(default),
+        Some(v) => match v.trim().parse::<usize>() {
+            Ok(n) if (min..=max).contains(&n) => Ok(n),
+            _ => Err(invalid(
+                flag,
+                v,
+                &format!("an integer between {min} and {max}"),
+            )),
+        },
+    }
+}
+
+/// A per-peer cap, no larger than the total cap it belongs to.
+fn per_peer_cap(
+    flag: &'static str,
+    value: Option<&str>,
+    default: usize,
+    total_flag: &str,
+    total: usize,
+) -> Result<usize, ConfigError> {
+    let n = integer_in(flag, value, default.min(total), 1, 65_536)?;
+    if n > total {
+        return Err(invalid(
+            flag,
+            value.unwrap_or_default(),
+            &format!("at most --{total_flag} ({total})"),
+        ));
+    }
+    Ok(n)
+}
+
+/// The caps on the agent's ports (see `ports.rs` for what each one bounds).
+fn port_limits(raw: &RawArgs) -> Result<PortLimits, ConfigError> {
+    use port_defaults::*;
+    let ms = Duration::from_millis;
+    let grpc_max_connections = integer_in(
+        "grpc-max-connections",
+        raw.grpc_max_connections.as_deref(),
+        GRPC_MAX_CONNECTIONS,
+        1,
+        65_536,
+    )?;
+    let grpc_max_streams = integer_in(
+        "grpc-max-streams",
+        raw.grpc_max_streams.as_deref(),
+        GRPC_MAX_STREAMS,
+        1,
+        65_536,
+    )?;
+    let http_max_connections = integer_in(
+        "http-max-connections",
+        raw.http_max_connections.as_deref(),
+        HTTP_MAX_CONNECTIONS,
+        1,
+        65_536,
+    )?;
+    Ok(PortLimits {
+        grpc_max_connections,
+        grpc_max_connections_per_peer: per_peer_cap(
+            "grpc-max-connections-per-peer",
+            raw.grpc_max_connections_per_peer.as_deref(),
+            GRPC_MAX_CONNECTIONS_PER_PEER,
+            "grpc-max-connections",
+            grpc_max_connections,
+        )?,
+        grpc_max_streams,
+        grpc_max_streams_per_peer: per_peer_cap(
+            "grpc-max-streams-per-peer",
+            raw.grpc_max_streams_per_peer.as_deref(),
+            GRPC_MAX_STREAMS_PER_PEER,
+            "grpc-max-streams",
+            grpc_max_streams,
+        )?,
+        grpc_max_streams_per_connection: integer_in(
+            "grpc-max-streams-per-connection",
+            raw.grpc_max_streams_per_connection.as_deref(),
+            GRPC_MAX_STREAMS_PER_CONNECTION as usize,
+            1,
+            4096,
+        )? as u32,
+        grpc_max_request_bytes: integer_in(
+            "grpc-max-request-bytes",
+            raw.grpc_max_request_bytes.as_deref(),
+            GRPC_MAX_REQUEST_BYTES,
+            1024,
+            64 << 20,
+        )?,
+        grpc_max_message_bytes: integer_in(
+            "grpc-max-message-bytes",
+            raw.grpc_max_message_bytes.as_deref(),
+            GRPC_MAX_MESSAGE_BYTES,
+            64 << 10,
+            1 << 30,
+        )?,
+        stream_send_timeout: duration_in(
+            "stream-send-timeout",
+            raw.stream_send_timeout.as_deref(),
+            "10s",
+            ms(100),
+            ms(600_000),
+        )?,
+        first_request_timeout: duration_in(
+            "first-request-timeout",
+            raw.first_request_timeout.as_deref(),
+            "10s",
+            ms(100),
+            ms(600_000),
+        )?,
+        http_max_connections,
+        http_max_connections_per_peer: per_peer_cap(
+            "http-max-connections-per-peer",
+            raw.http_max_connections_per_peer.as_deref(),
+            HTTP_MAX_CONNECTIONS_PER_PEER,
+            "http-max-connections",
+            http_max_connections,
+        )?,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn port_caps_default_and_are_validated_by_name() {
+        let base = ["--serving-address", "10.0.0.1:8000"];
+        let with = |extra: &[&str]| {
+            let mut a = base.to_vec();
+            a.extend_from_slice(extra);
+            cfg(&a)
+        };
+        assert_eq!(with(&[]).unwrap().limits, PortLimits::default());
+        let l = PortLimits::default();
+        assert_eq!(
+            (l.grpc_max_connections, l.grpc_max_connections_per_peer),
+            (1024, 64)
+        );
+        assert_eq!((l.grpc_max_streams, l.grpc_max_streams_per_peer), (512, 32));
+        assert_eq!(l.grpc_max_streams_per_connection, 32);
+        assert_eq!(
+            (l.grpc_max_request_bytes, l.grpc_max_message_bytes),
+            (16 << 10, 16 << 20)
+        );
+        assert_eq!(l.stream_send_timeout, Duration::from_secs(10));
+        assert_eq!(l.first_request_timeout, Duration::from_secs(10));
+        assert_eq!(
+            (l.http_max_connections, l.http_max_connections_per_peer),
+            (64, 16)
+        );
+        let c = with(&[
+            "--grpc-max-streams",
+            "8",
+            "--grpc-max-streams-per-peer",
+            "2",
+            "--stream-send-timeout",
+            "500ms",
+        ])
+        .unwrap()
+        .limits;
+        assert_eq!((c.grpc_max_streams, c.grpc_max_streams_per_peer), (8, 2));
+        assert_eq!(c.stream_send_timeout, Duration::from_millis(500));
+        // A lower total pulls the per-peer default down with it.
+        let c = with(&["--grpc-max-streams", "8"]).unwrap().limits;
+        assert_eq!(c.grpc_max_streams_per_peer, 8);
+        let e = with(&["--grpc-max-streams-per-peer", "0"]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            r#"invalid value "0" for --grpc-max-streams-per-peer: expected an integer between 1 and 65536"#
+        );
+        let e = with(&[
+            "--grpc-max-streams",
+            "8",
+            "--grpc-max-streams-per-peer",
+            "9",
+        ])
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            r#"invalid value "9" for --grpc-max-streams-per-peer: expected at most --grpc-max-streams (8)"#
+        );
+        let e = with(&["--grpc-max-request-bytes", "16k"]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            r#"invalid value "16k" for --grpc-max-request-bytes: expected an integer between 1024 and 67108864"#
+        );
+        for (args, flag) in [
+            (["--grpc-max-connections", "0"], "--grpc-max-connections"),
+            (
+                ["--grpc-max-connections-per-peer", "many"],
+                "--grpc-max-connections-per-peer",
+            ),
+            (
+                ["--grpc-max-streams-per-connection", "5000"],
+                "--grpc-max-streams-per-connection",
+            ),
+            (
+                ["--grpc-max-message-bytes", "1000"],
+                "--grpc-max-message-bytes",
+            ),
+            (["--stream-send-timeout", "10"], "--stream-send-timeout"),
+            (
+                ["--first-request-timeout", "1ms"],
+                "--first-request-timeout",
+            ),
+            (["--http-max-connections", "-1"], "--http-max-connections"),
+            (
+                ["--http-max-connections-per-peer", "100"],
+                "--http-max-connections-per-peer",
+            ),
+        ] {
+            let e = with(&args).expect_err(flag);
+            assert!(e.to_string().contains(flag), "{args:?} -> {e}");
+        }
+    }
 
     fn cfg(args: &[&str]) -> Result<AgentConfig, ConfigError> {
         let raw =

@@ -1,10 +1,13 @@
 //! The gRPC face of the agent: `MetricsService` (`Snapshot`, `Watch`, `WatchPool`) plus
 //! `grpc.health.v1` and server reflection, and the wiring that starts sampler, pool, gRPC and
 //! HTTP servers together and stops them gracefully (open streams end with `UNAVAILABLE
-//! "agent shutting down"` in trailers, never a connection reset).
+//! "agent shutting down"` in trailers, never a connection reset). The caps on what a peer may
+//! hold (connections, subscriptions, message sizes, slow readers) are decided in
+//! [`crate::ports`]; this module applies the subscription caps and drops slow subscribers.
 
 use crate::config::AgentConfig;
 use crate::pool::{run_pool, DnsResolver, PoolConfig, PoolView, Resolve};
+use crate::ports::{self, ConnHandle, Full, Gate, Port, PortStats, Reason, ServeArgs, Slot};
 use crate::sampler::{stopped, Clock, Hub, IdentityConfig, Sampler};
 use crate::sources::Source;
 use ai_lb_proto::v1::metrics_service_server::{MetricsService, MetricsServiceServer};
@@ -26,6 +29,60 @@ use tonic::{Request, Response, Status};
 
 /// A full pool event is sent every this many heartbeat periods.
 pub const FULL_EVERY_HEARTBEATS: u32 = 10;
+
+/// What a subscription (`Watch`, `WatchPool`) may hold, and the counters it feeds.
+#[derive(Debug)]
+pub struct StreamCaps {
+    /// Subscription places per peer IP and in total.
+    pub gate: Arc<Gate>,
+    /// A subscriber that leaves an event untaken this long is dropped.
+    pub send_timeout: Duration,
+    pub stats: Arc<PortStats>,
+}
+
+impl StreamCaps {
+    /// A subscription place for the peer of `req`, or `RESOURCE_EXHAUSTED` naming the cap
+    /// (counted).
+    fn admit<T>(&self, req: &Request<T>, rpc: &str) -> Result<Slot, Status> {
+        let peer = ports::peer_ip(req);
+        self.gate.try_enter(peer).map_err(|full| {
+            let (reason, what) = match full {
+                Full::PerPeer => (
+                    Reason::StreamsPerPeer,
+                    format!("from {peer} (--grpc-max-streams-per-peer)"),
+                ),
+                Full::Total => (
+                    Reason::StreamsTotal,
+                    "in total (--grpc-max-streams)".to_string(),
+                ),
+            };
+            self.stats.count(Port::Grpc, reason);
+            tracing::debug!(peer = %peer, rpc, reason = reason.label(), "stream refused");
+            Status::resource_exhausted(format!("too many Watch/WatchPool streams {what}"))
+        })
+    }
+}
+
+/// A response stream that holds its subscription place until hyper drops it (the stream is
+/// done on the wire, not merely when its task ends).
+struct Held<S> {
+    inner: S,
+    _slot: Slot,
+}
+
+impl<S: tokio_stream::Stream + Unpin> tokio_stream::Stream for Held<S> {
+    type Item = S::Item;
+    fn poll_next(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<S::Item>> {
+        Pin::new(&mut self.inner).poll_next(cx)
+    }
+}
+
+/// Events queued per stream beyond the one HTTP/2 is sending: a subscriber that reads slowly
+/// gets the latest snapshot when it catches up, never a backlog.
+const STREAM_QUEUE: usize = 1;
 
 /// Stream and event counters for `/metrics`.
 #[derive(Debug, Default)]
@@ -55,6 +112,7 @@ pub struct MetricsSvc {
     pub shutdown: watch::Receiver<bool>,
     pub stats: Arc<StreamStats>,
     pub clock: Arc<dyn Clock>,
+    pub caps: Arc<StreamCaps>,
 }
 
 fn shutting_down() -> Status {
@@ -134,6 +192,30 @@ impl MetricsSvc {
         )
     }
 
+    /// Hands `ev` to a stream's queue: `false` if the subscriber is gone, or left the queue
+    /// full for the send timeout. Such a slow reader's connection is closed (counted), which
+    /// frees what HTTP/2 buffered for it; until then it only ever gets the latest.
+    async fn push<T>(
+        &self,
+        tx: &mpsc::Sender<Result<T, Status>>,
+        ev: Result<T, Status>,
+        conn: Option<&ConnHandle>,
+        rpc: &str,
+    ) -> bool {
+        match tokio::time::timeout(self.caps.send_timeout, tx.send(ev)).await {
+            Ok(r) => r.is_ok(),
+            Err(_) => {
+                // Counted once per connection closed; without a connection (a handler called
+                // directly), once per stream.
+                if conn.is_none_or(|c| c.close()) {
+                    self.caps.stats.count(Port::Grpc, Reason::SlowReader);
+                    tracing::warn!(rpc, timeout = ?self.caps.send_timeout, "subscriber took no event within the send timeout: dropping it and closing its connection");
+                }
+                false
+            }
+        }
+    }
+
     fn self_state(&self, now: std::time::Instant) -> PeerState {
         match self.hub.latest() {
             Some(p) => PeerState {
@@ -165,7 +247,9 @@ impl MetricsSvc {
         tx: mpsc::Sender<Result<WatchEvent, Status>>,
         min: Duration,
         hb: Duration,
+        conn: Option<ConnHandle>,
     ) {
+        let conn = conn.as_ref();
         let _open = OpenGuard(&self.stats.watch_open);
         let mut shutdown = self.shutdown.clone();
         let mut stop = self.shutdown.clone();
@@ -175,7 +259,7 @@ impl MetricsSvc {
         urgent.borrow_and_update();
         let send = |ev: watch_event::Event| {
             self.stats.watch_events.fetch_add(1, Ordering::Relaxed);
-            tx.send(Ok(WatchEvent { event: Some(ev) }))
+            self.push(&tx, Ok(WatchEvent { event: Some(ev) }), conn, "Watch")
         };
         // The first event is the full current snapshot (waiting for the first sample).
         let first = loop {
@@ -184,14 +268,11 @@ impl MetricsSvc {
             }
             tokio::select! {
                 r = changes.changed() => if r.is_err() { return },
-                _ = stopped(&mut shutdown) => { let _ = tx.send(Err(shutting_down())).await; return }
+                _ = stopped(&mut shutdown) => { self.push(&tx, Err(shutting_down()), conn, "Watch").await; return }
                 _ = tx.closed() => return,
             }
         };
-        if send(watch_event::Event::Snapshot(first.render(self.clock.now())))
-            .await
-            .is_err()
-        {
+        if !send(watch_event::Event::Snapshot(first.render(self.clock.now()))).await {
             return;
         }
         let mut last_push = Instant::now();
@@ -206,19 +287,19 @@ impl MetricsSvc {
                     if !wait_push(last_push, min, &mut urgent, None, &mut shutdown).await { break }
                     changes.borrow_and_update();
                     let Some(p) = self.hub.latest() else { continue };
-                    if send(watch_event::Event::Snapshot(p.render(self.clock.now()))).await.is_err() { return }
+                    if !send(watch_event::Event::Snapshot(p.render(self.clock.now()))).await { return }
                     last_push = Instant::now();
                     last_send = last_push;
                 }
                 _ = tokio::time::sleep_until(last_send + hb) => {
                     let sequence = self.hub.latest().map(|p| p.snapshot.sequence).unwrap_or(0);
                     let beat = Heartbeat { time_unix_ms: self.clock.unix_ms(), sequence };
-                    if send(watch_event::Event::Heartbeat(beat)).await.is_err() { return }
+                    if !send(watch_event::Event::Heartbeat(beat)).await { return }
                     last_send = Instant::now();
                 }
             }
         }
-        let _ = tx.send(Err(shutting_down())).await;
+        self.push(&tx, Err(shutting_down()), conn, "Watch").await;
     }
 
     async fn run_pool_stream(
@@ -226,7 +307,9 @@ impl MetricsSvc {
         tx: mpsc::Sender<Result<PoolEvent, Status>>,
         min: Duration,
         hb: Duration,
+        conn: Option<ConnHandle>,
     ) {
+        let conn = conn.as_ref();
         let _open = OpenGuard(&self.stats.pool_open);
         let mut shutdown = self.shutdown.clone();
         let mut stop = self.shutdown.clone();
@@ -241,7 +324,7 @@ impl MetricsSvc {
         let full_every = hb * FULL_EVERY_HEARTBEATS;
         let send = |ev: PoolEvent| {
             self.stats.pool_events.fetch_add(1, Ordering::Relaxed);
-            tx.send(Ok(ev))
+            self.push(&tx, Ok(ev), conn, "WatchPool")
         };
         let full = |svc: &MetricsSvc| {
             let now = svc.clock.now();
@@ -251,7 +334,7 @@ impl MetricsSvc {
             (version, svc.pool_event(true, all))
         };
         let (mut seen_version, first) = full(&self);
-        if send(first).await.is_err() {
+        if !send(first).await {
             return;
         }
         let mut last_push = Instant::now();
@@ -273,7 +356,7 @@ impl MetricsSvc {
                     seen_version = version;
                     if self_changed { peers.insert(0, self.self_state(now)); }
                     if peers.is_empty() { continue }
-                    if send(self.pool_event(false, peers)).await.is_err() { return }
+                    if !send(self.pool_event(false, peers)).await { return }
                     last_push = Instant::now();
                     last_send = last_push;
                 }
@@ -290,7 +373,7 @@ impl MetricsSvc {
                         seen_version = version;
                         peers.extend(changed);
                     }
-                    if send(self.pool_event(false, peers)).await.is_err() { return }
+                    if !send(self.pool_event(false, peers)).await { return }
                     last_push = Instant::now();
                     last_send = last_push;
                 }
@@ -299,17 +382,18 @@ impl MetricsSvc {
                     hub_rx.borrow_and_update();
                     let (version, ev) = full(&self);
                     seen_version = version;
-                    if send(ev).await.is_err() { return }
+                    if !send(ev).await { return }
                     last_full = Instant::now();
                     last_send = last_full;
                 }
                 _ = tokio::time::sleep_until(last_send + hb) => {
-                    if send(self.pool_event(false, Vec::new())).await.is_err() { return }
+                    if !send(self.pool_event(false, Vec::new())).await { return }
                     last_send = Instant::now();
                 }
             }
         }
-        let _ = tx.send(Err(shutting_down())).await;
+        self.push(&tx, Err(shutting_down()), conn, "WatchPool")
+            .await;
     }
 }
 
@@ -336,12 +420,17 @@ impl MetricsService for MetricsSvc {
         if *self.shutdown.borrow() {
             return Err(shutting_down());
         }
+        let slot = self.caps.admit(&req, "Watch")?;
+        let conn = req.extensions().get::<ConnHandle>().cloned();
         let r = req.into_inner();
         let (min, hb) = self.stream_intervals(r.min_interval_ms, r.heartbeat_ms);
-        let (tx, rx) = mpsc::channel(4);
+        let (tx, rx) = mpsc::channel(STREAM_QUEUE);
         self.stats.watch_open.fetch_add(1, Ordering::Relaxed);
-        tokio::spawn(self.clone().run_watch(tx, min, hb));
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        tokio::spawn(self.clone().run_watch(tx, min, hb, conn));
+        Ok(Response::new(Box::pin(Held {
+            inner: ReceiverStream::new(rx),
+            _slot: slot,
+        })))
     }
 
     type WatchPoolStream = EventStream<PoolEvent>;
@@ -353,12 +442,67 @@ impl MetricsService for MetricsSvc {
         if *self.shutdown.borrow() {
             return Err(shutting_down());
         }
+        let slot = self.caps.admit(&req, "WatchPool")?;
+        let conn = req.extensions().get::<ConnHandle>().cloned();
         let r = req.into_inner();
         let (min, hb) = self.stream_intervals(r.min_interval_ms, r.heartbeat_ms);
-        let (tx, rx) = mpsc::channel(4);
+        let (tx, rx) = mpsc::channel(STREAM_QUEUE);
         self.stats.pool_open.fetch_add(1, Ordering::Relaxed);
-        tokio::spawn(self.clone().run_pool_stream(tx, min, hb));
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        tokio::spawn(self.clone().run_pool_stream(tx, min, hb, conn));
+        Ok(Response::new(Box::pin(Held {
+            inner: ReceiverStream::new(rx),
+            _slot: slot,
+        })))
+    }
+}
+
+/// Counts the requests tonic refuses before a handler sees them: a message over
+/// `--grpc-max-request-bytes` (`OUT_OF_RANGE`, refused from its length prefix, never buffered)
+/// and one that does not decode (`INTERNAL`). Both come back as trailers-only responses, so
+/// their status is in the response headers. No handler of the agent answers with either code.
+#[derive(Clone)]
+struct CountRefusedMessages<S> {
+    inner: S,
+    stats: Arc<PortStats>,
+}
+
+impl<S, B, RB> tonic::codegen::Service<tonic::codegen::http::Request<B>> for CountRefusedMessages<S>
+where
+    S: tonic::codegen::Service<
+            tonic::codegen::http::Request<B>,
+            Response = tonic::codegen::http::Response<RB>,
+        > + Send,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn std::future::Future<Output = Result<S::Response, S::Error>> + Send>>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: tonic::codegen::http::Request<B>) -> Self::Future {
+        let stats = self.stats.clone();
+        let fut = self.inner.call(req);
+        Box::pin(async move {
+            let res = fut.await?;
+            let code = res
+                .headers()
+                .get("grpc-status")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<i32>().ok())
+                .map(tonic::Code::from_i32);
+            match code {
+                Some(tonic::Code::OutOfRange) => stats.count(Port::Grpc, Reason::MessageTooLarge),
+                Some(tonic::Code::Internal) => stats.count(Port::Grpc, Reason::MalformedMessage),
+                _ => {}
+            }
+            Ok(res)
+        })
     }
 }
 
@@ -483,6 +627,7 @@ pub fn start(cfg: &AgentConfig, args: StartArgs) -> std::io::Result<RunningAgent
             heartbeat: cfg.heartbeat,
             self_addresses,
             self_instance: args.agent_instance.clone(),
+            max_message_bytes: cfg.limits.grpc_max_message_bytes,
         };
         let resolver = args.resolver.unwrap_or_else(|| Arc::new(DnsResolver));
         tasks.push(tokio::spawn(run_pool(
@@ -524,10 +669,15 @@ pub fn start(cfg: &AgentConfig, args: StartArgs) -> std::io::Result<RunningAgent
                 .await;
         }));
     }
+    let limits = &cfg.limits;
+    let port_stats = Arc::new(PortStats::default());
+    let (req_max, msg_max) = (limits.grpc_max_request_bytes, limits.grpc_max_message_bytes);
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(ai_lb_proto::FILE_DESCRIPTOR_SET)
         .build_v1()
-        .map_err(std::io::Error::other)?;
+        .map_err(std::io::Error::other)?
+        .max_decoding_message_size(req_max)
+        .max_encoding_message_size(msg_max);
     let svc = MetricsSvc {
         hub: hub.clone(),
         pool: pool.clone(),
@@ -537,36 +687,63 @@ pub fn start(cfg: &AgentConfig, args: StartArgs) -> std::io::Result<RunningAgent
         shutdown: shutdown_rx.clone(),
         stats: stats.clone(),
         clock: args.clock.clone(),
+        caps: Arc::new(StreamCaps {
+            gate: Gate::new(limits.grpc_max_streams, limits.grpc_max_streams_per_peer),
+            send_timeout: limits.stream_send_timeout,
+            stats: port_stats.clone(),
+        }),
     };
-    let grpc_server = tonic::transport::Server::builder()
-        .tcp_nodelay(true)
-        .add_service(health_svc)
-        .add_service(reflection)
-        .add_service(MetricsServiceServer::new(svc));
-    {
-        let mut shutdown = shutdown_rx.clone();
-        let incoming = tonic::transport::server::TcpIncoming::from(args.grpc_listener)
-            .with_nodelay(Some(true));
-        tasks.push(tokio::spawn(async move {
-            let signal = async move { stopped(&mut shutdown).await };
-            if let Err(e) = grpc_server
-                .serve_with_incoming_shutdown(incoming, signal)
-                .await
-            {
-                tracing::error!(error = %e, "gRPC server failed");
-            }
-        }));
-    }
+    let routes = tonic::service::Routes::new(
+        health_svc
+            .max_decoding_message_size(req_max)
+            .max_encoding_message_size(msg_max),
+    )
+    .add_service(reflection)
+    .add_service(
+        MetricsServiceServer::new(svc)
+            .max_decoding_message_size(req_max)
+            .max_encoding_message_size(msg_max),
+    )
+    .prepare();
+    tasks.push(tokio::spawn(ports::serve(
+        args.grpc_listener,
+        CountRefusedMessages {
+            inner: routes,
+            stats: port_stats.clone(),
+        },
+        ServeArgs {
+            port: Port::Grpc,
+            gate: Gate::new(
+                limits.grpc_max_connections,
+                limits.grpc_max_connections_per_peer,
+            ),
+            builder: ports::grpc_builder(limits),
+            first_request_timeout: limits.first_request_timeout,
+            stats: port_stats.clone(),
+        },
+        shutdown_rx.clone(),
+    )));
     let http_state = crate::http::HttpState {
         hub: hub.clone(),
         pool: pool.clone(),
         stats,
         clock: args.clock,
         kv: kv_feed,
+        ports: port_stats.clone(),
     };
-    tasks.push(tokio::spawn(crate::http::serve(
+    tasks.push(tokio::spawn(ports::serve(
         args.http_listener,
-        http_state,
+        crate::http::router(http_state),
+        ServeArgs {
+            port: Port::Http,
+            gate: Gate::new(
+                limits.http_max_connections,
+                limits.http_max_connections_per_peer,
+            ),
+            builder: ports::http_builder(limits),
+            first_request_timeout: limits.first_request_timeout,
+            stats: port_stats,
+        },
         shutdown_rx,
     )));
     Ok(RunningAgent {

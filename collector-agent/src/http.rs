@@ -5,6 +5,7 @@
 use crate::grpc::StreamStats;
 use crate::kv_events::KvFeed;
 use crate::pool::PoolView;
+use crate::ports::{Port, PortStats, Reason};
 use crate::sampler::{Clock, Hub};
 use ai_lb_proto::v1::{LatencyQuantiles, PodSnapshot, SourceState};
 use axum::extract::State;
@@ -15,8 +16,6 @@ use axum::Router;
 use std::fmt::Write;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use tokio::net::TcpListener;
-use tokio::sync::watch;
 
 /// What the HTTP handlers read.
 #[derive(Clone)]
@@ -27,6 +26,8 @@ pub struct HttpState {
     pub clock: Arc<dyn Clock>,
     /// The KV-event feed, when subscribed.
     pub kv: Option<Arc<KvFeed>>,
+    /// Refusals on the agent's ports.
+    pub ports: Arc<PortStats>,
 }
 
 /// The router (exposed for tests).
@@ -36,17 +37,6 @@ pub fn router(state: HttpState) -> Router {
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .with_state(state)
-}
-
-/// Serves until `shutdown` turns true.
-pub async fn serve(listener: TcpListener, state: HttpState, mut shutdown: watch::Receiver<bool>) {
-    let signal = async move { crate::sampler::stopped(&mut shutdown).await };
-    if let Err(e) = axum::serve(listener, router(state))
-        .with_graceful_shutdown(signal)
-        .await
-    {
-        tracing::error!(error = %e, "HTTP server failed");
-    }
 }
 
 /// Ready = a sample was taken and at least one source is fresh; otherwise the reason.
@@ -258,6 +248,7 @@ pub fn render_metrics(st: &HttpState) -> String {
         st.stats.pool_events.load(Ordering::Relaxed) as f64,
     );
 
+    render_ports(&mut o, &st.ports);
     if let Some(kv) = &st.kv {
         render_kv(&mut o, kv);
     }
@@ -265,6 +256,37 @@ pub fn render_metrics(st: &HttpState) -> String {
         render_snapshot(&mut o, s);
     }
     o.0
+}
+
+/// What peers were refused on the agent's ports, and the connections open.
+fn render_ports(o: &mut Out, p: &PortStats) {
+    o.head(
+        "ai_lb_agent_port_rejections_total",
+        "counter",
+        "Connections, streams and messages refused or dropped on the agent's ports, by port \
+         and reason (see docs/operations.md, \"The agent's ports\").",
+    );
+    for port in Port::ALL {
+        for reason in Reason::ALL.into_iter().filter(|r| r.applies_to(port)) {
+            o.line(
+                "ai_lb_agent_port_rejections_total",
+                &format!("port=\"{}\",reason=\"{}\"", port.label(), reason.label()),
+                p.rejections(port, reason) as f64,
+            );
+        }
+    }
+    o.head(
+        "ai_lb_agent_connections_open",
+        "gauge",
+        "Connections open now, by port.",
+    );
+    for port in Port::ALL {
+        o.line(
+            "ai_lb_agent_connections_open",
+            &format!("port=\"{}\"", port.label()),
+            p.open_connections(port) as f64,
+        );
+    }
 }
 
 /// The KV-event feed's counters and the summary's size.

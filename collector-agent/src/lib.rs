@@ -7,6 +7,7 @@ pub mod grpc;
 pub mod http;
 pub mod kv_events;
 pub mod pool;
+pub mod ports;
 pub mod prometheus;
 pub mod sampler;
 pub mod sources;

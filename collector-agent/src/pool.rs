@@ -254,6 +254,8 @@ pub struct PoolConfig {
     /// Addresses that are certainly this agent (its own gRPC address forms).
     pub self_addresses: Vec<String>,
     pub self_instance: String,
+    /// Largest snapshot accepted from a peer (`--grpc-max-message-bytes`).
+    pub max_message_bytes: usize,
 }
 
 /// Runs discovery until `shutdown`, starting and stopping one watcher task per peer.
@@ -378,7 +380,8 @@ async fn watch_once(peer: &str, cfg: &PoolConfig, view: &PoolView) -> WatchEnd {
         Ok(c) => c,
         Err(e) => return failed(format!("connect: {}", error_chain(&e)), false),
     };
-    let mut client = MetricsServiceClient::new(channel);
+    let mut client =
+        MetricsServiceClient::new(channel).max_decoding_message_size(cfg.max_message_bytes);
     let req = WatchRequest {
         // 0 on the wire means "the peer's default" (50 ms), not "no coalescing": a hub
         // configured with 0 asks its peers for 1 ms so it really gets every change.

@@ -2,6 +2,8 @@
 //! sets, and an in-process agent on 127.0.0.1:0.
 #![allow(dead_code)]
 
+pub mod raw_h2;
+
 use ai_lb_agent::config::AgentConfig;
 use ai_lb_agent::grpc::{start, RunningAgent, StartArgs};
 use ai_lb_agent::pool::Resolve;
