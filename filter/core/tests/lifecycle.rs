@@ -606,6 +606,11 @@ fn a_body_over_the_read_limit_is_routed_on_its_first_bytes() {
         Next::StopForBody
     );
     assert_eq!(ex.body_read_limit(), 512 * 1024);
+    // Declared larger than the limit: held with flow control up to the limit, not at all
+    // without (any bytes held plus one 1 MiB read could pass Envoy's buffer limit).
+    assert!(ex.wants_more_body(100_000, true));
+    assert!(!ex.wants_more_body(600_000, true));
+    assert!(!ex.wants_more_body(100_000, false));
     // The first bytes of a 5 MB multimodal body: the model comes before the images.
     let prefix = br#"{"model":"m","max_tokens":32,"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAAAAAA"#;
     assert_eq!(
@@ -633,6 +638,9 @@ fn a_model_beyond_the_read_limit_is_not_seen_and_the_request_is_still_routed() {
     let mut h = host(1_010);
     let mut ex = Exchange::new();
     ex.on_request_headers(&mut h, &mut w, &mut NoGate, false);
+    // No declared length: held up to the limit either way.
+    assert!(ex.wants_more_body(100_000, false));
+    assert!(!ex.wants_more_body(512 * 1024, false));
     let prefix = br#"{"messages":[{"role":"user","content":"xxxxxxxxxxxxxxxxxxxxxx"#;
     assert_eq!(
         ex.on_request_body(&mut h, &mut w, &mut NoGate, prefix, false),

@@ -543,8 +543,8 @@ impl Request {
         if !self.ex.waiting_body() {
             return false;
         }
-        let (len, cap) = (s.request_body_len(), self.ex.body_read_limit());
-        if !end_of_stream && len < cap {
+        // Envoy buffers with flow control here (StopIterationAndWatermark, see lib.rs).
+        if !end_of_stream && self.ex.wants_more_body(s.request_body_len(), true) {
             return true;
         }
         self.body_done(s, true, end_of_stream);

@@ -140,7 +140,10 @@ mod exports {
                 return body_status::CONTINUE;
             };
             if r.on_request_body(&Stream::new(filter_envoy), end_of_stream) {
-                body_status::STOP_ITERATION_AND_BUFFER
+                // Buffered with flow control: a chunk that takes the buffered body past
+                // Envoy's limit pauses the client instead of failing the request with 413
+                // (with StopIterationAndBuffer, 128 KB held plus a 1 MiB read did).
+                body_status::STOP_ITERATION_AND_WATERMARK
             } else {
                 body_status::CONTINUE
             }

@@ -116,12 +116,14 @@ impl HttpContext for Request {
         if !self.ex.waiting_body() {
             return Action::Continue;
         }
-        // Hold the body back only up to `maxBodyReadBytes`: past that, read its first bytes and
-        // let the rest stream (waiting for the end would make Envoy answer 413 at its limit).
-        let cap = self.ex.body_read_limit();
-        if !end_of_stream && body_size < cap {
+        // Hold the body back only while the core says so (up to `maxBodyReadBytes`, and not
+        // at all for a body declared larger, since Pause buffers without flow control): then
+        // read what is there and let the rest stream (waiting for the end would make Envoy
+        // answer 413 at its buffer limit).
+        if !end_of_stream && self.ex.wants_more_body(body_size, false) {
             return Action::Pause;
         }
+        let cap = self.ex.body_read_limit();
         self.body_read(body_size, end_of_stream && body_size <= cap)
     }
 

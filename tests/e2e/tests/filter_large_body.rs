@@ -2,7 +2,7 @@
 //! both data paths when the filter reads the body (the model is not in a header, prefix
 //! affinity, admission costing): the filter holds back at most `maxBodyReadBytes`, reads the
 //! fields complete in that prefix and lets the rest stream, so Envoy never answers 413.
-//! Bodies of 1, 5 and 20 MiB (a multimodal chat request with a base64 image), with the model
+//! Bodies of 768 KiB, 1, 5 and 20 MiB (a multimodal chat request with a base64 image), with the model
 //! in the body before the image, with the model header, and with admission on (wasm filter).
 
 mod filter_common;
@@ -12,12 +12,14 @@ use filter_common::*;
 use serde_json::json;
 
 const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
-const SIZES_MIB: [usize; 3] = [1, 5, 20];
+/// 768 KiB: over the read limit (512 KiB) but under admission's `maxBodyBytes` (1 MiB), so
+/// admission asks for the body and gets its first bytes; then 1, 5 and 20 MiB.
+const SIZES_KIB: [usize; 4] = [768, 1024, 5 << 10, 20 << 10];
 
-/// A chat request of about `mib` MiB: the model and `max_tokens` first, then one message
+/// A chat request of about `kib` KiB: the model and `max_tokens` first, then one message
 /// carrying a base64 image that makes up the size.
-fn big_body(mib: usize) -> String {
-    let image = "A".repeat(mib << 20);
+fn big_body(kib: usize) -> String {
+    let image = "A".repeat(kib << 10);
     json!({
         "model": MODEL,
         "max_tokens": 4,
@@ -30,22 +32,32 @@ fn big_body(mib: usize) -> String {
 }
 
 /// Sends every size with the model in the body, then with the model header; each must be
-/// answered 200 by a pod the filter chose (the debug header names it).
-fn send_all(envoy: &Envoy, pool: &PodPool, stat_prefix: &str) {
-    let mut client = HttpClient::new(envoy.listener);
-    for mib in SIZES_MIB {
-        let body = big_body(mib);
+/// answered 200 by a pod the filter chose (the debug header names it). `costed`: admission
+/// reads the body too (so the 768 KiB body is read even with the model header).
+fn send_all(envoy: &Envoy, pool: &PodPool, stat_prefix: &str, costed: bool) {
+    for kib in SIZES_KIB {
+        let body = big_body(kib);
         for headers in [
             vec![("x-ai-lb-debug", "1")],
             vec![("x-ai-lb-debug", "1"), ("x-ai-lb-model", MODEL)],
         ] {
-            let r = client
+            // A fresh connection each: the client retries a failed request on a reused one,
+            // which would hide a reset.
+            let r = HttpClient::new(envoy.listener)
                 .post_json("/v1/chat/completions", &headers, &body)
-                .unwrap_or_else(|e| panic!("{mib} MiB, headers {headers:?}: {e}"));
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "{kib} KiB, headers {headers:?}: {e}\n{}",
+                        envoy.log_tail(30)
+                    )
+                });
+            if r.status != 200 {
+                eprintln!("{}", envoy.log_tail(60));
+            }
             assert_eq!(
                 r.status,
                 200,
-                "{mib} MiB, headers {headers:?}: {}",
+                "{kib} KiB, headers {headers:?}: {}",
                 &r.text()[..r.text().len().min(300)]
             );
             let debug = r.header("x-ai-lb-debug").unwrap_or_default().to_string();
@@ -53,15 +65,18 @@ fn send_all(envoy: &Envoy, pool: &PodPool, stat_prefix: &str) {
                 pool.pod_addrs
                     .iter()
                     .any(|a| debug.starts_with(&format!("pod={a};"))),
-                "{mib} MiB, headers {headers:?}: not steered: {debug:?}"
+                "{kib} KiB, headers {headers:?}: not steered: {debug:?}"
             );
         }
     }
-    // Every body without the header was over the read limit: each is counted once.
+    // Every body read was over the read limit, each counted once: those without the model
+    // header, and with admission the 768 KiB one with it (the larger ones admission costs by
+    // their declared length without reading them).
     let truncated = envoy
         .stat(&format!("{stat_prefix}ailb.body_truncated"))
         .unwrap_or(0);
-    assert_eq!(truncated, SIZES_MIB.len() as u64, "ailb.body_truncated");
+    let expected = SIZES_KIB.len() as u64 + u64::from(costed);
+    assert_eq!(truncated, expected, "ailb.body_truncated");
 }
 
 #[test]
@@ -76,7 +91,7 @@ fn large_bodies_pass_the_wasm_filter_with_and_without_admission() {
         }
         let envoy = envoy_for(&pool, config(extra));
         wait_scoreboard(&envoy, "every pod fresh", 30, |sb| all_fresh(sb, &pool));
-        send_all(&envoy, &pool, "wasmcustom.");
+        send_all(&envoy, &pool, "wasmcustom.", admission);
         assert!(
             !envoy.log_tail(400).contains("panicked"),
             "{}",
@@ -96,5 +111,5 @@ fn large_bodies_pass_the_native_module() {
     opts.agents = pool.agent_addrs.clone();
     let envoy = Envoy::start(&opts).unwrap();
     wait_scoreboard(&envoy, "every pod fresh", 30, |sb| all_fresh(sb, &pool));
-    send_all(&envoy, &pool, "dynamicmodulescustom.");
+    send_all(&envoy, &pool, "dynamicmodulescustom.", false);
 }

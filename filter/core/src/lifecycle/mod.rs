@@ -197,6 +197,8 @@ pub struct Exchange {
     gate_body: bool,
     /// Most body bytes held back (`maxBodyReadBytes`).
     body_cap: usize,
+    /// The body's declared length (`content-length`), when the body is awaited.
+    declared_len: Option<usize>,
     /// Body size: the buffered body's, else `content-length`.
     body_bytes: Option<usize>,
     /// The body's output reservation (`max_completion_tokens` or `max_tokens`, times `n`).
@@ -236,6 +238,7 @@ impl Exchange {
             waiting_body: false,
             gate_body: false,
             body_cap: crate::config::DEFAULT_MAX_BODY_READ_BYTES as usize,
+            declared_len: None,
             body_bytes: None,
             max_output_tokens: None,
             size: RequestSize::UNIT,
@@ -285,6 +288,20 @@ impl Exchange {
     /// (so Envoy never buffers past its limit and answers 413).
     pub fn body_read_limit(&self) -> usize {
         self.body_cap
+    }
+
+    /// Whether to hold back more of the body after `buffered` bytes (the glue buffers and
+    /// waits) rather than read what is there now. `flow_controlled`: the proxy pauses the client
+    /// at its buffer limit instead of failing (the native module buffers with
+    /// StopIterationAndWatermark). Without it (proxy-wasm buffers with StopIterationAndBuffer,
+    /// and one read can be as large as Envoy's 1 MiB limit), a body declared larger than the
+    /// read limit is not held at all: its first read is what is read, since any bytes held
+    /// plus one more read could pass the limit and get the request a 413.
+    pub fn wants_more_body(&self, buffered: usize, flow_controlled: bool) -> bool {
+        if buffered >= self.body_cap {
+            return false;
+        }
+        flow_controlled || self.declared_len.is_none_or(|n| n <= self.body_cap)
     }
 
     /// Whether the end was handled (the in-flight count closed).
@@ -363,6 +380,9 @@ impl Exchange {
         }
         if self.model_from_body || self.prompt_from_body || self.gate_body {
             self.waiting_body = true;
+            self.declared_len = host
+                .request_header("content-length")
+                .and_then(|v| v.trim().parse().ok());
             return Next::StopForBody;
         }
         // The body is not read: its declared length still sizes the prompt.
