@@ -17,7 +17,7 @@ use ai_lb_filter_core::signals::{GpuSignal, PodSignals};
 use ai_lb_proto::{watch_event, WatchEvent};
 
 use crate::host;
-use crate::root::State;
+use crate::state::{self, State};
 
 const ENCODED_LEN: usize = 24;
 const NONE_U32: u32 = u32::MAX;
@@ -120,7 +120,7 @@ impl Guard {
     }
 
     fn count(&self, name: &str) {
-        if let Ok(mut s) = self.state.try_borrow_mut() {
+        if let Ok(mut s) = state::lock(&self.state) {
             s.metrics.inc(name, 1);
         }
     }

@@ -1,8 +1,8 @@
 //! Decides nothing: the worker's queue of big requests waiting in the sidecar
 //! (`bigRequestHold`). Whether a request waits, and when it may go, is the core's
 //! [`Router::should_hold`](ai_lb_filter_core::picker::Router::should_hold); this keeps the
-//! paused requests in arrival order, releases them on the root's tick (routing each on its
-//! own context, then resuming it), and counts what happened:
+//! paused requests in arrival order, picks the ones to release on the root's tick (which
+//! routes each on its own context, then resumes it), and counts what happened:
 //! - `ailb.big_hold.held` / `.released` (a pod had room) / `.expired` (waited `maxHoldMs`,
 //!   routed as if the hold were off) / `.full` (the queue was full, routed at once) /
 //!   `.left` (the client went away while held);
@@ -10,20 +10,12 @@
 //!
 //! Requests paused in a VM can only be resumed from that VM, so the queue is per worker.
 
-use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
-use std::rc::Rc;
 
-use proxy_wasm::hostcalls;
-
+use ai_lb_filter_core::lifecycle::Steered;
 use ai_lb_filter_core::picker::RequestSize;
 
-use crate::host;
-use ai_lb_filter_core::lifecycle::{steer, Steered};
-
-use crate::host::WasmHost;
 use crate::metrics::Metrics;
-use crate::root::State;
 
 /// One request waiting in the sidecar.
 #[derive(Debug)]
@@ -75,21 +67,17 @@ fn gauge(metrics: &mut Metrics, depth: usize) {
     metrics.set("ailb.big_hold.depth", depth as u64);
 }
 
-/// Queues request `h` in the worker's hold; false (counted `full`) when the queue is full
-/// and the request must be routed now.
-pub fn hold(state: &mut State, h: Held) -> bool {
-    let Some(max) = state.router.config().big_request_hold.map(|c| c.max_held) else {
-        return false;
-    };
-    match state.big_hold.push(h, max) {
+/// Queues request `h`; false (counted `full`) when `max` are already waiting and the request
+/// must be routed now.
+pub fn hold(big: &mut BigHold, metrics: &mut Metrics, h: Held, max: usize) -> bool {
+    match big.push(h, max) {
         Ok(()) => {
-            count(&mut state.metrics, "held");
-            let depth = state.big_hold.depth();
-            gauge(&mut state.metrics, depth);
+            count(metrics, "held");
+            gauge(metrics, big.depth());
             true
         }
         Err(_) => {
-            count(&mut state.metrics, "full");
+            count(metrics, "full");
             false
         }
     }
@@ -98,69 +86,38 @@ pub fn hold(state: &mut State, h: Held) -> bool {
 /// What the tick wrote for request `id` when it released it (None: not released, or routed
 /// by Envoy's fallback); a request still queued is taken out (its client went away, counted
 /// `left`).
-pub fn take(state: &mut State, id: u32) -> Option<Steered> {
-    let resumed = state.big_hold.resumed.remove(&id);
-    if state.big_hold.remove(id) {
-        count(&mut state.metrics, "left");
-        let depth = state.big_hold.depth();
-        gauge(&mut state.metrics, depth);
+pub fn take(big: &mut BigHold, metrics: &mut Metrics, id: u32) -> Option<Steered> {
+    let resumed = big.resumed.remove(&id);
+    if big.remove(id) {
+        count(metrics, "left");
+        gauge(metrics, big.depth());
     }
     resumed
 }
 
-/// On each tick: releases, oldest first, every held request that waited `maxHoldMs` or for
-/// which a pod now has room (each release counts in the router's estimate before the next is
-/// judged, so one free pod takes one big request). Each is routed on its own context, then
-/// resumed, outside the state's borrow (resuming may run its later callbacks at once).
-pub fn tick(state: &Rc<RefCell<State>>, now: u64) {
-    let mut i = 0usize;
+/// The next request to release at `now`, at or after queue position `*i`, oldest first:
+/// one that waited `max_hold_ms` (`expired`) or for which `room` says a pod has room now;
+/// those still waiting are stepped over. Counted, with its wait.
+pub fn next_release(
+    big: &mut BigHold,
+    metrics: &mut Metrics,
+    i: &mut usize,
+    now: u64,
+    max_hold_ms: u64,
+    mut room: impl FnMut(&Held) -> bool,
+) -> Option<Held> {
     loop {
-        {
-            let Ok(mut guard) = state.try_borrow_mut() else {
-                return;
-            };
-            let s = &mut *guard;
-            let Some(max_hold_ms) = s.router.config().big_request_hold.map(|c| c.max_hold_ms)
-            else {
-                return;
-            };
-            let Some(h) = s.big_hold.queue.get(i) else {
-                return;
-            };
-            let expired = now.saturating_sub(h.since_ms) >= max_hold_ms;
-            if !expired
-                && s.router
-                    .should_hold(h.pool, h.model.as_deref(), h.size, now)
-            {
-                i += 1;
-                continue;
-            }
-            let Some(h) = s.big_hold.queue.remove(i) else {
-                return;
-            };
-            count(&mut s.metrics, if expired { "expired" } else { "released" });
-            s.metrics
-                .record("ailb.big_hold.wait_ms", now.saturating_sub(h.since_ms));
-            let depth = s.big_hold.depth();
-            gauge(&mut s.metrics, depth);
-            if hostcalls::set_effective_context(h.id).is_err() {
-                // Gone without a log callback reaching us: nothing to resume.
-                continue;
-            }
-            // The routing header is written on the held request's context.
-            if let Some(r) = steer(
-                &mut WasmHost,
-                s,
-                h.pool,
-                h.model.as_deref(),
-                now,
-                h.size,
-                None,
-            ) {
-                s.big_hold.resumed.insert(h.id, r);
-            }
+        let h = big.queue.get(*i)?;
+        let expired = now.saturating_sub(h.since_ms) >= max_hold_ms;
+        if !expired && !room(h) {
+            *i += 1;
+            continue;
         }
-        let _ = host::resume_request();
+        let h = big.queue.remove(*i)?;
+        count(metrics, if expired { "expired" } else { "released" });
+        metrics.record("ailb.big_hold.wait_ms", now.saturating_sub(h.since_ms));
+        gauge(metrics, big.depth());
+        return Some(h);
     }
 }
 

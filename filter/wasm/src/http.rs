@@ -9,7 +9,7 @@
 //! Request headers are only touched in the request phase (they are gone afterwards and the
 //! SDK's helpers would trap); everything later comes from properties and response headers.
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::rc::Rc;
 
 use proxy_wasm::traits::{Context, HttpContext};
@@ -24,7 +24,7 @@ use ai_lb_filter_core::picker::RequestSize;
 use crate::admission::{self, AdmReq, Headers, HeldReq, Step};
 use crate::hold::{self, Held};
 use crate::host::{self, WasmHost};
-use crate::root::State;
+use crate::state::{self, refresh_view_if_old, State};
 
 /// A context that does nothing (filter not configured for routing).
 pub struct PassThrough;
@@ -33,15 +33,8 @@ impl Context for PassThrough {}
 impl HttpContext for PassThrough {}
 
 thread_local! {
-    /// Callbacks that found the VM's state borrowed (exported as `ailb.state_busy`).
-    static BUSY: Cell<u64> = const { Cell::new(0) };
     /// Requests whose end found the state borrowed: finished at the next chance.
     static DEFERRED: RefCell<Vec<(Exchange, WasmGate)>> = const { RefCell::new(Vec::new()) };
-}
-
-/// Callbacks that found the state busy since the last call (the root exports them).
-pub fn take_busy() -> u64 {
-    BUSY.with(|b| b.replace(0))
 }
 
 /// Finishes the requests whose end found the state busy (called with the state borrowed).
@@ -76,8 +69,7 @@ impl Request {
         &mut self,
         f: impl FnOnce(&mut Exchange, &mut State, &mut WasmGate) -> R,
     ) -> Option<R> {
-        let Ok(mut s) = self.state.try_borrow_mut() else {
-            BUSY.with(|b| b.set(b.get() + 1));
+        let Ok(mut s) = state::lock(&self.state) else {
             return None;
         };
         finish_deferred(&mut s);
@@ -257,7 +249,8 @@ impl Gate<State> for WasmGate {
             size,
             since_ms: now,
         };
-        self.big_held = hold::hold(s, held);
+        let max = s.router.config().big_request_hold.map_or(0, |c| c.max_held);
+        self.big_held = hold::hold(&mut s.big_hold, &mut s.metrics, held, max);
         if self.big_held {
             GateStep::Held
         } else {
@@ -269,7 +262,7 @@ impl Gate<State> for WasmGate {
     /// list it wrote), or that it answered it 503 (the charge is refunded).
     fn take_resumed(&mut self, s: &mut State) -> Option<Steered> {
         let big = if std::mem::take(&mut self.big_held) {
-            hold::take(s, self.id)
+            hold::take(&mut s.big_hold, &mut s.metrics, self.id)
         } else {
             None
         };
@@ -344,7 +337,7 @@ impl WasmGate {
         };
         // As for a pick: an idle VM's view may be older than refreshMs (it ticks slowly), and
         // judging saturation on it shed or let through by a pool state up to a tick old.
-        crate::root::refresh_view_if_old(s, pool, now);
+        refresh_view_if_old(s, pool, now);
         let State {
             router,
             admission,

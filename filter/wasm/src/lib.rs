@@ -14,6 +14,7 @@ pub mod lease;
 pub mod metrics;
 pub mod root;
 pub mod shared;
+pub mod state;
 
 use proxy_wasm::types::LogLevel;
 

@@ -2,7 +2,7 @@
 //! follows the pool subscription lease, runs the single `WatchPool` stream when it holds the
 //! lease (publishing the pool state to shared data), refreshes the worker's copy of the pool
 //! and breaker state from shared data, and exports stats. Decisions are the core's; the lease
-//! and reconnect timing are [`crate::lease`] and [`crate::stream`].
+//! and reconnect timing are [`crate::lease`] and the core's `feed`.
 
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
@@ -29,6 +29,7 @@ use crate::guard::{self, Guard};
 use crate::hold::{self, BigHold};
 use crate::http::{PassThrough, Request};
 use crate::metrics::Metrics;
+use crate::state::{self, refresh_view, PoolView, State};
 use crate::{admission, grpc_service, host, shared};
 use ai_lb_filter_core::feed::{Backoff, Subscription};
 use ai_lb_filter_core::GpuSignal;
@@ -61,99 +62,48 @@ pub fn tick_period_ms(refresh_ms: u64, now: u64, last_request_ms: Option<u64>, h
     }
 }
 
-/// This VM's copy of one pool's shared state: the version installed and when it was last
-/// checked.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct PoolView {
-    pub seen_version: u64,
-    pub checked_ms: u64,
-}
-
-/// State shared by the root context and the HTTP contexts of one VM (single-threaded).
-pub struct State {
-    pub router: Router,
-    pub metrics: Metrics,
-    pub rng: SmallRng,
-    /// Reused buffer for the routing header value.
-    pub scratch: String,
-    /// Reused buffers for keying prompts (`prefixAffinity`).
-    pub prompt_ids: Vec<u32>,
-    pub key_scratch: Vec<u64>,
-    /// Admission control, when the plugin config has an enabled `admission` section.
-    pub admission: Option<AdmissionRt>,
-    /// This VM's view of the shared breakers (synced before each pick and on ticks).
-    pub breakers: Breakers,
-    /// Big requests waiting in this worker (`bigRequestHold`).
-    pub big_hold: BigHold,
-    /// Per pool (config order): the shared state version installed here.
-    pub views: Vec<PoolView>,
-    /// Pool names (config order), for the shared-data keys.
-    pub pool_names: Vec<String>,
-    /// `watch.refreshMs`: how old a view may be before a pick re-reads it.
-    pub refresh_ms: u64,
-    /// This VM's id (the status page says which VM answered).
-    pub vm: u64,
-}
-
-impl lifecycle::Worker for State {
-    /// Re-reads the pool's shared state when this view is older than `watch.refreshMs` (an
-    /// idle VM ticks slowly), then other VMs' breaker changes (one shared read when none).
-    fn refresh(&mut self, pool: usize, now: u64) {
-        refresh_view_if_old(self, pool, now);
-        self.breakers.sync(&mut self.router, pool, now);
-    }
-
-    fn parts(&mut self) -> lifecycle::Parts<'_> {
-        lifecycle::Parts {
-            router: &mut self.router,
-            rng: &mut self.rng,
-            scratch: &mut self.scratch,
-            prompt_ids: &mut self.prompt_ids,
-            key_scratch: &mut self.key_scratch,
-            breakers: &mut self.breakers,
-            stats: &mut self.metrics,
+/// On each tick: releases, oldest first, every big request held in this VM that waited
+/// `maxHoldMs` or for which a pod now has room (each release counts in the router's estimate
+/// before the next is judged, so one free pod takes one big request). Each is routed on its
+/// own context, then resumed, outside the state's borrow (resuming may run its later callbacks
+/// at once).
+fn big_hold_tick(state: &Rc<RefCell<State>>, now: u64) {
+    let mut i = 0usize;
+    loop {
+        {
+            let Ok(mut guard) = state::lock(state) else {
+                return;
+            };
+            let s = &mut *guard;
+            let Some(max_hold_ms) = s.router.config().big_request_hold.map(|c| c.max_hold_ms)
+            else {
+                return;
+            };
+            let State {
+                router,
+                big_hold,
+                metrics,
+                ..
+            } = s;
+            let room =
+                |h: &hold::Held| !router.should_hold(h.pool, h.model.as_deref(), h.size, now);
+            let Some(h) = hold::next_release(big_hold, metrics, &mut i, now, max_hold_ms, room)
+            else {
+                return;
+            };
+            if hostcalls::set_effective_context(h.id).is_err() {
+                // Gone without a log callback reaching us: nothing to resume.
+                continue;
+            }
+            // The routing header is written on the held request's context.
+            let model = h.model.as_deref();
+            if let Some(r) =
+                lifecycle::steer(&mut host::WasmHost, s, h.pool, model, now, h.size, None)
+            {
+                s.big_hold.resumed.insert(h.id, r);
+            }
         }
-    }
-
-    fn router(&self) -> &Router {
-        &self.router
-    }
-
-    fn ordinal(&self) -> u64 {
-        self.vm
-    }
-}
-
-/// Re-reads pool `i`'s shared state into the router when its version moved (one 8-byte
-/// shared-data read when it did not).
-pub fn refresh_view(s: &mut State, i: usize, now: u64) {
-    let (Some(view), Some(name)) = (s.views.get_mut(i), s.pool_names.get(i)) else {
-        return;
-    };
-    view.checked_ms = now;
-    let v = shared::read_u64(&shared::version_key(name));
-    if v == view.seen_version {
-        return;
-    }
-    let (bytes, _) = host::shared_get(&shared::state_key(name));
-    let Some(bytes) = bytes else {
-        return;
-    };
-    view.seen_version = v;
-    if let Err(e) = s.router.set_pool_state_bytes(i, &bytes, now) {
-        host::log(LogLevel::Warn, &format!("ai-lb: pool `{name}`: {e}"));
-    }
-}
-
-/// Before a pick: re-reads the pool's view when it is older than `watch.refreshMs` (a VM that
-/// was idle ticks slowly, see [`tick_period_ms`]).
-pub fn refresh_view_if_old(s: &mut State, i: usize, now: u64) {
-    let old = s
-        .views
-        .get(i)
-        .is_some_and(|v| now.saturating_sub(v.checked_ms) >= s.refresh_ms);
-    if old {
-        refresh_view(s, i, now);
+        let _ = host::resume_request();
     }
 }
 
@@ -297,7 +247,7 @@ impl Root {
     fn rand01(&self) -> f64 {
         self.state
             .as_ref()
-            .and_then(|s| s.try_borrow_mut().ok().map(|mut s| s.rng.random::<f64>()))
+            .and_then(|s| state::lock(s).ok().map(|mut s| s.rng.random::<f64>()))
             .unwrap_or(0.5)
     }
 
@@ -338,7 +288,7 @@ impl Root {
 
     fn inc(&self, name: &str) {
         if let Some(s) = &self.state {
-            if let Ok(mut s) = s.try_borrow_mut() {
+            if let Ok(mut s) = state::lock(s) {
                 s.metrics.inc(name, 1);
             }
         }
@@ -358,7 +308,7 @@ impl Root {
         let Some(state) = self.state.clone() else {
             return;
         };
-        if let Ok(mut s) = state.try_borrow_mut() {
+        if let Ok(mut s) = state::lock(&state) {
             refresh_view(&mut s, i, now);
         };
     }
@@ -368,7 +318,7 @@ impl Root {
         let Some(state) = self.state.clone() else {
             return;
         };
-        let Ok(mut s) = state.try_borrow_mut() else {
+        let Ok(mut s) = state::lock(&state) else {
             return;
         };
         let State {
@@ -381,14 +331,14 @@ impl Root {
         let Some(state) = self.state.clone() else {
             return;
         };
-        let Ok(mut s) = state.try_borrow_mut() else {
+        let Ok(mut s) = state::lock(&state) else {
             return;
         };
         crate::http::finish_deferred(&mut s);
         let State {
             router, metrics, ..
         } = &mut *s;
-        metrics.inc("ailb.state_busy", crate::http::take_busy());
+        metrics.inc("ailb.state_busy", state::take_busy());
         let counters = router.counters().iter();
         self.unsteered += metrics.export_core(&counters);
         metrics.declare_event_counters();
@@ -418,7 +368,7 @@ impl Root {
         let Some(state) = self.state.clone() else {
             return;
         };
-        let Ok(mut s) = state.try_borrow_mut() else {
+        let Ok(mut s) = state::lock(&state) else {
             return;
         };
         let State {
@@ -487,7 +437,7 @@ impl Root {
                 );
                 // Start from what the previous holder published.
                 if let Some(st) = &self.state {
-                    if let Ok(mut st) = st.try_borrow_mut() {
+                    if let Ok(mut st) = state::lock(st) {
                         if let Some(v) = st.views.get_mut(i) {
                             v.seen_version = u64::MAX;
                         }
@@ -527,7 +477,7 @@ impl Root {
             }
         }
         if let Some(state) = self.state.clone() {
-            if let Ok(mut s) = state.try_borrow_mut() {
+            if let Ok(mut s) = state::lock(&state) {
                 let _ = s.router.tick(now);
                 // This VM's own transitions are not counted (the shared breakers' are); take
                 // them so they do not pile up.
@@ -535,7 +485,7 @@ impl Root {
                 lifecycle::carry_signal_trips(&mut host::WasmHost, &mut *s, now);
             }
             held_tick(&state, now);
-            hold::tick(&state, now);
+            big_hold_tick(&state, now);
         }
         if now >= self.next_counters_ms {
             self.next_counters_ms = now + COUNTERS_EVERY_MS;
@@ -546,7 +496,7 @@ impl Root {
             self.gauges(now);
         }
         let held = self.state.as_ref().is_some_and(|st| {
-            st.try_borrow().is_ok_and(|s| {
+            state::read(st).is_ok_and(|s| {
                 s.big_hold.depth() > 0 || s.admission.as_ref().is_some_and(|a| a.held.depth() > 0)
             })
         });
@@ -579,7 +529,7 @@ impl Root {
             return;
         };
         let (applied, encoded) = {
-            let Ok(mut s) = state.try_borrow_mut() else {
+            let Ok(mut s) = state::lock(&state) else {
                 return;
             };
             let applied = s.router.apply_pool_event_bytes(i, &bytes, now);
@@ -597,7 +547,7 @@ impl Root {
         if let Some(bytes) = encoded {
             match shared::publish_state(&p.name, &bytes) {
                 Ok(v) => {
-                    if let Ok(mut s) = state.try_borrow_mut() {
+                    if let Ok(mut s) = state::lock(&state) {
                         if let Some(view) = s.views.get_mut(i) {
                             view.seen_version = v;
                             view.checked_ms = now;
@@ -679,10 +629,10 @@ impl RootContext for Root {
         if let (Some(cfg), Some(state), Some(p)) = (self.guard, &self.state, self.pools.first()) {
             return Some(Box::new(Guard::new(state.clone(), &p.name, cfg)));
         }
-        let route = self.state.as_ref().filter(|s| {
-            s.try_borrow()
-                .is_ok_and(|s| s.router.config().mode == Mode::Route)
-        });
+        let route = self
+            .state
+            .as_ref()
+            .filter(|s| state::read(s).is_ok_and(|s| s.router.config().mode == Mode::Route));
         match route {
             Some(s) => Some(Box::new(Request::new(s.clone(), context_id))),
             None => Some(Box::new(PassThrough)),
@@ -699,7 +649,7 @@ impl RootContext for Root {
 /// important class first.
 fn held_tick(state: &Rc<RefCell<State>>, now: u64) {
     let (expired, released, retry_after) = {
-        let Ok(mut s) = state.try_borrow_mut() else {
+        let Ok(mut s) = state::lock(state) else {
             return;
         };
         let State {
@@ -757,7 +707,7 @@ fn held_tick(state: &Rc<RefCell<State>>, now: u64) {
             continue;
         }
         // The routing header is written on the held request's context, then it resumes.
-        if let Ok(mut s) = state.try_borrow_mut() {
+        if let Ok(mut s) = state::lock(state) {
             let model = h.model.as_deref();
             if let Some(r) = lifecycle::steer(
                 &mut host::WasmHost,
