@@ -27,7 +27,7 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 step "clippy (wasm32-wasip1: filter core and glue)"
 cargo clippy -p ai-lb-filter-core -p ai-lb-filter-wasm --target wasm32-wasip1 --locked -- -D warnings
 
-step "build binaries, the wasm filter and the (experimental) native module"
+step "build binaries, the wasm filter and the native module"
 cargo build --workspace --bins --locked
 cargo build -p ai-lb-filter-wasm --target wasm32-wasip1 --release --locked
 cargo build -p ai-lb-filter-native --locked

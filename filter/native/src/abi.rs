@@ -11,7 +11,7 @@
 //! * C `bool` is Rust `bool`; C `size_t` is `usize`.
 //! * Buffers are (pointer, length) pairs; by value they travel in two integer registers.
 
-#![allow(non_camel_case_types, dead_code, unsafe_code)]
+#![allow(non_camel_case_types, unsafe_code)]
 
 use std::os::raw::{c_char, c_void};
 
@@ -119,8 +119,6 @@ pub fn program_init(built_for: (u32, u32)) -> *const c_char {
 pub type HttpFilterConfigEnvoyPtr = *mut c_void;
 /// The module's own per-config object, returned from `on_http_filter_config_new`.
 pub type HttpFilterConfigModulePtr = *const c_void;
-/// The module's per-route config object, returned from `on_http_filter_per_route_config_new`.
-pub type HttpFilterPerRouteConfigModulePtr = *const c_void;
 /// Envoy's per-stream filter object; first argument of almost every HTTP callback.
 pub type HttpFilterEnvoyPtr = *mut c_void;
 /// The module's per-stream object, returned from `on_http_filter_new`.
@@ -215,9 +213,7 @@ pub struct ModuleHttpHeader {
 pub type HttpHeaderType = u32;
 pub mod header_type {
     pub const REQUEST_HEADER: u32 = 0;
-    pub const REQUEST_TRAILER: u32 = 1;
     pub const RESPONSE_HEADER: u32 = 2;
-    pub const RESPONSE_TRAILER: u32 = 3;
 }
 
 /// Which body a body callback operates on. "Received" = the chunk delivered to the current
@@ -226,8 +222,6 @@ pub type HttpBodyType = u32;
 pub mod body_type {
     pub const RECEIVED_REQUEST_BODY: u32 = 0;
     pub const BUFFERED_REQUEST_BODY: u32 = 1;
-    pub const RECEIVED_RESPONSE_BODY: u32 = 2;
-    pub const BUFFERED_RESPONSE_BODY: u32 = 3;
 }
 
 /// Return value of the request/response *headers* hooks (mirrors Envoy's FilterHeadersStatus).
@@ -235,18 +229,13 @@ pub type HeadersStatus = u32;
 pub mod headers_status {
     pub const CONTINUE: u32 = 0;
     pub const STOP_ITERATION: u32 = 1;
-    pub const CONTINUE_AND_DONT_END_STREAM: u32 = 2;
-    pub const STOP_ALL_ITERATION_AND_BUFFER: u32 = 3;
-    pub const STOP_ALL_ITERATION_AND_WATERMARK: u32 = 4;
 }
 
 /// Return value of the request/response *body* hooks (mirrors FilterDataStatus).
 pub type BodyStatus = u32;
 pub mod body_status {
     pub const CONTINUE: u32 = 0;
-    pub const STOP_ITERATION_AND_BUFFER: u32 = 1;
     pub const STOP_ITERATION_AND_WATERMARK: u32 = 2;
-    pub const STOP_ITERATION_NO_BUFFER: u32 = 3;
 }
 
 /// Return value of the request/response *trailers* hooks (mirrors FilterTrailersStatus).
@@ -256,57 +245,26 @@ pub mod trailers_status {
     pub const STOP_ITERATION: u32 = 1;
 }
 
-/// Return value of the optional local-reply hook.
-pub type LocalReplyStatus = u32;
-pub mod local_reply_status {
-    pub const CONTINUE: u32 = 0;
-    pub const CONTINUE_AND_RESET_STREAM: u32 = 1;
-}
-
 /// Log levels for the log callbacks (0 = most verbose).
 pub type LogLevel = u32;
 pub mod log_level {
-    pub const TRACE: u32 = 0;
     pub const DEBUG: u32 = 1;
     pub const INFO: u32 = 2;
     pub const WARN: u32 = 3;
     pub const ERROR: u32 = 4;
-    pub const CRITICAL: u32 = 5;
-    pub const OFF: u32 = 6;
 }
 
 /// Result of the metrics callbacks.
 pub type MetricsResult = u32;
 pub mod metrics_result {
     pub const SUCCESS: u32 = 0;
-    /// Unknown id (ids are 1-based; 0 is never valid).
-    pub const METRIC_NOT_FOUND: u32 = 1;
-    /// Number of label values differs from the number of label names.
-    pub const INVALID_LABELS: u32 = 2;
-    /// Defining a metric after `on_http_filter_config_new` has returned.
-    pub const FROZEN: u32 = 3;
 }
 
 /// Outcome passed to the callout-done hooks.
 pub type HttpCalloutResult = u32;
-pub mod http_callout_result {
-    pub const SUCCESS: u32 = 0;
-    pub const RESET: u32 = 1;
-    pub const EXCEED_RESPONSE_BUFFER_LIMIT: u32 = 2;
-}
 
 /// Reason passed to the stream-callout reset hooks.
 pub type HttpStreamResetReason = u32;
-pub mod http_stream_reset_reason {
-    pub const CONNECTION_FAILURE: u32 = 0;
-    pub const CONNECTION_TERMINATION: u32 = 1;
-    pub const LOCAL_RESET: u32 = 2;
-    pub const LOCAL_REFUSED_STREAM_RESET: u32 = 3;
-    pub const OVERFLOW: u32 = 4;
-    pub const REMOTE_RESET: u32 = 5;
-    pub const REMOTE_REFUSED_STREAM_RESET: u32 = 6;
-    pub const PROTOCOL_ERROR: u32 = 7;
-}
 
 /// Attribute ids for the `get_attribute_*` callbacks. The enum is append-only; the values
 /// below are positions in the 1.40 list (the binary handles ids up to 70). String attributes
@@ -314,27 +272,10 @@ pub mod http_stream_reset_reason {
 /// asking with the wrong kind returns false.
 pub type AttributeId = u32;
 pub mod attribute_id {
-    pub const REQUEST_PATH: u32 = 0; // string, ":path" including query
-    pub const REQUEST_URL_PATH: u32 = 1; // string, path without query
-    pub const REQUEST_HOST: u32 = 2; // string
-    pub const REQUEST_SCHEME: u32 = 3; // string
-    pub const REQUEST_METHOD: u32 = 4; // string
-    pub const REQUEST_ID: u32 = 9; // string (x-request-id)
-    pub const REQUEST_PROTOCOL: u32 = 10; // string
-    pub const REQUEST_QUERY: u32 = 11; // string
     pub const RESPONSE_CODE: u32 = 15; // int, once response headers exist
     pub const RESPONSE_CODE_DETAILS: u32 = 16; // string
-    pub const SOURCE_ADDRESS: u32 = 24; // string "ip:port"
-    pub const SOURCE_PORT: u32 = 25; // int
-    pub const DESTINATION_ADDRESS: u32 = 26; // string
-    pub const DESTINATION_PORT: u32 = 27; // int
-    pub const CONNECTION_ID: u32 = 28; // int
     pub const UPSTREAM_ADDRESS: u32 = 41; // string "ip:port", once a host was picked
-    pub const UPSTREAM_PORT: u32 = 42; // int
-    pub const UPSTREAM_REQUEST_ATTEMPT_COUNT: u32 = 53; // int
     pub const XDS_CLUSTER_NAME: u32 = 57; // string, needs a matched route
-    pub const XDS_ROUTE_NAME: u32 = 61; // string
-    pub const XDS_VIRTUAL_HOST_NAME: u32 = 63; // string
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -345,7 +286,11 @@ pub mod attribute_id {
 // and return types of the alias. To have rustc check an export against its alias, write e.g.
 //     const _: OnHttpFilterNew = envoy_dynamic_module_on_http_filter_new;
 // (a safe `extern "C" fn` item coerces to the `unsafe extern "C" fn` pointer type).
-// Never let a panic unwind out of these functions.
+// Never let a panic unwind out of these functions. Only the hooks Envoy 1.40 requires (it
+// rejects a module missing one) are declared here, each checked against its export in lib.rs;
+// the optional ones (local reply, config-level callouts and scheduler, per-route config) are
+// not implemented, and Envoy skips them when absent. Likewise only the callbacks and enum
+// values this module uses are bound.
 
 /// `envoy_dynamic_module_on_program_init`: called once right after dlopen. Return
 /// `ABI_VERSION.as_ptr()`; returning null makes the load fail.
@@ -490,129 +435,7 @@ pub type OnHttpFilterDownstreamBelowWriteBufferLowWatermark =
 
 // ----- optional hooks (a missing symbol just disables the feature) -----
 
-/// `envoy_dynamic_module_on_http_filter_local_reply`: a local reply is about to be sent.
-pub type OnHttpFilterLocalReply = unsafe extern "C" fn(
-    filter_envoy: HttpFilterEnvoyPtr,
-    filter_module: HttpFilterModulePtr,
-    response_code: u32,
-    details: EnvoyBuffer,
-    reset_imminent: bool,
-) -> LocalReplyStatus;
-
-/// `envoy_dynamic_module_on_http_filter_config_scheduled` (main thread)
-pub type OnHttpFilterConfigScheduled = unsafe extern "C" fn(
-    config_envoy: HttpFilterConfigEnvoyPtr,
-    config_module: HttpFilterConfigModulePtr,
-    event_id: u64,
-);
-
-/// `envoy_dynamic_module_on_http_filter_config_http_callout_done`
-pub type OnHttpFilterConfigHttpCalloutDone = unsafe extern "C" fn(
-    config_envoy: HttpFilterConfigEnvoyPtr,
-    config_module: HttpFilterConfigModulePtr,
-    callout_id: u64,
-    result: HttpCalloutResult,
-    headers: *const EnvoyHttpHeader,
-    headers_size: usize,
-    body_chunks: *const EnvoyBuffer,
-    body_chunks_size: usize,
-);
-
-/// `envoy_dynamic_module_on_http_filter_config_http_stream_headers`
-pub type OnHttpFilterConfigHttpStreamHeaders = unsafe extern "C" fn(
-    config_envoy: HttpFilterConfigEnvoyPtr,
-    config_module: HttpFilterConfigModulePtr,
-    stream_id: u64,
-    headers: *const EnvoyHttpHeader,
-    headers_size: usize,
-    end_stream: bool,
-);
-
-/// `envoy_dynamic_module_on_http_filter_config_http_stream_data`
-pub type OnHttpFilterConfigHttpStreamData = unsafe extern "C" fn(
-    config_envoy: HttpFilterConfigEnvoyPtr,
-    config_module: HttpFilterConfigModulePtr,
-    stream_id: u64,
-    data: *const EnvoyBuffer,
-    data_count: usize,
-    end_stream: bool,
-);
-
-/// `envoy_dynamic_module_on_http_filter_config_http_stream_trailers`
-pub type OnHttpFilterConfigHttpStreamTrailers = unsafe extern "C" fn(
-    config_envoy: HttpFilterConfigEnvoyPtr,
-    config_module: HttpFilterConfigModulePtr,
-    stream_id: u64,
-    trailers: *const EnvoyHttpHeader,
-    trailers_size: usize,
-);
-
-/// `envoy_dynamic_module_on_http_filter_config_http_stream_complete`
-pub type OnHttpFilterConfigHttpStreamComplete = unsafe extern "C" fn(
-    config_envoy: HttpFilterConfigEnvoyPtr,
-    config_module: HttpFilterConfigModulePtr,
-    stream_id: u64,
-);
-
-/// `envoy_dynamic_module_on_http_filter_config_http_stream_reset`
-pub type OnHttpFilterConfigHttpStreamReset = unsafe extern "C" fn(
-    config_envoy: HttpFilterConfigEnvoyPtr,
-    config_module: HttpFilterConfigModulePtr,
-    stream_id: u64,
-    reason: HttpStreamResetReason,
-);
-
 // ----- per-route hooks (looked up only when a DynamicModuleFilterPerRoute config is used) -----
-
-/// `envoy_dynamic_module_on_http_filter_per_route_config_new`
-pub type OnHttpFilterPerRouteConfigNew = unsafe extern "C" fn(
-    name: EnvoyBuffer,
-    config: EnvoyBuffer,
-) -> HttpFilterPerRouteConfigModulePtr;
-
-/// `envoy_dynamic_module_on_http_filter_per_route_config_destroy`
-pub type OnHttpFilterPerRouteConfigDestroy =
-    unsafe extern "C" fn(per_route_config: HttpFilterPerRouteConfigModulePtr);
-
-/// Symbols whose absence makes Envoy 1.40 reject the module (besides `on_program_init`, which
-/// is needed to load it at all).
-pub const REQUIRED_HTTP_HOOKS: &[&str] = &[
-    "envoy_dynamic_module_on_http_filter_config_new",
-    "envoy_dynamic_module_on_http_filter_config_destroy",
-    "envoy_dynamic_module_on_http_filter_new",
-    "envoy_dynamic_module_on_http_filter_request_headers",
-    "envoy_dynamic_module_on_http_filter_request_body",
-    "envoy_dynamic_module_on_http_filter_request_trailers",
-    "envoy_dynamic_module_on_http_filter_response_headers",
-    "envoy_dynamic_module_on_http_filter_response_body",
-    "envoy_dynamic_module_on_http_filter_response_trailers",
-    "envoy_dynamic_module_on_http_filter_stream_complete",
-    "envoy_dynamic_module_on_http_filter_destroy",
-    "envoy_dynamic_module_on_http_filter_http_callout_done",
-    "envoy_dynamic_module_on_http_filter_http_stream_headers",
-    "envoy_dynamic_module_on_http_filter_http_stream_data",
-    "envoy_dynamic_module_on_http_filter_http_stream_trailers",
-    "envoy_dynamic_module_on_http_filter_http_stream_complete",
-    "envoy_dynamic_module_on_http_filter_http_stream_reset",
-    "envoy_dynamic_module_on_http_filter_scheduled",
-    "envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_watermark",
-    "envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark",
-];
-
-/// Symbols Envoy 1.40 uses when present and silently skips when absent.
-pub const OPTIONAL_HTTP_HOOKS: &[&str] = &[
-    "envoy_dynamic_module_on_http_filter_local_reply",
-    "envoy_dynamic_module_on_http_filter_config_scheduled",
-    "envoy_dynamic_module_on_http_filter_config_http_callout_done",
-    "envoy_dynamic_module_on_http_filter_config_http_stream_headers",
-    "envoy_dynamic_module_on_http_filter_config_http_stream_data",
-    "envoy_dynamic_module_on_http_filter_config_http_stream_trailers",
-    "envoy_dynamic_module_on_http_filter_config_http_stream_complete",
-    "envoy_dynamic_module_on_http_filter_config_http_stream_reset",
-    // Required only when DynamicModuleFilterPerRoute is configured:
-    "envoy_dynamic_module_on_http_filter_per_route_config_new",
-    "envoy_dynamic_module_on_http_filter_per_route_config_destroy",
-];
 
 // ---------------------------------------------------------------------------------------------
 // Callbacks Envoy exports (resolved from the envoy executable when the module is dlopen'ed)
@@ -624,21 +447,6 @@ unsafe extern "C" {
 
     /// Log `message` at `level` (`log_level::*`). Still exported, superseded by `_v2`.
     pub fn envoy_dynamic_module_callback_log(level: LogLevel, message: ModuleBuffer);
-
-    /// Like `envoy_dynamic_module_callback_log` but also reports the caller's source location
-    /// (`source_file` may be empty, `source_line` may be 0).
-    pub fn envoy_dynamic_module_callback_log_v2(
-        level: LogLevel,
-        message: ModuleBuffer,
-        source_file: ModuleBuffer,
-        source_line: u32,
-    );
-
-    /// True when a message at `level` would be emitted (cheap; use to skip formatting).
-    pub fn envoy_dynamic_module_callback_log_enabled(level: LogLevel) -> bool;
-
-    /// Current level of the `dynamic_modules` logger (`log_level::*`).
-    pub fn envoy_dynamic_module_callback_get_log_level() -> LogLevel;
 
     // ----- headers / trailers (`header_type::*` selects the map) -----
 
@@ -654,39 +462,9 @@ unsafe extern "C" {
         optional_size: *mut usize,
     ) -> bool;
 
-    /// Write every value of `key` into the array at `result` (size it with the count from
-    /// `..._http_get_header`).
-    pub fn envoy_dynamic_module_callback_http_get_header_values(
-        filter_envoy: HttpFilterEnvoyPtr,
-        header_type: HttpHeaderType,
-        key: ModuleBuffer,
-        result: *mut EnvoyBuffer,
-    ) -> bool;
-
-    /// Number of entries in the selected header map (0 if the map does not exist yet).
-    pub fn envoy_dynamic_module_callback_http_get_headers_size(
-        filter_envoy: HttpFilterEnvoyPtr,
-        header_type: HttpHeaderType,
-    ) -> usize;
-
-    /// Copy all (key, value) pairs of the map into `result` (array of `..._get_headers_size`).
-    pub fn envoy_dynamic_module_callback_http_get_headers(
-        filter_envoy: HttpFilterEnvoyPtr,
-        header_type: HttpHeaderType,
-        result: *mut EnvoyHttpHeader,
-    ) -> bool;
-
     /// Replace all values of `key` with `value`. Passing a null/empty `value`
     /// (`ModuleBuffer::null()`) REMOVES the header: there is no separate remove callback.
     pub fn envoy_dynamic_module_callback_http_set_header(
-        filter_envoy: HttpFilterEnvoyPtr,
-        header_type: HttpHeaderType,
-        key: ModuleBuffer,
-        value: ModuleBuffer,
-    ) -> bool;
-
-    /// Append one more value for `key`, keeping existing ones.
-    pub fn envoy_dynamic_module_callback_http_add_header(
         filter_envoy: HttpFilterEnvoyPtr,
         header_type: HttpHeaderType,
         key: ModuleBuffer,
@@ -732,16 +510,6 @@ unsafe extern "C" {
 
     // ----- flow control / local reply -----
 
-    /// Resume the request path after a hook returned a Stop* status.
-    pub fn envoy_dynamic_module_callback_http_filter_continue_decoding(
-        filter_envoy: HttpFilterEnvoyPtr,
-    );
-
-    /// Resume the response path after a hook returned a Stop* status.
-    pub fn envoy_dynamic_module_callback_http_filter_continue_encoding(
-        filter_envoy: HttpFilterEnvoyPtr,
-    );
-
     /// Send a local reply. `headers` may be null when `headers_size` is 0; `details` (the
     /// response-code-details string) may be null.
     pub fn envoy_dynamic_module_callback_http_send_response(
@@ -762,11 +530,6 @@ unsafe extern "C" {
         host: ModuleBuffer,
         strict: bool,
     ) -> bool;
-
-    /// The module's per-route config object for the matched route, or null.
-    pub fn envoy_dynamic_module_callback_get_most_specific_route_config(
-        filter_envoy: HttpFilterEnvoyPtr,
-    ) -> HttpFilterPerRouteConfigModulePtr;
 
     // ----- counters -----
 
@@ -813,14 +576,6 @@ unsafe extern "C" {
         value: u64,
     ) -> MetricsResult;
 
-    /// Same as above, from a config context (no stream needed).
-    pub fn envoy_dynamic_module_callback_http_filter_config_increment_counter(
-        config_envoy: HttpFilterConfigEnvoyPtr,
-        counter_id: usize,
-        label_values: *const ModuleBuffer,
-        label_values_len: usize,
-        value: u64,
-    ) -> MetricsResult;
 }
 
 #[cfg(test)]

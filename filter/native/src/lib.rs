@@ -1,8 +1,9 @@
 //! ai-lb as an Envoy 1.40 dynamic module (`envoy.filters.http.dynamic_modules`): the same core
-//! as the wasm filter, run in-process with no V8 entry per callback. EXPERIMENTAL: it routes
-//! (pool by cluster, model by header or body, pick, override_host header, breakers shared by
-//! the workers, debug header, status page) and exists to measure what leaving V8 saves; see
-//! filter/native/README.md for what it lacks against the wasm filter.
+//! as the wasm filter, run in-process with no V8 entry per callback: the data path for
+//! operators who want the lowest overhead. It drives the core's request lifecycle like the
+//! wasm filter (pool by cluster, model by header or body, pick, override_host header, breakers
+//! shared by the workers, debug header, status page); filter/native/README.md says what it
+//! does not do yet (admission, the big-request hold, guard mode).
 //!
 //! Layout: [`abi`] declares Envoy's C ABI, [`host`] wraps the callbacks safely, [`config`]
 //! validates, [`feed`] subscribes to the agents on a thread of its own, [`breakers`] shares

@@ -103,7 +103,7 @@ pub fn wasm_path() -> Result<PathBuf, Error> {
     )
 }
 
-/// The native module (experimental, filter/native): `$AI_LB_NATIVE`, else
+/// The native module (filter/native): `$AI_LB_NATIVE`, else
 /// `<target>/{release,debug}/libai_lb_filter_native.so`.
 pub fn native_module_path() -> Result<PathBuf, Error> {
     built(
@@ -116,7 +116,7 @@ pub fn native_module_path() -> Result<PathBuf, Error> {
     )
 }
 
-/// The template `envoy-config/envoy-native.yaml` (the experimental native module).
+/// The template `envoy-config/envoy-native.yaml` (the native module).
 pub fn native_template() -> Result<String, Error> {
     let p = workspace_root().join("envoy-config/envoy-native.yaml");
     std::fs::read_to_string(&p).map_err(|e| format!("reading {}: {e}", p.display()))

@@ -1,4 +1,4 @@
-//! Decides whether the experimental native module (filter/native, an Envoy dynamic module)
+//! Decides whether the native module (filter/native, an Envoy dynamic module)
 //! routes like the wasm filter in a real Envoy: it reads the agents' metrics over its own gRPC
 //! stream, keeps a pod above the GPU hard limit out of 300 requests whose model it reads from
 //! the JSON body, does not steer a model no pod serves, serves the status page, falls back to
