@@ -261,6 +261,40 @@ impl FailureWindow {
 pub const BREAKER_ENCODED_LEN: usize = 32;
 const ENCODING_VERSION: u8 = 1;
 
+/// One write of a breaker that every worker shares, the same algorithm for every store (the
+/// wasm filter's shared data with CAS, the native module's process memory): the stored breaker,
+/// or a fresh one with this worker's `jitter` where none is stored, is polled (time-driven
+/// transitions) and then `update`d. The store writes it, and bumps its pool's epoch so the
+/// other workers copy it, only when it `changed`: a success on a closed breaker writes nothing.
+pub fn update_shared(
+    stored: Option<Breaker>,
+    jitter: u8,
+    now_ms: u64,
+    cfg: &BreakerConfig,
+    update: impl FnOnce(&mut Breaker) -> Option<Transition>,
+) -> SharedUpdate {
+    let before = stored.unwrap_or_else(|| Breaker::with_jitter(jitter));
+    let mut breaker = before;
+    let mut transitions = Vec::new();
+    transitions.extend(breaker.poll(now_ms, cfg));
+    transitions.extend(update(&mut breaker));
+    SharedUpdate {
+        breaker,
+        transitions,
+        changed: breaker != before,
+    }
+}
+
+/// What [`update_shared`] left.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedUpdate {
+    pub breaker: Breaker,
+    /// Transitions on the shared breaker (each counted once for the process).
+    pub transitions: Vec<Transition>,
+    /// The store must write it (and bump the pool's epoch).
+    pub changed: bool,
+}
+
 /// One circuit breaker. `Default` is Closed with no history.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Breaker {
@@ -595,6 +629,31 @@ mod tests {
             ttft_slo_ms: Some(500),
             ..BreakerConfig::default()
         }
+    }
+
+    #[test]
+    fn a_shared_write_is_needed_only_when_the_breaker_changed() {
+        let c = cfg();
+        // A success on a pod never written: nothing to store.
+        let w = update_shared(None, 7, 10, &c, |b| b.record(None, 10, &c));
+        assert!(!w.changed && w.transitions.is_empty());
+        // Failures change it (counted), the third opens it.
+        let mut stored = None;
+        for t in 0..3 {
+            let w = update_shared(stored, 7, 10 + t, &c, |b| {
+                b.record(Some(TripReason::ServerErrors), 10 + t, &c)
+            });
+            assert!(w.changed);
+            stored = Some(w.breaker);
+        }
+        assert_eq!(stored.map(|b| b.state()), Some(BreakerState::Open));
+        // After the cooldown the poll half-opens it, whatever the update does.
+        let w = update_shared(stored, 7, 60_000, &c, |_| None);
+        assert!(w.changed);
+        assert_eq!(
+            w.transitions.first().map(|t| t.to),
+            Some(BreakerState::HalfOpen)
+        );
     }
 
     #[test]

@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use ai_lb_filter_core::breaker::{Breaker, Transition};
+use ai_lb_filter_core::breaker::{update_shared, Breaker, Transition};
 use ai_lb_filter_core::picker::Router;
 
 /// One pool's shared breakers.
@@ -91,25 +91,18 @@ impl SharedBreakers {
         let p = self.pools.get(pool)?;
         let mut map = p.by_pod.lock().ok()?;
         let stored = map.get(pod).copied();
-        let before = stored.unwrap_or_else(|| Breaker::with_jitter(jitter));
-        let mut b = before;
-        let mut transitions = Vec::new();
-        if let Some(t) = b.poll(now_ms, &cfg) {
-            transitions.push(t);
-        }
-        if let Some(t) = update(&mut b) {
-            transitions.push(t);
-        }
+        let w = update_shared(stored, jitter, now_ms, &cfg, update);
         // Unchanged (most often a success on a closed breaker, or on a pod never written):
         // nothing is stored and no worker copies.
-        if b != before {
+        if w.changed {
             if stored.is_none() && map.len() >= router.pod_addresses(pool).count() {
                 let live: std::collections::HashSet<&str> = router.pod_addresses(pool).collect();
                 map.retain(|k, _| live.contains(k.as_str()));
             }
-            map.insert(pod.to_string(), b);
+            map.insert(pod.to_string(), w.breaker);
             p.epoch.fetch_add(1, Ordering::AcqRel);
         }
+        let (b, transitions) = (w.breaker, w.transitions);
         drop(map);
         router.set_breaker(pool, pod, None, b);
         Some(Written {

@@ -10,7 +10,7 @@ use std::hash::{BuildHasher, Hasher};
 
 use proxy_wasm::types::Status;
 
-use ai_lb_filter_core::breaker::{Breaker, Transition};
+use ai_lb_filter_core::breaker::{update_shared, Breaker, Transition};
 use ai_lb_filter_core::config::BreakerConfig;
 
 use crate::host;
@@ -115,27 +115,19 @@ pub fn update_breaker(
     let key = breaker_key(pool, pod);
     for _ in 0..CAS_RETRIES {
         let (bytes, cas) = host::shared_get(&key);
-        let mut b = bytes
-            .as_deref()
-            .and_then(Breaker::decode)
-            .unwrap_or_else(|| Breaker::with_jitter(jitter));
-        let mut transitions = Vec::new();
-        if let Some(t) = b.poll(now_ms, cfg) {
-            transitions.push(t);
-        }
-        if let Some(t) = update(&mut b) {
-            transitions.push(t);
-        }
-        let encoded = b.encode();
+        let stored = bytes.as_deref().and_then(Breaker::decode);
+        let w = update_shared(stored, jitter, now_ms, cfg, &mut update);
+        let (b, transitions) = (w.breaker, w.transitions);
         // Unchanged (the common case: a success on a closed breaker): skip the write, which
         // would take the shared-data lock and copy for nothing.
-        if bytes.as_deref() == Some(encoded.as_slice()) {
+        if !w.changed {
             return Some(BreakerWrite {
                 breaker: b,
                 transitions,
                 epoch: None,
             });
         }
+        let encoded = b.encode();
         match host::shared_set(&key, &encoded, cas) {
             Ok(()) => {
                 return Some(BreakerWrite {
