@@ -95,6 +95,7 @@ fn expected_api_version(kind: &str) -> Option<&'static str> {
         "DestinationRule" | "VirtualService" => "networking.istio.io/v1",
         "EnvoyFilter" => "networking.istio.io/v1alpha3",
         "WasmPlugin" => "extensions.istio.io/v1alpha1",
+        "PeerAuthentication" => "security.istio.io/v1",
         "Kustomization" => "kustomize.config.k8s.io/v1beta1",
         _ => return None,
     })
@@ -141,6 +142,7 @@ fn each_object_has_its_kinds_api_version_and_required_fields() {
             "EnvoyFilter" => check_envoy_filter(obj),
             "WasmPlugin" => check_wasm_plugin(obj),
             "ConfigMap" => check_config_map(obj),
+            "PeerAuthentication" => check_peer_authentication(obj),
             _ => {}
         }
     }
@@ -152,6 +154,7 @@ fn each_object_has_its_kinds_api_version_and_required_fields() {
         "VirtualService",
         "EnvoyFilter",
         "WasmPlugin",
+        "PeerAuthentication",
         "Kustomization",
     ] {
         assert!(kinds.contains(k), "istio/ has no {k}");
@@ -235,6 +238,53 @@ fn check_deployment(d: &Value) {
                     "container {name}: {probe} uses undeclared port {port}"
                 );
             }
+        }
+    }
+}
+
+/// The agent's ports are STRICT mTLS on the pods that run the agent: the selector matches the
+/// inference Deployment's pod labels and every port the agent container exposes is listed.
+fn check_peer_authentication(pa: &Value) {
+    let selector = at(pa, "spec.selector.matchLabels")
+        .as_mapping()
+        .unwrap_or_else(|| panic!("{}: no selector (port-level mTLS needs one)", describe(pa)));
+    let agent_pods: Vec<Value> = istio_kind("Deployment")
+        .into_iter()
+        .filter(|d| {
+            seq(d, "spec.template.spec.containers")
+                .iter()
+                .any(|c| c["name"].as_str() == Some("ai-lb-agent"))
+        })
+        .collect();
+    assert!(!agent_pods.is_empty(), "no Deployment runs the ai-lb-agent");
+    for d in &agent_pods {
+        let labels = &d["spec"]["template"]["metadata"]["labels"];
+        for (k, v) in selector {
+            assert_eq!(
+                labels.get(k),
+                Some(v),
+                "{}: selector {k:?} does not select {}",
+                describe(pa),
+                describe(d)
+            );
+        }
+        let agent = seq(d, "spec.template.spec.containers")
+            .iter()
+            .find(|c| c["name"].as_str() == Some("ai-lb-agent"))
+            .cloned()
+            .unwrap_or(Value::Null);
+        for port in seq(&agent, "ports") {
+            let n = port["containerPort"].as_u64().unwrap_or(0);
+            let mode = pa["spec"]["portLevelMtls"]
+                .get(Value::Number(n.into()))
+                .and_then(|m| m["mode"].as_str());
+            assert_eq!(
+                mode,
+                Some("STRICT"),
+                "{}: the agent's port {n} ({}) is not STRICT mTLS",
+                describe(pa),
+                port["name"].as_str().unwrap_or("?")
+            );
         }
     }
 }
