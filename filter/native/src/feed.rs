@@ -60,17 +60,44 @@ impl Slot {
 #[derive(Debug, Default)]
 pub struct Shared {
     pub pools: Vec<Slot>,
-    /// Streams that ended or failed (each followed by a reconnect).
-    pub stream_errors: AtomicU64,
-    /// How many of them are already in Envoy's stats.
-    pub stream_errors_counted: AtomicU64,
+    /// `WatchPool` streams opened (`ailb.stream.opens`), that could not be opened (the agent
+    /// unreachable or refusing: `ailb.stream.failures`), and that ended or fell silent after
+    /// opening (`ailb.stream.closes`); each failure or close is followed by a reconnect. The
+    /// wasm filter's names; its streams go through an Envoy cluster, so an unreachable agent
+    /// shows there as a close rather than a failure to open.
+    pub stream_opens: Tally,
+    pub stream_failures: Tally,
+    pub stream_closes: Tally,
     /// Events that did not decode or apply.
     pub decode_errors: AtomicU64,
     /// Hooks that found their worker's routing state in use (a re-entered hook) and left
     /// the request to Envoy's balancing (`ailb.state_busy`).
-    pub busy: AtomicU64,
-    /// How many of them are already in Envoy's stats.
-    pub busy_counted: AtomicU64,
+    pub busy: Tally,
+}
+
+/// A count the feed thread or any worker adds to, and the part of it already added to Envoy's
+/// counter (by whichever worker exported last).
+#[derive(Debug, Default)]
+pub struct Tally {
+    total: AtomicU64,
+    exported: AtomicU64,
+}
+
+impl Tally {
+    pub fn add(&self, n: u64) {
+        self.total.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// What was added since the last call (by any thread), now counted as exported. Two plain
+    /// loads when nothing was added.
+    pub fn take_new(&self) -> u64 {
+        let total = self.total.load(Ordering::Relaxed);
+        if total <= self.exported.load(Ordering::Relaxed) {
+            return 0;
+        }
+        let before = self.exported.fetch_max(total, Ordering::Relaxed);
+        total.saturating_sub(before)
+    }
 }
 
 /// The running feed; dropping it stops the thread (within one reconnect or heartbeat wait).
@@ -181,14 +208,19 @@ async fn watch(
             w.min_interval_ms,
             w.heartbeat_ms,
         );
-        let got_events = tokio::select! {
+        let ended = tokio::select! {
             r = run => r,
             _ = stop.changed() => return,
         };
-        shared.stream_errors.fetch_add(1, Ordering::Relaxed);
         let now = now_ms();
-        if got_events {
-            sub.message(token, now);
+        match ended {
+            Ended::NotOpened => shared.stream_failures.add(1),
+            Ended::Closed { events } => {
+                shared.stream_closes.add(1);
+                if events {
+                    sub.message(token, now);
+                }
+            }
         }
         sub.closed(token, now, rng.random::<f64>());
         host::log(
@@ -201,7 +233,15 @@ async fn watch(
     }
 }
 
-/// One stream's life; returns whether any event arrived.
+/// How one stream ended.
+enum Ended {
+    /// It could not be opened (no connection, or the agent refused the call).
+    NotOpened,
+    /// It was open and ended or fell silent; `events`: it delivered some.
+    Closed { events: bool },
+}
+
+/// One stream's life.
 async fn stream_once(
     i: usize,
     router: &mut Router,
@@ -210,23 +250,24 @@ async fn stream_once(
     idle: Duration,
     min_interval_ms: u32,
     heartbeat_ms: u32,
-) -> bool {
+) -> Ended {
     let Ok(mut client) = MetricsServiceClient::connect(format!("http://{addr}")).await else {
-        return false;
+        return Ended::NotOpened;
     };
     let req = WatchPoolRequest {
         min_interval_ms,
         heartbeat_ms,
     };
     let Ok(resp) = client.watch_pool(req).await else {
-        return false;
+        return Ended::NotOpened;
     };
+    shared.stream_opens.add(1);
     let mut s = resp.into_inner();
     let mut any = false;
     loop {
         let ev = match tokio::time::timeout(idle, s.message()).await {
             Ok(Ok(Some(ev))) => ev,
-            _ => return any,
+            _ => return Ended::Closed { events: any },
         };
         any = true;
         let now = now_ms();

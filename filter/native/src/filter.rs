@@ -33,7 +33,9 @@ use crate::host::{self, ConfigHandle, LabeledCounter, LabeledGauge, Level, Map, 
 pub struct Counters {
     /// The core's counters, in [`CoreCounters::iter`] order (`ailb.<name>`).
     core: [usize; CORE_COUNTERS],
-    stream_errors: usize,
+    stream_opens: usize,
+    stream_failures: usize,
+    stream_closes: usize,
     state_busy: usize,
     /// Per [`TripReason`], in [`TripReason::ALL`] order (`ailb.breaker_opened.<reason>`).
     breaker_opened: [usize; TripReason::ALL.len()],
@@ -86,7 +88,9 @@ impl ConfigRt {
         let core_names = CoreCounters::default().iter().map(|(name, _)| name);
         let counters = Counters {
             core: core_names.map(|n| handle.define_counter(&format!("ailb.{n}"))),
-            stream_errors: handle.define_counter("ailb.stream.failures"),
+            stream_opens: handle.define_counter("ailb.stream.opens"),
+            stream_failures: handle.define_counter("ailb.stream.failures"),
+            stream_closes: handle.define_counter("ailb.stream.closes"),
             state_busy: handle.define_counter("ailb.state_busy"),
             breaker_opened: TripReason::ALL
                 .map(|r| handle.define_counter(&format!("ailb.breaker_opened.{}", r.as_str()))),
@@ -291,11 +295,18 @@ impl Worker {
                 .unwrap_or(0);
             s.inc(id, 1);
         }
-        let busy = rt.shared.busy.load(Ordering::Relaxed);
-        let counted = &rt.shared.busy_counted;
-        if busy > counted.load(Ordering::Relaxed) {
-            let before = counted.fetch_max(busy, Ordering::Relaxed);
-            s.inc(c.state_busy, busy.saturating_sub(before));
+        // What the feed thread and the other workers counted since any worker last exported.
+        let sh = &rt.shared;
+        for (tally, id) in [
+            (&sh.busy, c.state_busy),
+            (&sh.stream_opens, c.stream_opens),
+            (&sh.stream_failures, c.stream_failures),
+            (&sh.stream_closes, c.stream_closes),
+        ] {
+            let n = tally.take_new();
+            if n > 0 {
+                s.inc(id, n);
+            }
         }
         let now = now_ms();
         if now < self.flush_due_ms || self.stats.pending.is_empty() {
@@ -514,7 +525,7 @@ impl Request {
         });
         if out.is_none() {
             // This thread's workers are in use (a hook re-entered): counted, never silent.
-            rt.shared.busy.fetch_add(1, Ordering::Relaxed);
+            rt.shared.busy.add(1);
         }
         out
     }
@@ -592,15 +603,6 @@ impl Request {
 
     /// The request is over: close the pick and tell the breakers how it went.
     pub fn on_stream_complete(&mut self, s: &Stream) {
-        let Some(rt) = self.rt() else { return };
-        // The feed's stream errors since they were last counted (by any worker). Two plain
-        // loads on the common path; the shared write only when there is something to count.
-        let errors = rt.shared.stream_errors.load(Ordering::Relaxed);
-        let counted = &rt.shared.stream_errors_counted;
-        if errors > counted.load(Ordering::Relaxed) {
-            let before = counted.fetch_max(errors, Ordering::Relaxed);
-            s.inc(rt.counters.stream_errors, errors.saturating_sub(before));
-        }
         self.event(s, |ex, h, w| ex.on_end(h, w, &mut NoGate));
     }
 }
