@@ -5,8 +5,11 @@
 #   scripts/bench.sh sharegpt-bursty-80 hol-poisson-80 fault-slowdown overhead
 #   scripts/bench.sh prefix-poisson-80 multiturn-poisson-80   # prefix-cache workloads
 #                                          # (docs/benchmark-workloads.md)
+#   scripts/bench.sh overhead-stream overhead-epp overhead-rps   # the three overhead figures
+#                                          # (bench-results/overhead/figures.md, figures.png)
 #   scripts/bench.sh --smoke               # short run that only proves the suite works (CI);
 #                                          # includes one shared-prefix and one multi-turn run
+#                                          # and a short run of each overhead figure
 # Any other flag goes to ai-lb-bench (see `ai-lb-bench --help`). Builds release binaries and
 # the wasm filter first, installs matplotlib into .venv for the plots, writes bench-results/
 # (work files: /tmp/ai-lb-bench). Set BENCH_NO_BUILD=1 to skip the builds.
@@ -44,8 +47,8 @@ if [ "${BENCH_NO_BUILD:-0}" != "1" ]; then
   cargo build --release --locked -p ai-lb-loadgen --example sink   # the overhead run's fast upstream
   cargo build -p ai-lb-filter-wasm --target wasm32-wasip1 --release --locked
   case " ${args[*]} " in
-    *" --overhead-filter "*native*|*" --overhead-filter="*native*)
-      cargo build --release --locked -p ai-lb-filter-native ;;   # the experimental native module
+    *" --overhead-filter "*native*|*" --overhead-filter="*native*|*" --smoke "*|*" overhead-stream "*|*" overhead-epp "*|*" overhead-rps "*)
+      cargo build --release --locked -p ai-lb-filter-native ;;   # the native module (the overhead figures run it)
   esac
   case " ${args[*]} " in
     *" --smoke "*|*" --overhead-filter "*empty-wasm*|*" --overhead-filter="*empty-wasm*)

@@ -2,7 +2,8 @@
 floor, for fault runs the faulty pod's share of requests over time, for the prefix-cache
 workloads (shared-prefix, multi-turn) each policy's TTFT distribution against the floor (first
 and later turns apart for multi-turn) and its prefix-cache hit rate, and for the freshness
-sweep p99 TTFT and change-to-routing latency against the agents' sample interval. Reads the
+sweep p99 TTFT and change-to-routing latency against the agents' sample interval, and the three
+overhead figures (overhead/figures.png, from overhead/{stream,epp,rps}/summary.json). Reads the
 merged per-request records the benchmark leaves in its work dir (<work>/<scenario>/<policy>.jsonl,
 <work>/<scenario>/floor.jsonl) and the summaries in <out>.
 Usage: plot.py WORK_DIR OUT_DIR"""
@@ -219,5 +220,82 @@ def main(work, out):
         print(f"plots written for {scen}")
 
 
+def overhead_figures(out):
+    """The three overhead figures (overhead-stream, -epp, -rps) in one picture,
+    <out>/overhead/figures.png, from their summaries: each build's per-round CPU efficiency on
+    streamed answers against its goal and floor; the latency each side adds over plain Envoy and
+    its CPU per request (the picker's stacked on epp's Envoy); each build's per-round req/s
+    against plain's on the trivial upstream."""
+    base = os.path.join(out, "overhead")
+    summ = {}
+    for name in ("stream", "epp", "rps"):
+        f = os.path.join(base, name, "summary.json")
+        if os.path.isfile(f):
+            summ[name] = json.load(open(f))
+    if not summ:
+        return
+    fig, axes = plt.subplots(1, 4, figsize=(22, 4.5))
+
+    def per_round(ax, builds, get, goals, title, ylabel):
+        for i, b in enumerate(builds):
+            sp = get(b)
+            if not sp:
+                continue
+            vals = [v for v in sp["values"] if v is not None]
+            ax.scatter([i] * len(vals), vals, alpha=0.6)
+            ax.hlines(sp["median"], i - 0.3, i + 0.3, color="k")
+            for g, style in zip(goals.get(b, ()), ("--", ":")):
+                ax.hlines(g, i - 0.4, i + 0.4, color="g" if style == "--" else "r", linestyle=style)
+        ax.set_xticks(range(len(builds)))
+        ax.set_xticklabels(builds)
+        ax.set_title(title, fontsize="medium")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, axis="y", alpha=0.3)
+
+    s = summ.get("stream")
+    if s:
+        builds = [b for b in s["sides"] if b != "least_request"]
+        per_round(axes[0], builds, lambda b: s["efficiency"][b]["per_round"],
+                  {"ai_lb_native": (0.97, 0.95), "ai_lb": (0.9, 0.85)},
+                  f"1. streamed answers at {s['rate_rps']:.0f} req/s:\nCPU efficiency plain / build per round\n(line: median; green goal, red floor)",
+                  "plain CPU per request / build's")
+    e = summ.get("epp")
+    if e:
+        sides = [x for x in e["sides"] if x != "least_request"]
+        measures = ["ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99"]
+        w = 0.8 / len(sides)
+        for j, side in enumerate(sides):
+            vals = [(e["added_us"][side][m] or {}).get("median") or 0.0 for m in measures]
+            axes[1].bar([i + j * w for i in range(len(measures))], vals, w, label=side)
+        axes[1].set_xticks([i + 0.4 - w / 2 for i in range(len(measures))])
+        axes[1].set_xticklabels(measures)
+        axes[1].set_yscale("symlog", linthresh=100)
+        axes[1].set_ylabel("added over plain Envoy, µs (median of rounds)")
+        axes[1].set_title(f"2. against the endpoint picker at {e['rate_rps']:.0f} req/s:\nadded latency", fontsize="medium")
+        axes[1].legend(fontsize="small")
+        axes[1].grid(True, axis="y", alpha=0.3)
+        names = e["sides"]
+        envoy = [e["envoy_cpu_us_per_request_median"].get(x) or 0.0 for x in names]
+        picker = [e["picker_cpu_us_per_request_median"].get(x) or 0.0 for x in names]
+        axes[2].bar(names, envoy, label="Envoy")
+        axes[2].bar(names, picker, bottom=envoy, label="picker process")
+        axes[2].set_ylabel("CPU per answered request, µs (median of rounds)")
+        axes[2].set_title("2. CPU per request, picker counted", fontsize="medium")
+        axes[2].legend(fontsize="small")
+        axes[2].grid(True, axis="y", alpha=0.3)
+    r = summ.get("rps")
+    if r:
+        builds = [b for b in r["sides"] if b != "least_request"]
+        per_round(axes[3], builds, lambda b: r["vs_least_request"][b]["rps_ratio"],
+                  {"ai_lb_native": (0.9,), "ai_lb": (0.7,)},
+                  "3. trivial upstream, closed loop:\nreq/s / plain's per round (green: goal)",
+                  "build req/s / plain req/s")
+    fig.tight_layout()
+    fig.savefig(os.path.join(base, "figures.png"), dpi=80)
+    plt.close(fig)
+    print("plots written for overhead figures")
+
+
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    overhead_figures(sys.argv[2])

@@ -193,6 +193,19 @@ pub fn calibrate(
 }
 
 pub(crate) fn fixed_trace(env: &Env, rate: f64, secs: f64, path: &Path) -> Result<(), Error> {
+    fixed_trace_sized(env, rate, secs, 16, 2, path)
+}
+
+/// [`fixed_trace`] with `prompt_tokens` (the loadgen writes 4 characters a token into the one
+/// user message) and `max_tokens` = `output_tokens`.
+pub(crate) fn fixed_trace_sized(
+    env: &Env,
+    rate: f64,
+    secs: f64,
+    prompt_tokens: u32,
+    output_tokens: u32,
+    path: &Path,
+) -> Result<(), Error> {
     let st = ai_lb_e2e::process::die_with_parent(&mut Command::new(&env.loadgen))
         .args([
             "--dry-run",
@@ -205,9 +218,9 @@ pub(crate) fn fixed_trace(env: &Env, rate: f64, secs: f64, path: &Path) -> Resul
             "--workload",
             "fixed",
             "--prompt-tokens",
-            "16",
+            &prompt_tokens.to_string(),
             "--output-tokens",
-            "2",
+            &output_tokens.to_string(),
             "--trace-out",
             &path.display().to_string(),
         ])

@@ -8,17 +8,27 @@ use std::process::ExitCode;
 use clap::Parser;
 use serde_json::{json, Value};
 
+use ai_lb_bench::overhead_figures::{self, Figure};
 use ai_lb_bench::scenario::{self, Env};
 use ai_lb_bench::topology::{self, PodShape, Pool};
 use ai_lb_bench::{calibrate, freshness, overhead};
 
 /// Scenario names that are not `<workload>-<arrival>-<pct>` / `fault-*` loads.
-const SPECIAL: [&str; 3] = ["calibrate", "overhead", "freshness"];
+const SPECIAL: [&str; 6] = [
+    "calibrate",
+    "overhead",
+    "overhead-stream",
+    "overhead-epp",
+    "overhead-rps",
+    "freshness",
+];
 
 #[derive(Debug, Parser)]
 #[command(name = "ai-lb-bench", about)]
 struct Cli {
-    /// Scenarios: calibrate, overhead, freshness,
+    /// Scenarios: calibrate, overhead, overhead-stream (CPU per streamed LLM answer, plain vs
+    /// native vs wasm), overhead-epp (added latency and CPU against the ext_proc endpoint
+    /// picker), overhead-rps (trivial upstream req/s with a spread over rounds), freshness,
     /// <sharegpt|hol|prefix|multiturn>-<poisson|bursty>-<pct>,
     /// fault-<slowdown|slowdown-silent|errors|sigstop>. Default: sharegpt-poisson-80. `prefix`
     /// and `multiturn` are loaded against their own measured capacity (saved per workload,
@@ -68,27 +78,36 @@ struct Cli {
     cal_rate: f64,
     #[arg(long, default_value_t = 20.0)]
     cal_secs: f64,
-    /// Overhead scenario: closed-loop clients of the maximum-throughput probe.
-    #[arg(long, default_value_t = 16)]
-    overhead_workers: usize,
-    /// Overhead scenario: alternating rounds (plain Envoy, then the filter, order flipped each
-    /// round); figures are medians over rounds.
-    #[arg(long, default_value_t = 3)]
-    overhead_rounds: usize,
-    /// Overhead scenario: content chunks in each answer of the fast upstream.
-    #[arg(long, default_value_t = 2)]
-    overhead_chunks: u32,
-    /// Overhead scenario: stream the answer's chunks this many ms apart, one write each (0: all
-    /// in one write). Shows the filter's cost per streamed chunk.
-    #[arg(long, default_value_t = 0)]
-    overhead_chunk_gap_ms: u64,
-    /// Overhead scenario: which ai-lb builds run against plain Envoy, side by side: `wasm`
-    /// (shipped), `native` (experimental dynamic module, filter/native; built by
-    /// scripts/bench.sh when named), `wasm-b` (a second wasm build, `$AI_LB_WASM_B`, to compare
-    /// a change in the same run), `empty-wasm` (a proxy-wasm filter that does nothing, the
-    /// floor of any wasm filter; tests/bench/empty-wasm), comma-separated: `wasm,native`.
-    #[arg(long, default_value = "wasm")]
-    overhead_filter: String,
+    /// Overhead scenarios: closed-loop clients of the maximum-throughput probe (default 16;
+    /// overhead-stream and overhead-epp 256, as a streamed answer lasts chunks × gap).
+    #[arg(long)]
+    overhead_workers: Option<usize>,
+    /// Overhead scenarios: alternating rounds (the order rotated each round); figures are
+    /// medians over rounds (default 3; overhead-stream and overhead-epp 5 open-loop rounds,
+    /// overhead-rps 7).
+    #[arg(long)]
+    overhead_rounds: Option<usize>,
+    /// Overhead scenarios: content chunks in each answer of the fast upstream (default 2;
+    /// overhead-stream and overhead-epp 64).
+    #[arg(long)]
+    overhead_chunks: Option<u32>,
+    /// Overhead scenarios: stream the answer's chunks this many ms apart, one write each (0: all
+    /// in one write; default 0, overhead-stream and overhead-epp 2). Shows the filter's cost
+    /// per streamed chunk.
+    #[arg(long)]
+    overhead_chunk_gap_ms: Option<u64>,
+    /// overhead-stream and overhead-epp: sinks, each a pod with its own agent.
+    #[arg(long, default_value_t = 4)]
+    overhead_pods: usize,
+    /// Overhead scenarios: which sides run against plain Envoy, side by side: `wasm`
+    /// (shipped), `native` (the dynamic module, filter/native; built by scripts/bench.sh when
+    /// named), `wasm-b` (a second wasm build, `$AI_LB_WASM_B`, to compare a change in the same
+    /// run), `empty-wasm` (a proxy-wasm filter that does nothing, the floor of any wasm filter;
+    /// tests/bench/empty-wasm), `epp` (the endpoint picker behind ext_proc; overhead-epp
+    /// only), comma-separated: `wasm,native`. Default: `wasm` for overhead, `native,wasm` for
+    /// overhead-stream and overhead-rps, `native,wasm,epp` for overhead-epp.
+    #[arg(long)]
+    overhead_filter: Option<String>,
     #[arg(long, default_value_t = 16)]
     hol_count: u32,
     /// Policies to compare, comma-separated (for quick iterations; the report's tables and
@@ -115,13 +134,9 @@ fn main() -> ExitCode {
         cli.timeout = 10.0;
         cli.cal_secs = 4.0;
         cli.cal_rate = 20.0;
-        cli.overhead_rounds = 1;
-        cli.overhead_workers = 4;
+        // The overhead figures (overhead-stream, -epp, -rps) take their own smoke settings.
         // The empty proxy-wasm filter too (tests/bench/empty-wasm), so the overhead run's
         // baseline fixture keeps loading in this Envoy; unless other builds were asked for.
-        if cli.overhead_filter == "wasm" {
-            cli.overhead_filter = "wasm,empty-wasm".into();
-        }
         cli.hol_count = 2;
         // Its own work dir, so a smoke run never mixes with the records of a real run.
         cli.work = cli.work.join("smoke");
@@ -135,6 +150,9 @@ fn main() -> ExitCode {
                 "multiturn-poisson-80".into(),
                 "fault-slowdown".into(),
                 "overhead".into(),
+                "overhead-stream".into(),
+                "overhead-epp".into(),
+                "overhead-rps".into(),
                 "freshness".into(),
             ];
         }
@@ -222,20 +240,26 @@ fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
     let want_fresh = cli.scenarios.iter().any(|s| s == "freshness");
     let mut checks = Vec::new();
     // Overhead first: short, and independent of the pool.
+    if cli.overhead_rounds == Some(0) || cli.overhead_workers == Some(0) || cli.overhead_pods == 0 {
+        return Err("--overhead-rounds, --overhead-workers and --overhead-pods must be > 0".into());
+    }
     if cli.scenarios.iter().any(|s| s == "overhead") {
         eprintln!("[bench] overhead");
-        if cli.overhead_rounds == 0 || cli.overhead_workers == 0 {
-            return Err("--overhead-rounds and --overhead-workers must be > 0".into());
-        }
-        let builds = overhead::Side::parse_builds(&cli.overhead_filter)?;
+        let filter = match &cli.overhead_filter {
+            Some(f) => f.clone(),
+            None if cli.smoke => "wasm,empty-wasm".into(),
+            None => "wasm".into(),
+        };
+        let builds = overhead::Side::parse_builds(&filter)?;
         let mut o = overhead::overhead(
             &env,
             if cli.smoke { 2.0 } else { 10.0 },
-            cli.overhead_rounds,
-            cli.overhead_workers,
+            cli.overhead_rounds.unwrap_or(if cli.smoke { 1 } else { 3 }),
+            cli.overhead_workers
+                .unwrap_or(if cli.smoke { 4 } else { 16 }),
             overhead::Answer {
-                chunks: cli.overhead_chunks,
-                gap_ms: cli.overhead_chunk_gap_ms,
+                chunks: cli.overhead_chunks.unwrap_or(2),
+                gap_ms: cli.overhead_chunk_gap_ms.unwrap_or(0),
             },
             &builds,
         )?;
@@ -254,6 +278,47 @@ fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
             "overhead: {}",
             serde_json::to_string_pretty(&o).unwrap_or_default()
         );
+    }
+    for f in Figure::ALL {
+        if !cli.scenarios.iter().any(|s| s == f.scenario()) {
+            continue;
+        }
+        eprintln!("[bench] {}", f.scenario());
+        let mut s = overhead_figures::Settings::defaults(f, cli.smoke);
+        if let Some(r) = cli.overhead_rounds {
+            s.rounds = r;
+        }
+        if let Some(w) = cli.overhead_workers {
+            s.workers = w;
+        }
+        if let Some(c) = cli.overhead_chunks {
+            s.chunks = c;
+        }
+        if let Some(g) = cli.overhead_chunk_gap_ms {
+            s.gap_ms = g;
+        }
+        if f != Figure::Rps && !cli.smoke {
+            s.pods = cli.overhead_pods;
+        }
+        if let Some(b) = &cli.overhead_filter {
+            s.builds = overhead::Side::parse_builds(b)?;
+        }
+        if f != Figure::Epp && s.builds.contains(&overhead::Side::Epp) {
+            return Err(format!(
+                "--overhead-filter epp: only overhead-epp runs the picker, not {}",
+                f.scenario()
+            ));
+        }
+        let mut v = overhead_figures::run(&env, f, &s)?;
+        v["command"] = json!(cmdline);
+        overhead_figures::write(&cli.out, f, &v)?;
+        if cli.smoke {
+            overhead_figures::check(&v)?;
+        }
+        let table =
+            std::fs::read_to_string(cli.out.join("overhead").join(f.dir()).join("table.md"))
+                .unwrap_or_default();
+        println!("{table}");
     }
     if want_cal || want_fresh || !loads.is_empty() {
         eprintln!(

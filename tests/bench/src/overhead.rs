@@ -42,7 +42,7 @@ use crate::topology::{self, Error, PodShape, Policy, Pool};
 /// sink, agent, fake pod) run on CPU 0 and each Envoy under test (all its threads) on CPU 1,
 /// so an Envoy does not share its core with the load that measures it (Linux, `taskset`).
 /// Unset or 0: no pinning (the default; the report's figures).
-fn pin_requested() -> Result<bool, Error> {
+pub(crate) fn pin_requested() -> Result<bool, Error> {
     parse_pin(std::env::var("AI_LB_BENCH_OVERHEAD_PIN").ok().as_deref())
 }
 
@@ -57,7 +57,7 @@ fn parse_pin(v: Option<&str>) -> Result<bool, Error> {
 }
 
 /// Moves every thread of process `pid` to CPU `cpu` (`taskset -a -cp`).
-fn pin(pid: u32, cpu: u32) -> Result<(), Error> {
+pub(crate) fn pin(pid: u32, cpu: u32) -> Result<(), Error> {
     let st = Command::new("taskset")
         .args(["-a", "-cp", &cpu.to_string(), &pid.to_string()])
         .stdout(Stdio::null())
@@ -84,12 +84,15 @@ fn cpu_secs(pid: u32) -> Option<f64> {
 }
 
 /// One measured replay: the loadgen's summary and records, the Envoy process's CPU seconds over
-/// it, and its CPU microseconds per answered request.
-struct Measured {
-    summary: Summary,
-    records: Vec<Record>,
-    cpu_s: Option<f64>,
-    cpu_us_per_ok: Option<f64>,
+/// it, the picker's (for `epp`), and their CPU microseconds per answered request together.
+pub(crate) struct Measured {
+    pub summary: Summary,
+    pub records: Vec<Record>,
+    pub cpu_s: Option<f64>,
+    /// The endpoint picker's CPU seconds over the replay (`epp` only).
+    pub picker_cpu_s: Option<f64>,
+    /// (Envoy + picker) CPU per answered request, µs.
+    pub cpu_us_per_ok: Option<f64>,
 }
 
 /// Replays `trace` against `url` (args passed to the loadgen), reading Envoy `pid`'s CPU time
@@ -102,21 +105,46 @@ fn measured_replay(
     args: &[&str],
     pid: u32,
 ) -> Result<Measured, Error> {
+    measured_replay_with(env, url, trace, out, args, pid, None)
+}
+
+/// [`measured_replay`], also reading the CPU time of the picker process `picker` (the `epp`
+/// side's ext_proc server) and counting it in the CPU per request.
+pub(crate) fn measured_replay_with(
+    env: &Env,
+    url: &str,
+    trace: &Path,
+    out: &Path,
+    args: &[&str],
+    pid: u32,
+    picker: Option<u32>,
+) -> Result<Measured, Error> {
     let before = cpu_secs(pid);
+    let picker_before = picker.and_then(cpu_secs);
     let (summary, records) = replay(env, url, trace, &out.to_path_buf(), args)?;
     let cpu_s = cpu_secs(pid).zip(before).map(|(a, b)| a - b);
+    let picker_cpu_s = picker
+        .and_then(cpu_secs)
+        .zip(picker_before)
+        .map(|(a, b)| a - b);
+    let total = match (cpu_s, picker, picker_cpu_s) {
+        (Some(c), None, _) => Some(c),
+        (Some(c), Some(_), Some(p)) => Some(c + p),
+        _ => None,
+    };
     let ok = records.iter().filter(|r| r.outcome == Outcome::Ok).count();
-    let cpu_us_per_ok = cpu_s.filter(|_| ok > 0).map(|c| c * 1e6 / ok as f64);
+    let cpu_us_per_ok = total.filter(|_| ok > 0).map(|c| c * 1e6 / ok as f64);
     Ok(Measured {
         summary,
         records,
         cpu_s,
+        picker_cpu_s,
         cpu_us_per_ok,
     })
 }
 
 /// Median of `v` (None when empty).
-fn median(mut v: Vec<f64>) -> Option<f64> {
+pub(crate) fn median(mut v: Vec<f64>) -> Option<f64> {
     v.retain(|x| x.is_finite());
     v.sort_by(f64::total_cmp);
     let n = v.len();
@@ -146,6 +174,10 @@ pub enum Side {
     /// A proxy-wasm filter that does nothing (tests/bench/empty-wasm) in front of plain
     /// least_request: the floor of any proxy-wasm filter, not an ai-lb build.
     EmptyWasm,
+    /// The llm-d endpoint picker baseline: Envoy with ext_proc asking its own `ai-lb-epp`
+    /// (envoy-config/envoy-epp.yaml); its CPU counts the picker's. Not in `overhead`, whose
+    /// sink is a single pod.
+    Epp,
 }
 
 impl Side {
@@ -157,10 +189,11 @@ impl Side {
             Side::Native => "ai_lb_native",
             Side::WasmB => "ai_lb_b",
             Side::EmptyWasm => "empty_wasm",
+            Side::Epp => "epp",
         }
     }
 
-    /// The filters of `--overhead-filter` (`wasm`, `wasm-b`, `native`, `empty-wasm`,
+    /// The filters of `--overhead-filter` (`wasm`, `wasm-b`, `native`, `empty-wasm`, `epp`,
     /// comma-separated); errors name the flag and the value.
     pub fn parse_builds(s: &str) -> Result<Vec<Side>, Error> {
         let mut out = Vec::new();
@@ -170,9 +203,10 @@ impl Side {
                 "native" => Side::Native,
                 "wasm-b" => Side::WasmB,
                 "empty-wasm" => Side::EmptyWasm,
+                "epp" => Side::Epp,
                 other => {
                     return Err(format!(
-                        "--overhead-filter: value {other:?}: expected `wasm`, `wasm-b`, `native` or `empty-wasm`, comma-separated (e.g. `wasm,native`)"
+                        "--overhead-filter: value {other:?}: expected `wasm`, `wasm-b`, `native`, `empty-wasm` or `epp`, comma-separated (e.g. `wasm,native`)"
                     ))
                 }
             };
@@ -200,7 +234,7 @@ struct Ctx<'a> {
 
 /// Round `round`'s order: the sides rotated by the round, so each runs first in turn and slow
 /// drift of a shared machine hits all alike.
-fn order(sides: &[Side], round: usize) -> Vec<Side> {
+pub(crate) fn order(sides: &[Side], round: usize) -> Vec<Side> {
     let mut v = sides.to_vec();
     if !v.is_empty() {
         let k = round % v.len();
@@ -314,6 +348,155 @@ pub struct Answer {
     pub gap_ms: u64,
 }
 
+/// What an overhead run measures against: an idle fake pod whose metrics the agents read,
+/// `pods` sinks each announced as a pod by its own agent (peered, so any agent covers the
+/// pool), and one Envoy (1 worker) per side in front of all the sinks: plain least_request
+/// first, then `builds`; the `epp` side with a picker of its own that scrapes the sinks.
+pub(crate) struct Rig {
+    _metrics_pod: Pool,
+    _sink_procs: Vec<ai_lb_e2e::process::Proc>,
+    pub sinks: Vec<std::net::SocketAddr>,
+    _agents: Vec<ai_lb_e2e::process::Proc>,
+    /// Plain first, then the builds.
+    pub sides: Vec<Side>,
+    envoys: Vec<(Side, ai_lb_e2e::envoy::Envoy)>,
+    epp: Option<ai_lb_e2e::epp::Epp>,
+    /// Per ai-lb build: whether its status page listed every sink before the measurement.
+    pub ready: serde_json::Map<String, Value>,
+}
+
+impl Rig {
+    /// Starts the rig; with `pinned`, each Envoy (and the picker) on CPU 1.
+    pub fn start(
+        pods: usize,
+        answer: Answer,
+        openai: bool,
+        builds: &[Side],
+        pinned: bool,
+    ) -> Result<Rig, Error> {
+        let shape = PodShape {
+            kinds: vec![("h100-8b", 1)],
+            kv_events: false,
+            time_scale: 1.0,
+            max_num_seqs: 256,
+            kv_cache_tokens: 400_000,
+            sample_interval_ms: 100,
+            gpu_sample_interval_ms: None,
+        };
+        let metrics_pod = Pool::start(&shape, false)?;
+        let mut sink_procs = Vec::new();
+        let mut sinks = Vec::new();
+        for _ in 0..pods.max(1) {
+            let (p, a) = topology::spawn_sink_shaped(answer.chunks, answer.gap_ms, openai)?;
+            sink_procs.push(p);
+            sinks.push(a);
+        }
+        let grpc: Vec<std::net::SocketAddr> = sinks
+            .iter()
+            .map(|_| {
+                ai_lb_e2e::envoy::free_port()
+                    .map(|p| std::net::SocketAddr::from(([127, 0, 0, 1], p)))
+            })
+            .collect::<Result<_, _>>()?;
+        let mut agents = Vec::new();
+        for (i, sink) in sinks.iter().enumerate() {
+            let peers: Vec<std::net::SocketAddr> = grpc
+                .iter()
+                .enumerate()
+                .filter(|(j, _)| *j != i)
+                .map(|(_, a)| *a)
+                .collect();
+            let name = if pods <= 1 {
+                "sink".to_string()
+            } else {
+                format!("sink-{i}")
+            };
+            agents.push(topology::spawn_agent(
+                &name,
+                grpc[i],
+                metrics_pod.pods[0].addr,
+                *sink,
+                &peers,
+                256,
+                100,
+                None,
+                &[],
+            )?);
+        }
+        let mut sides = vec![Side::Plain];
+        sides.extend(builds.iter().copied().filter(|b| *b != Side::Plain));
+        let mut envoys = Vec::new();
+        let mut epp = None;
+        for &side in &sides {
+            let e = match side {
+                Side::Plain => topology::start_sidecar(Policy::LeastRequest, &sinks, &grpc, 1)?,
+                Side::Wasm => topology::start_sidecar(Policy::AiLb, &sinks, &grpc, 1)?,
+                Side::Native => topology::start_native_sidecar(&sinks, &grpc, 1)?,
+                Side::WasmB => {
+                    topology::start_sidecar_with_wasm(&topology::wasm_b_path()?, &sinks, &grpc, 1)?
+                }
+                Side::EmptyWasm => topology::start_empty_wasm_sidecar(&sinks, 1)?,
+                Side::Epp => {
+                    let (picker, e) = topology::start_epp_pair(&sinks, 1)?;
+                    if pinned {
+                        pin(picker.proc.pid(), 1)?;
+                    }
+                    epp = Some(picker);
+                    e
+                }
+            };
+            if pinned {
+                pin(e.pid(), 1)?;
+            }
+            envoys.push((side, e));
+        }
+        let mut ready = serde_json::Map::new();
+        for (side, e) in &envoys {
+            if !matches!(side, Side::Plain | Side::EmptyWasm | Side::Epp) {
+                let ok = topology::wait_ailb_ready(e, &sinks, Duration::from_secs(15));
+                ready.insert(side.key().into(), json!(ok));
+            }
+        }
+        Ok(Rig {
+            _metrics_pod: metrics_pod,
+            _sink_procs: sink_procs,
+            sinks,
+            _agents: agents,
+            sides,
+            envoys,
+            epp,
+            ready,
+        })
+    }
+
+    pub fn envoy(&self, side: Side) -> Option<&ai_lb_e2e::envoy::Envoy> {
+        self.envoys.iter().find(|(s, _)| *s == side).map(|(_, e)| e)
+    }
+
+    /// The side's listener URL (empty if it does not run).
+    pub fn url(&self, side: Side) -> String {
+        self.envoy(side)
+            .map_or(String::new(), |e| format!("http://{}", e.listener))
+    }
+
+    /// The side's Envoy process (0 if it does not run).
+    pub fn pid(&self, side: Side) -> u32 {
+        self.envoy(side).map_or(0, |e| e.pid())
+    }
+
+    /// The picker process of the `epp` side.
+    pub fn picker_pid(&self, side: Side) -> Option<u32> {
+        (side == Side::Epp)
+            .then(|| self.epp.as_ref().map(|e| e.proc.pid()))
+            .flatten()
+    }
+
+    /// The picker's own counters (`/stats` totals), for `epp`.
+    pub fn picker_stats(&self) -> Option<Value> {
+        self.epp.as_ref().and_then(|e| e.stats().ok())
+    }
+}
+
 /// Runs the overhead scenario for plain Envoy and each of `builds` (side by side, same run);
 /// returns its summary (written by the caller).
 pub fn overhead(
@@ -331,60 +514,14 @@ pub fn overhead(
         // Before anything starts: children inherit the harness's CPU.
         pin(std::process::id(), 0)?;
     }
-    let shape = PodShape {
-        kinds: vec![("h100-8b", 1)],
-        kv_events: false,
-        time_scale: 1.0,
-        max_num_seqs: 256,
-        kv_cache_tokens: 400_000,
-        sample_interval_ms: 100,
-        gpu_sample_interval_ms: None,
-    };
-    let metrics_pod = Pool::start(&shape, false)?;
-    let (_sink, sink) = topology::spawn_sink(answer.chunks, answer.gap_ms)?;
-    let grpc = std::net::SocketAddr::from(([127, 0, 0, 1], ai_lb_e2e::envoy::free_port()?));
-    let _agent = topology::spawn_agent(
-        "sink",
-        grpc,
-        metrics_pod.pods[0].addr,
-        sink,
-        &[],
-        256,
-        100,
-        None,
-        &[],
-    )?;
-    let upstreams = [sink];
-    let agents = [grpc];
-    let mut sides = vec![Side::Plain];
-    sides.extend(builds.iter().copied().filter(|b| *b != Side::Plain));
-    let mut envoys = Vec::new();
-    for &side in &sides {
-        let e = match side {
-            Side::Plain => topology::start_sidecar(Policy::LeastRequest, &upstreams, &agents, 1)?,
-            Side::Wasm => topology::start_sidecar(Policy::AiLb, &upstreams, &agents, 1)?,
-            Side::Native => topology::start_native_sidecar(&upstreams, &agents, 1)?,
-            Side::WasmB => topology::start_sidecar_with_wasm(
-                &topology::wasm_b_path()?,
-                &upstreams,
-                &agents,
-                1,
-            )?,
-            Side::EmptyWasm => topology::start_empty_wasm_sidecar(&upstreams, 1)?,
-        };
-        if pinned {
-            pin(e.pid(), 1)?;
-        }
-        envoys.push((side, e));
+    if builds.contains(&Side::Epp) {
+        return Err(
+            "--overhead-filter epp: the overhead scenario has one pod; run overhead-epp".into(),
+        );
     }
-    let envoy_of = |side: Side| envoys.iter().find(|(s, _)| *s == side).map(|(_, e)| e);
-    let mut ready = serde_json::Map::new();
-    for (side, e) in &envoys {
-        if !matches!(side, Side::Plain | Side::EmptyWasm) {
-            let ok = topology::wait_ailb_ready(e, &upstreams, Duration::from_secs(15));
-            ready.insert(side.key().into(), json!(ok));
-        }
-    }
+    let rig = Rig::start(1, answer, false, builds, pinned)?;
+    let (sides, sink, ready) = (rig.sides.clone(), rig.sinks[0], rig.ready.clone());
+    let envoy_of = |side: Side| rig.envoy(side);
     let pid = |side: Side| envoy_of(side).map_or(0, |e| e.pid());
     let url =
         |side: Side| envoy_of(side).map_or(String::new(), |e| format!("http://{}", e.listener));
@@ -697,6 +834,10 @@ mod tests {
             "{e}"
         );
         assert!(Side::parse_builds("native,native").is_err());
+        assert_eq!(
+            Side::parse_builds("native,wasm,epp").unwrap(),
+            [Side::Native, Side::Wasm, Side::Epp]
+        );
     }
 
     #[test]

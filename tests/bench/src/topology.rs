@@ -446,6 +446,17 @@ pub fn spawn_agent(
 /// The loadgen example `sink` (answers at once, no model) on a free port, for the overhead
 /// run's upstream; waits until it accepts connections.
 pub fn spawn_sink(chunks: u32, gap_ms: u64) -> Result<(Proc, SocketAddr), Error> {
+    spawn_sink_shaped(chunks, gap_ms, false)
+}
+
+/// [`spawn_sink`], with `openai` chunks: whole `chat.completion.chunk` objects as vLLM writes
+/// them (id, model, logprobs, finish_reason) instead of the minimal ones. Either way the sink
+/// answers `GET /metrics` with an idle vLLM page, so the endpoint picker can scrape it.
+pub fn spawn_sink_shaped(
+    chunks: u32,
+    gap_ms: u64,
+    openai: bool,
+) -> Result<(Proc, SocketAddr), Error> {
     let bin = {
         let mut found = None;
         for d in ai_lb_e2e::process::target_dirs() {
@@ -467,6 +478,7 @@ pub fn spawn_sink(chunks: u32, gap_ms: u64) -> Result<(Proc, SocketAddr), Error>
             "1".into(),
             chunks.to_string(),
             gap_ms.to_string(),
+            if openai { "openai" } else { "short" }.into(),
         ],
         &[],
     ))?;
@@ -776,6 +788,23 @@ fn start_epp_sidecar(upstreams: &[SocketAddr], concurrency: u32) -> Result<Envoy
         run.sidecars.insert(envoy.pid(), (c, c));
     }
     Ok(envoy)
+}
+
+/// A picker of its own (`ai-lb-epp` with [`epp_args`], every pod scraped once) and one Envoy
+/// from envoy-config/envoy-epp.yaml asking it, in front of `upstreams`: for a measurement that
+/// reads the picker's CPU itself (the `epp` policy's runs share a picker and report its CPU
+/// when they end, see [`EppUsage`]).
+pub fn start_epp_pair(
+    upstreams: &[SocketAddr],
+    concurrency: u32,
+) -> Result<(ai_lb_e2e::epp::Epp, Envoy), Error> {
+    let args = epp_args();
+    let arg_refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let epp = ai_lb_e2e::epp::spawn_with(&release_bin(ai_lb_e2e::epp::BIN)?, upstreams, &arg_refs)?;
+    epp.wait_scraped(Duration::from_secs(15))?;
+    let opts = ai_lb_e2e::epp::envoy_options(epp.grpc, upstreams)?;
+    let envoy = start_with(opts, upstreams, &[], concurrency)?;
+    Ok((epp, envoy))
 }
 
 /// Starts an ai-lb sidecar as [`start_sidecar`] does, running the wasm build at `wasm` instead
