@@ -356,7 +356,7 @@ pub(crate) struct Rig {
     _metrics_pod: Pool,
     _sink_procs: Vec<ai_lb_e2e::process::Proc>,
     pub sinks: Vec<std::net::SocketAddr>,
-    _agents: Vec<ai_lb_e2e::process::Proc>,
+    agents: Vec<ai_lb_e2e::process::Proc>,
     /// Plain first, then the builds.
     pub sides: Vec<Side>,
     envoys: Vec<(Side, ai_lb_e2e::envoy::Envoy)>,
@@ -461,7 +461,7 @@ impl Rig {
             _metrics_pod: metrics_pod,
             _sink_procs: sink_procs,
             sinks,
-            _agents: agents,
+            agents,
             sides,
             envoys,
             epp,
@@ -489,6 +489,11 @@ impl Rig {
         (side == Side::Epp)
             .then(|| self.epp.as_ref().map(|e| e.proc.pid()))
             .flatten()
+    }
+
+    /// The agents' processes: the pods' side of ai-lb, not in any Envoy's CPU.
+    pub fn agent_pids(&self) -> Vec<u32> {
+        self.agents.iter().map(|a| a.pid()).collect()
     }
 
     /// The picker's own counters (`/stats` totals), for `epp`.

@@ -29,7 +29,7 @@ use serde_json::{json, Value};
 use crate::calibrate::{fixed_trace, fixed_trace_sized, ok_rps};
 use crate::overhead::{measured_replay_with, median, order, pin, pin_requested, Answer, Rig, Side};
 use crate::scenario::Env;
-use crate::topology::Error;
+use crate::topology::{cpu_secs, Error};
 
 /// One of the three figures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -353,6 +353,11 @@ pub fn run(env: &Env, f: Figure, s: &Settings) -> Result<Value, Error> {
         gap_ms: s.gap_ms,
     };
     let rig = Rig::start(s.pods, answer, streamed, &s.builds, pinned)?;
+    // The agents' CPU over the whole run: they sample the pods and push to every filter
+    // whatever the traffic, so it is stated apart (ms per second), not per request.
+    let agent_pids = rig.agent_pids();
+    let agents_cpu = || -> Option<f64> { agent_pids.iter().map(|p| cpu_secs(*p)).sum() };
+    let (agents_before, t0) = (agents_cpu(), std::time::Instant::now());
     let sides = rig.sides.clone();
     let workers = s.workers.to_string();
     let closed_args = ["--closed-loop", workers.as_str(), "--threads", "2"];
@@ -431,6 +436,10 @@ pub fn run(env: &Env, f: Figure, s: &Settings) -> Result<Value, Error> {
             rps_summary(&rounds, &sides)
         }
     };
+    let el = t0.elapsed().as_secs_f64();
+    v["agents_cpu_ms_per_s"] = json!(agents_cpu()
+        .zip(agents_before)
+        .map(|(a, b)| (a - b) * 1e3 / el));
     v["figure"] = json!(f.scenario());
     v["sides"] = json!(sides.iter().map(|s| s.key()).collect::<Vec<_>>());
     v["traffic"] = traffic(s, streamed);
@@ -827,8 +836,10 @@ fn table(f: Figure, v: &Value) -> String {
                 );
             }
             t += &format!(
-                "\nPlain Envoy's CPU per request / epp's (the least any filter's ratio can be here): {}.\n",
-                spread_text(&v["plain_cpu_over_epp"], 3)
+                "\nPlain Envoy's CPU per request / epp's (the least any filter's ratio can be here): {}. ai-lb's agents (one per pod, in no Envoy's CPU above; the picker's scrapes are in its CPU): {} ms CPU per second, all {} together, over the run.\n",
+                spread_text(&v["plain_cpu_over_epp"], 3),
+                num(&v["agents_cpu_ms_per_s"], 1),
+                v["traffic"]["pods"],
             );
         }
         Figure::Rps => {
