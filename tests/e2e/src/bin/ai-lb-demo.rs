@@ -1,30 +1,35 @@
-//! The local demo: a real Envoy 1.40 with the ai-lb filter in front of simulated GPU pods (two
+//! The local demo: a real Envoy 1.40 with ai-lb (the wasm filter, or with `--native` the native
+//! module: the same demo on the other data path) in front of simulated GPU pods (two
 //! H100-like, two A100-like), each with its collector agent, and open-loop traffic from the load
-//! generator. Every second it prints where requests go (per-pod share), each pod's GPU, score,
-//! cut reason and breaker state, read from the filter's status path. A scripted timeline makes
-//! a pod hot, makes another fail, then heals both, so traffic visibly moves away and back.
+//! generator. Every second it prints where requests go (per-pod share, from Envoy's stats, i.e.
+//! every worker's counts), each pod's GPU, score, cut reason and breaker state (one worker's
+//! view, from the filter's status path; breakers are shared by the workers). A scripted
+//! timeline makes a pod hot, makes another fail, then heals both, so traffic visibly moves away
+//! and back. The end-of-run summary reads Envoy's stats too (see `ai_lb_e2e::demo`).
 //! The pods publish vLLM's KV-cache events and the agents push what each pod caches, so with the
 //! default shared-prefix traffic (a few applications, each with its own long system prompt) the
 //! table also shows each pod's cached prefix blocks, its hit rate, and how often the filter sent
 //! a request to a pod holding its prefix.
 //!
 //! Run it through `scripts/demo.sh` (which installs and builds everything first), or directly:
-//! `target/debug/ai-lb-demo [--duration SECS] [--rate REQ_PER_S] [--pods N] [--time-scale X]
-//! [--workload shared-prefix|multi-turn|sharegpt]`.
+//! `target/debug/ai-lb-demo [--native] [--duration SECS] [--rate REQ_PER_S] [--pods N]
+//! [--time-scale X] [--workload shared-prefix|multi-turn|sharegpt]`.
 //! `--duration 0` runs until Ctrl-C with no scripted faults, so you can inject your own.
+//! `--native` loads `$AI_LB_NATIVE` (scripts/demo.sh sets it to the module it just built), else
+//! the first of `target/{release,debug}/libai_lb_filter_native.so`.
 
-use std::collections::BTreeMap;
 use std::io::{IsTerminal, Write};
-use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ai_lb_e2e::envoy::{workspace_bin, Envoy, EnvoyOptions, HttpClient, PodPool};
+use ai_lb_e2e::demo::{self, Counts, DataPath, Shares, Summary, WORKLOADS};
+use ai_lb_e2e::envoy::{Envoy, HttpClient, PodPool};
 use serde_json::Value;
 
+/// The status path when the filter config names none.
 const STATUS_PATH: &str = "/ai-lb/status";
 
 struct Args {
+    path: DataPath,
     duration_s: u64,
     rate: f64,
     pods: usize,
@@ -32,37 +37,9 @@ struct Args {
     workload: &'static str,
 }
 
-/// The load generator's workloads the demo runs, with the flags that shape them.
-const WORKLOADS: &[(&str, &[&str])] = &[
-    (
-        "shared-prefix",
-        &[
-            "--groups",
-            "6",
-            "--system-tokens",
-            "1500",
-            "--question-tokens",
-            "150",
-            "--answer-tokens",
-            "120",
-        ],
-    ),
-    (
-        "multi-turn",
-        &[
-            "--groups",
-            "6",
-            "--question-tokens",
-            "150",
-            "--answer-tokens",
-            "120",
-        ],
-    ),
-    ("sharegpt", &[]),
-];
-
 fn parse_args() -> Result<Args, String> {
     let mut a = Args {
+        path: DataPath::Wasm,
         duration_s: 60,
         rate: 15.0,
         pods: 4,
@@ -73,11 +50,16 @@ fn parse_args() -> Result<Args, String> {
     while let Some(flag) = it.next() {
         if flag == "-h" || flag == "--help" {
             println!(
-                "usage: ai-lb-demo [--duration SECS (60; 0 = until Ctrl-C)] [--rate REQ_PER_S (15)] \
-                 [--pods N (4, 3..=8)] [--time-scale X (1.0)] \
-                 [--workload shared-prefix|multi-turn|sharegpt (shared-prefix)]"
+                "usage: ai-lb-demo [--native] [--duration SECS (60; 0 = until Ctrl-C)] \
+                 [--rate REQ_PER_S (15)] [--pods N (4, 3..=8)] [--time-scale X (1.0)] \
+                 [--workload shared-prefix|multi-turn|sharegpt (shared-prefix)]\n\
+                 --native: the native module (filter/native) instead of the wasm filter"
             );
             std::process::exit(0);
+        }
+        if flag == "--native" {
+            a.path = DataPath::Native;
+            continue;
         }
         let value = it
             .next()
@@ -180,6 +162,10 @@ fn run() -> Result<(), String> {
     let root = ai_lb_e2e::envoy::workspace_root();
     let filter_config = std::fs::read_to_string(root.join("envoy-config/filter-config.json"))
         .map_err(|e| format!("read envoy-config/filter-config.json: {e}"))?;
+    let status_path = serde_json::from_str::<Value>(&filter_config)
+        .ok()
+        .and_then(|v| v["statusPath"].as_str().map(str::to_string))
+        .unwrap_or_else(|| STATUS_PATH.to_string());
 
     println!(
         "starting {} simulated GPU pods with their agents (time scale {})...",
@@ -189,20 +175,37 @@ fn run() -> Result<(), String> {
     let pool = PodPool::start_with_kv_events(args.pods, args.time_scale, |i| {
         vec!["--preset".to_string(), preset(i).to_string()]
     })?;
-    println!("starting Envoy 1.40 with the ai-lb filter (envoy-config/envoy.yaml + filter-config.json)...");
-    let mut opts = EnvoyOptions::new(filter_config);
-    opts.inference = pool.pod_addrs.clone();
-    opts.agents = pool.agent_addrs.clone();
+    let path = args.path;
+    println!(
+        "starting Envoy 1.40 with {} + envoy-config/filter-config.json...",
+        path.name()
+    );
+    if path == DataPath::Native {
+        println!(
+            "native module: {}",
+            ai_lb_e2e::envoy::native_module_path()?.display()
+        );
+    }
+    let (opts, notes) =
+        demo::envoy_options(path, &filter_config, &pool.pod_addrs, &pool.agent_addrs)?;
+    for n in &notes {
+        println!("note: {n}");
+    }
     let envoy = Envoy::start(&opts)?;
-    wait_until_fresh(&envoy, &pool)?;
+    wait_until_fresh(&envoy, &pool, &status_path)?;
 
     println!(
         "\nEnvoy listener: http://{}  (admin: http://{})",
         envoy.listener, envoy.admin
     );
     println!(
-        "scoreboard:     curl -s http://{}{STATUS_PATH}",
+        "scoreboard:     curl -s http://{}{status_path}   (one worker's view: field \"worker\")",
         envoy.listener
+    );
+    println!(
+        "counters:       curl -s http://{}/stats | grep {}ailb   (every worker's)",
+        envoy.admin,
+        path.stat_prefix()
     );
     for (i, a) in pool.pod_addrs.iter().enumerate() {
         // A100s have no GPM, so no SM occupancy to force: fill their queue instead.
@@ -217,6 +220,9 @@ fn run() -> Result<(), String> {
         );
     }
     println!("heal a pod with                 curl -s -XPOST http://ADDR/control -d '{{\"reset\":true}}'\n");
+    if path == DataPath::Native {
+        println!("(the native module adds each worker's per-pod counts to Envoy's stats once a second, so share(1s) moves in steps)\n");
+    }
 
     let results = std::env::temp_dir().join(format!("ai-lb-demo-{}.json", std::process::id()));
     let duration = if args.duration_s == 0 {
@@ -224,15 +230,18 @@ fn run() -> Result<(), String> {
     } else {
         args.duration_s
     };
+    // What Envoy counted before the traffic: the table and the summary count from here.
+    let start_counts = Counts::read(&envoy, path, &pool.pod_addrs)?;
     println!("traffic: {} at {} req/s", args.workload, args.rate);
-    let mut loadgen = spawn_loadgen(envoy.listener, args.rate, duration, args.workload, &results)?;
+    let mut loadgen =
+        demo::spawn_loadgen(envoy.listener, args.rate, duration, args.workload, &results)?;
 
     let scripted = args.duration_s >= 55;
     let tty = std::io::stdout().is_terminal();
     let start = Instant::now();
-    let mut last_picks: BTreeMap<String, u64> = BTreeMap::new();
-    let mut total_picks: BTreeMap<String, u64> = BTreeMap::new();
-    let mut first_picks: Option<BTreeMap<String, u64>> = None;
+    let mut last_counts = start_counts.clone();
+    // The status page's worker ids (the wasm filter's are large numbers), numbered as seen.
+    let mut workers: Vec<u64> = Vec::new();
     let mut phase = "traffic running; inject faults with the curl commands above";
     let mut next_step = 0;
     let mut next_tick = start;
@@ -249,24 +258,28 @@ fn run() -> Result<(), String> {
                 next_step += 1;
             }
         }
-        let board = scoreboard(&envoy).unwrap_or(Value::Null);
-        let picks = picks_by_addr(&envoy, &pool);
-        let base = first_picks.get_or_insert_with(|| picks.clone());
-        for (a, p) in &picks {
-            total_picks.insert(a.clone(), p.saturating_sub(*base.get(a).unwrap_or(&0)));
-        }
+        let board = scoreboard(&envoy, &status_path).unwrap_or(Value::Null);
+        let worker = board["worker"].as_u64().map(|w| {
+            workers.iter().position(|x| *x == w).unwrap_or_else(|| {
+                workers.push(w);
+                workers.len() - 1
+            })
+        });
+        // A failed read shows nothing new rather than a jump.
+        let counts =
+            Counts::read(&envoy, path, &pool.pod_addrs).unwrap_or_else(|_| last_counts.clone());
+        let shares = Shares::new(&counts, &last_counts, &start_counts);
         print_table(
             &pool,
-            &prefix_stats(&envoy),
+            &counts.since(&start_counts),
             &board,
-            &picks,
-            &last_picks,
-            &total_picks,
+            worker,
+            &shares,
             t,
             phase,
             tty,
         );
-        last_picks = picks;
+        last_counts = counts;
         if let Ok(Some(status)) = loadgen.try_wait() {
             println!("load generator exited early: {status}");
             break;
@@ -286,65 +299,39 @@ fn run() -> Result<(), String> {
         std::thread::sleep(Duration::from_millis(200));
     }
     let _ = loadgen.kill();
+    let _ = loadgen.wait();
     if let Ok(text) = std::fs::read_to_string(&results) {
         if let Ok(v) = serde_json::from_str::<Value>(&text) {
             print_summary(&v);
         }
     }
-    let counters = scoreboard(&envoy)
-        .map(|b| b["counters"].clone())
-        .unwrap_or(Value::Null);
-    println!("filter counters: {counters}");
+    let _ = std::fs::remove_file(&results);
+    let summary = Summary::after_traffic(
+        &envoy,
+        path,
+        &pool.pod_addrs,
+        &status_path,
+        &start_counts,
+        Duration::from_secs(20),
+    )?;
+    println!("{} over the run:", path.name());
+    for l in summary.lines(|a| pool.name_of(a).unwrap_or(a).to_string()) {
+        println!("  {l}");
+    }
     println!(
-        "\ndone. Envoy stats: curl -s http://{}/stats | grep ailb  (while it runs)",
-        envoy.admin
+        "\ndone. Envoy stats: curl -s http://{}/stats | grep {}ailb  (while it runs)",
+        envoy.admin,
+        path.stat_prefix()
     );
     Ok(())
 }
 
-fn spawn_loadgen(
-    listener: SocketAddr,
-    rate: f64,
-    duration_s: u64,
-    workload: &str,
-    json: &std::path::Path,
-) -> Result<Child, String> {
-    let bin = workspace_bin("ai-lb-loadgen")?;
-    let shape = WORKLOADS
-        .iter()
-        .find(|(w, _)| *w == workload)
-        .map_or(&[][..], |(_, f)| *f);
-    Command::new(&bin)
-        .args(shape)
-        .args([
-            "--url".to_string(),
-            format!("http://{listener}"),
-            "--rate".into(),
-            rate.to_string(),
-            "--duration".into(),
-            format!("{duration_s}s"),
-            "--workload".into(),
-            workload.to_string(),
-            "--seed".into(),
-            "7".into(),
-            "--timeout".into(),
-            "30s".into(),
-            "--json".into(),
-            json.display().to_string(),
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| format!("start {}: {e}", bin.display()))
-}
-
-/// Monitoring calls must not stall the table: a slow answer is shown as "-".
-const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
-
-fn scoreboard(envoy: &Envoy) -> Result<Value, String> {
+/// The status page: the view of whichever Envoy worker took the request (field `worker`).
+/// A slow answer is shown as "-" (monitoring calls must not stall the table).
+fn scoreboard(envoy: &Envoy, status_path: &str) -> Result<Value, String> {
     let r = HttpClient::new(envoy.listener)
-        .with_timeout(PROBE_TIMEOUT)
-        .get(STATUS_PATH, &[("connection", "close")])?;
+        .with_timeout(demo::PROBE_TIMEOUT)
+        .get(status_path, &[("connection", "close")])?;
     serde_json::from_slice(&r.body).map_err(|e| format!("status JSON: {e}"))
 }
 
@@ -355,23 +342,10 @@ fn pods(board: &Value) -> Vec<Value> {
         .unwrap_or_default()
 }
 
-/// Requests steered to each pod, from Envoy's counters `ailb.endpoint.<addr>.picks` (summed
-/// over every worker thread; the scoreboard's own `picks` is one worker's view).
-fn picks_by_addr(envoy: &Envoy, pool: &PodPool) -> BTreeMap<String, u64> {
-    let stats = envoy.stats().unwrap_or_default();
-    pool.pod_addrs
-        .iter()
-        .map(|a| {
-            let key = format!("wasmcustom.ailb.endpoint.{a}.picks");
-            (a.to_string(), stats.get(&key).copied().unwrap_or(0))
-        })
-        .collect()
-}
-
-fn wait_until_fresh(envoy: &Envoy, pool: &PodPool) -> Result<(), String> {
+fn wait_until_fresh(envoy: &Envoy, pool: &PodPool, status_path: &str) -> Result<(), String> {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let board = scoreboard(envoy).unwrap_or(Value::Null);
+        let board = scoreboard(envoy, status_path).unwrap_or(Value::Null);
         let fresh = pods(&board)
             .iter()
             .filter(|p| p["metricsAgeMs"].as_u64().is_some_and(|a| a < 2000))
@@ -400,53 +374,21 @@ fn gpu_cell(row: Option<&Value>) -> String {
     }
 }
 
-/// The filter's prefix-affinity counters, summed over every worker (Envoy's stats).
-#[derive(Default)]
-struct PrefixStats {
-    keyed: u64,
-    hit: u64,
-    spill: u64,
-    rendezvous: u64,
-    blocks: u64,
-    blocks_held: u64,
-}
-
-fn prefix_stats(envoy: &Envoy) -> PrefixStats {
-    let stats = envoy.stats().unwrap_or_default();
-    let get = |k: &str| {
-        stats
-            .get(&format!("wasmcustom.ailb.prefix.{k}"))
-            .copied()
-            .unwrap_or(0)
-    };
-    PrefixStats {
-        keyed: get("keyed"),
-        hit: get("hit"),
-        spill: get("spill"),
-        rendezvous: get("rendezvous"),
-        blocks: get("blocks"),
-        blocks_held: get("blocks_held"),
-    }
-}
-
+/// One second of the live table. The share columns and the counts under the table are
+/// Envoy's stats (every worker's); the columns from the status page (GPU, score, cut,
+/// breaker, cache, metrics age) are the view of the worker that answered it, which the table
+/// names (breakers are shared, scores are alike on every worker).
 #[allow(clippy::too_many_arguments)]
 fn print_table(
     pool: &PodPool,
-    prefix: &PrefixStats,
+    since_start: &Counts,
     board: &Value,
-    picks: &BTreeMap<String, u64>,
-    last: &BTreeMap<String, u64>,
-    total: &BTreeMap<String, u64>,
+    worker: Option<usize>,
+    shares: &Shares,
     t: u64,
     phase: &str,
     tty: bool,
 ) {
-    let delta: BTreeMap<&String, u64> = picks
-        .iter()
-        .map(|(a, p)| (a, p.saturating_sub(*last.get(a).unwrap_or(p))))
-        .collect();
-    let sum_delta: u64 = delta.values().sum();
-    let sum_total: u64 = total.values().sum();
     let pct = |n: u64, d: u64| {
         if d == 0 {
             "   -".to_string()
@@ -485,17 +427,33 @@ fn print_table(
         let hit = field("prefixHitRate")
             .as_f64()
             .map_or("  -".to_string(), |h| format!("{:>3.0}", h * 100.0));
+        let (last, total) = shares.per_pod.get(&a).copied().unwrap_or((0, 0));
         out.push_str(&format!(
             "pod{i}  {:<8} {:<20} {gpu}  {score:>5}  {cut:<14} {breaker:<10} {:>9} {:>10}  {blocks:>9}  {hit:>4}  {age}\n",
             preset(i),
             a,
-            pct(*delta.get(&a).unwrap_or(&0), sum_delta),
-            pct(*total.get(&a).unwrap_or(&0), sum_total),
+            pct(last, shares.sum_last),
+            pct(total, shares.sum_total),
         ));
     }
+    let worker = worker.map_or("-".to_string(), |w| format!("#{w}"));
     out.push_str(&format!(
-        "requests steered by ai-lb in the last second: {sum_delta}, since the start: {sum_total}\n"
+        "gpu, score, cut, breaker, cache, age: one Envoy worker's view ({worker}, status page); shares and counts: every worker's (Envoy's stats)\n"
     ));
+    out.push_str(&format!(
+        "requests steered by ai-lb in the last second: {}, since the start: {}\n",
+        shares.sum_last, shares.sum_total
+    ));
+    let c = since_start;
+    if c.opened_total() + c.half_opened + c.closed > 0 {
+        out.push_str(&format!(
+            "breakers since the start: opened {}, half-opened {}, closed {}\n",
+            c.opened_total(),
+            c.half_opened,
+            c.closed
+        ));
+    }
+    let prefix = &c.prefix;
     if prefix.keyed > 0 {
         out.push_str(&format!(
             "prefix affinity since the start: {} prompts keyed; {} sent to a pod caching their prefix, {} spilled (that pod would queue them), {} new prefixes to their rendezvous pod; {:.0}% of prompt blocks expected cached\n",
