@@ -377,12 +377,68 @@ fn a_model_header_is_used_and_the_debug_header_answers() {
         Next::Continue
     );
     assert_eq!(ex.model(), Some("m"));
+    // The model header is the client's to send (its own request's model) and goes on; the
+    // debug header only asks this filter for the response header and goes no further.
+    assert_eq!(h.req.get("x-model").map(String::as_str), Some("m"));
+    assert!(!h.req.contains_key("x-ai-lb-debug"), "{:?}", h.req);
     ex.on_response_headers(&mut h, &mut w, &mut NoGate, false);
     let dbg = h.resp.get("x-ai-lb-debug").cloned().unwrap();
     assert!(
         dbg.starts_with(&format!("pod={}", ex.chosen().unwrap())),
         "{dbg}"
     );
+}
+
+/// A worker whose config turns admission on with `admission` (JSON).
+fn worker_with_admission(admission: &str) -> MockWorker {
+    let mut w = worker();
+    let cfg = FilterConfig::from_json(
+        format!(
+            r#"{{"pools":[{{"name":"default","cluster":"inference"}}],"admission":{admission}}}"#
+        )
+        .as_bytes(),
+    )
+    .unwrap();
+    w.router = Router::new(cfg);
+    publish(&mut w.router, 1_000);
+    w
+}
+
+/// Issue 31: a client cannot claim a priority class. The priority header is dropped before
+/// the gate reads it unless `admission.trustedHeaders` says a filter before this one sets it;
+/// with admission off the filter reads no priority header and leaves it alone.
+#[test]
+fn an_untrusted_priority_header_is_dropped_and_a_trusted_one_kept() {
+    let cases = [
+        (r#"{}"#, false),
+        (r#"{"enabled": false}"#, true),
+        (r#"{"trustedHeaders": ["x-ai-lb-priority"]}"#, true),
+        (
+            r#"{"priority": {"header": "x-prio"}, "trustedHeaders": ["x-ai-lb-priority"]}"#,
+            true,
+        ),
+    ];
+    for (admission, kept) in cases {
+        let mut w = worker_with_admission(admission);
+        let mut h = host(1_010);
+        h.req.insert("x-ai-lb-priority".into(), "critical".into());
+        h.req.insert("x-prio".into(), "critical".into());
+        let mut ex = Exchange::new();
+        ex.on_request_headers(&mut h, &mut w, &mut NoGate, true);
+        assert_eq!(
+            h.req.contains_key("x-ai-lb-priority"),
+            kept,
+            "admission {admission}: {:?}",
+            h.req
+        );
+        // A custom priority header that is not trusted is dropped too.
+        let custom = admission.contains("x-prio");
+        assert_eq!(
+            h.req.contains_key("x-prio"),
+            !custom,
+            "admission {admission}"
+        );
+    }
 }
 
 #[test]

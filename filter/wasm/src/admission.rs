@@ -164,8 +164,9 @@ pub fn header_names(cfg: &AdmissionConfig) -> Vec<&str> {
         "content-length",
         "authorization",
         "x-api-key",
-        cfg.priority.header.as_str(),
     ];
+    // An untrusted priority header was removed by the lifecycle and is not read.
+    names.extend(cfg.priority_header());
     for s in &cfg.tenant_key {
         if let ai_lb_filter_core::admission::config::TenantKeySource::Header(h) = s {
             names.push(h.as_str());
@@ -213,8 +214,8 @@ pub fn begin(
     let cfg = rt.cfg.clone();
     let path = h.get(":path").unwrap_or("/");
     let tenant = tenant::resolve(&cfg.tenant_key, |n| h.get(n), peer_principal);
-    let (class, source) =
-        priority::classify(&cfg.priority, path, h.get(cfg.priority.header.as_str()));
+    let claimed = cfg.priority_header().and_then(|n| h.get(n));
+    let (class, source) = priority::classify(&cfg.priority, path, claimed);
     if source == ClassSource::InvalidHeader {
         metrics.inc(&format!("{PREFIX}.invalid_priority_header"), 1);
     }
@@ -594,7 +595,13 @@ mod tests {
         .unwrap();
         let names = header_names(&c);
         assert!(names.contains(&"x-team"));
-        assert!(names.contains(&"x-prio"));
+        // Not trusted: never read (issue 31).
+        assert!(!names.contains(&"x-prio"));
+        let trusted = AdmissionConfig::from_value(&json!({
+            "priority": {"header": "x-prio"}, "trustedHeaders": ["x-prio"]
+        }))
+        .unwrap();
+        assert!(header_names(&trusted).contains(&"x-prio"));
         let h = Headers::from_pairs(vec![("x-team".into(), "blue".into())]);
         assert_eq!(h.get("x-team"), Some("blue"));
         assert_eq!(h.get("x-prio"), None);

@@ -39,6 +39,9 @@ fn under_saturation_sheddable_is_shed_standard_waits_critical_proceeds() {
         &pool,
         config(json!({
             "admission": {
+                // The classes come from the header, so it is trusted here (as if a filter in
+                // front set it); by default a client's claim is dropped (issue 31).
+                "trustedHeaders": ["x-ai-lb-priority"],
                 "tenants": {"default": {"tokensPerSecond": 1000000, "burst": 1000000}},
                 "saturation": {"softThreshold": 0.85, "maxWaitStandardMs": MAX_WAIT_MS, "retryAfterSeconds": 3}
             }

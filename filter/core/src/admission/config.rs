@@ -235,6 +235,11 @@ pub struct AdmissionConfig {
     pub cost: CostConfig,
     /// Tenant key sources, tried in order; none matching puts the request in tenant `default`.
     pub tenant_key: Vec<TenantKeySource>,
+    /// Request headers (lower-case) that a filter running before this one sets from an
+    /// authenticated identity, after removing the client's copy. The priority header is read
+    /// only when listed here; a tenant key read from an unlisted header is forgeable
+    /// ([`AdmissionConfig::trust_warnings`]).
+    pub trusted_headers: Vec<String>,
     pub tenants: TenantLimits,
     pub priority: PriorityConfig,
     pub saturation: SaturationConfig,
@@ -246,16 +251,90 @@ impl Default for AdmissionConfig {
         Self {
             enabled: true,
             cost: CostConfig::default(),
-            tenant_key: vec![
-                TenantKeySource::Header("x-tenant-id".to_string()),
-                TenantKeySource::ApiKeyHash,
-                TenantKeySource::PeerPrincipal,
-            ],
+            // Only what no client can claim: a header or an API key is the client's to write,
+            // so those sources are opt-in (issue 31).
+            tenant_key: vec![TenantKeySource::PeerPrincipal],
+            trusted_headers: Vec::new(),
             tenants: TenantLimits::default(),
             priority: PriorityConfig::default(),
             saturation: SaturationConfig::default(),
             guard: GuardConfig::default(),
         }
+    }
+}
+
+/// A config that is accepted but lets a client claim what it should not (`ai-lb-check-config`
+/// prints these): the field path, its value, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TrustWarning {
+    pub path: String,
+    pub value: String,
+    pub reason: String,
+}
+
+impl std::fmt::Display for TrustWarning {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "field `{}`: value {}: {}",
+            self.path, self.value, self.reason
+        )
+    }
+}
+
+impl AdmissionConfig {
+    /// Whether a filter before ai-lb sets request header `name` (any case) from an
+    /// authenticated identity (`trustedHeaders`).
+    pub fn trusts(&self, name: &str) -> bool {
+        self.trusted_headers
+            .iter()
+            .any(|h| h.eq_ignore_ascii_case(name))
+    }
+
+    /// The priority header to read: only a trusted one (else any client could claim `critical`).
+    pub fn priority_header(&self) -> Option<&str> {
+        let h = self.priority.header.as_str();
+        self.trusts(h).then_some(h)
+    }
+
+    /// The priority header when it is NOT trusted: the request lifecycle removes it from every
+    /// request, so neither this filter nor anything after it acts on the client's claim.
+    pub fn untrusted_priority_header(&self) -> Option<&str> {
+        let h = self.priority.header.as_str();
+        (!self.trusts(h)).then_some(h)
+    }
+
+    /// Tenant key sources a client can forge: a `header:` source whose header is not trusted,
+    /// and `apiKeyHash` unless both headers it reads (`authorization`, then `x-api-key`) are.
+    pub fn trust_warnings(&self) -> Vec<TrustWarning> {
+        let mut out = Vec::new();
+        for (i, src) in self.tenant_key.iter().enumerate() {
+            let reason = match src {
+                TenantKeySource::Header(h) if !self.trusts(h) => format!(
+                    "any client can send `{h}` and be charged to the tenant it names (or to a \
+                     fresh bucket for every name it invents); take the tenant from \
+                     `peerPrincipal`, or from a header that an authentication filter before \
+                     ai-lb sets after removing the client's copy, and list that header in \
+                     `admission.trustedHeaders`"
+                ),
+                TenantKeySource::ApiKeyHash
+                    if !(self.trusts("authorization") && self.trusts("x-api-key")) =>
+                {
+                    "any client can invent API keys, each one a tenant with a fresh bucket, \
+                     unless a filter before ai-lb rejects unknown keys (e.g. Envoy's \
+                     `api_key_auth`) and removes the header it does not check; list \
+                     `authorization` and `x-api-key` in `admission.trustedHeaders` once one does"
+                        .to_string()
+                }
+                _ => continue,
+            };
+            out.push(TrustWarning {
+                path: format!("{PREFIX}.tenantKey[{i}]"),
+                value: json_str(&src.render()),
+                reason,
+            });
+        }
+        out
     }
 }
 
@@ -280,11 +359,24 @@ pub(crate) struct RawAdmission {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     cost: Option<RawCost>,
     /// Where the tenant key comes from, tried in order: `header:<name>`, `apiKeyHash` (SHA-256 of the
-    /// bearer or `x-api-key` key, never the key) or `peerPrincipal` (mTLS SPIFFE id); no duplicates.
-    /// None matching: tenant `default`.
-    #[cfg_attr(feature = "schema", schemars(extend("default" = ["header:x-tenant-id", "apiKeyHash", "peerPrincipal"])))]
+    /// bearer or `x-api-key` key, never the key) or `peerPrincipal` (the mTLS peer's SPIFFE id, which
+    /// no client can claim); no duplicates. None matching: tenant `default`. A header (and the API
+    /// key's `authorization` / `x-api-key`) is whatever the client writes unless a filter before
+    /// ai-lb sets it from an authenticated identity: list it in `trustedHeaders` once one does
+    /// (`ai-lb-check-config` warns otherwise).
+    #[cfg_attr(feature = "schema", schemars(extend("default" = ["peerPrincipal"])))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     tenant_key: Option<Vec<String>>,
+    /// Request headers that a filter running before ai-lb sets from an authenticated identity after
+    /// removing the client's copy (e.g. `header_mutation` removing it, then `jwt_authn`
+    /// `claim_to_headers` setting it; `authorization` behind an `api_key_auth` that rejects unknown
+    /// keys). The priority header is read only when listed here: otherwise ai-lb removes it from
+    /// the request and the class comes from `priority.routes` or `priority.defaultClass`. Listing a
+    /// tenant key's header here says it cannot be forged (no check-config warning). HTTP header
+    /// names, matched case-insensitively; no duplicates.
+    #[cfg_attr(feature = "schema", schemars(extend("default" = [])))]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    trusted_headers: Option<Vec<String>>,
     /// Token bucket per tenant name (1..=128 characters). The entry `default` is the bucket given to
     /// every tenant without its own entry (each tenant gets its own bucket).
     #[cfg_attr(feature = "schema", schemars(extend("default" = {"default": {"tokensPerSecond": 2000, "burst": 64000}})))]
@@ -402,7 +494,8 @@ struct RawBucket {
 )]
 struct RawPriority {
     /// Request header carrying `critical`, `standard` or `sheddable` (HTTP header name, matched
-    /// case-insensitively).
+    /// case-insensitively). Read only when listed in `admission.trustedHeaders` (any client could
+    /// otherwise claim `critical`); else removed from the request and ignored.
     #[cfg_attr(feature = "schema", schemars(extend("default" = "x-ai-lb-priority")))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     header: Option<String>,
@@ -666,6 +759,23 @@ impl TryFrom<RawAdmission> for AdmissionConfig {
             }
         };
 
+        let mut trusted_headers: Vec<String> = Vec::new();
+        for (i, h) in raw.trusted_headers.unwrap_or_default().iter().enumerate() {
+            let path = format!("trustedHeaders[{i}]");
+            if !is_header_name(h) {
+                return Err(err(
+                    &path,
+                    json_str(h),
+                    "must be a non-empty HTTP header name",
+                ));
+            }
+            let name = h.to_ascii_lowercase();
+            if trusted_headers.contains(&name) {
+                return Err(err(&path, json_str(h), "is listed twice"));
+            }
+            trusted_headers.push(name);
+        }
+
         let mut tenants = TenantLimits::default();
         for (name, b) in raw.tenants.unwrap_or_default() {
             let base = format!("tenants.{name}");
@@ -810,6 +920,7 @@ impl TryFrom<RawAdmission> for AdmissionConfig {
             enabled: raw.enabled.unwrap_or(d.enabled),
             cost,
             tenant_key,
+            trusted_headers,
             tenants,
             priority,
             saturation,
@@ -859,6 +970,7 @@ impl From<&AdmissionConfig> for RawAdmission {
                 malformed_json: Some(c.cost.malformed_json),
             }),
             tenant_key: Some(c.tenant_key.iter().map(TenantKeySource::render).collect()),
+            trusted_headers: Some(c.trusted_headers.clone()),
             tenants: Some(tenants),
             priority: Some(RawPriority {
                 header: Some(c.priority.header.clone()),
@@ -1083,6 +1195,71 @@ mod tests {
         assert_eq!(e.path, "admission");
     }
 
+    /// Issue 31: the default tenant is the mTLS peer (no client can claim it), a priority header
+    /// is read only when a trusted filter sets it, and forgeable tenant keys are named.
+    #[test]
+    fn trust_defaults_and_trusted_headers() {
+        let d = AdmissionConfig::default();
+        assert_eq!(d.tenant_key, vec![TenantKeySource::PeerPrincipal]);
+        assert!(d.trusted_headers.is_empty());
+        assert_eq!(d.priority_header(), None);
+        assert_eq!(d.untrusted_priority_header(), Some("x-ai-lb-priority"));
+        assert!(d.trust_warnings().is_empty());
+
+        let c = AdmissionConfig::from_value(&json!({
+            "tenantKey": ["header:X-Tenant-Id", "apiKeyHash", "header:x-ai-lb-tenant", "peerPrincipal"],
+            "trustedHeaders": ["X-AI-LB-Tenant", "x-ai-lb-priority"]
+        }))
+        .unwrap();
+        assert_eq!(
+            c.trusted_headers,
+            vec!["x-ai-lb-tenant", "x-ai-lb-priority"]
+        );
+        assert_eq!(c.priority_header(), Some("x-ai-lb-priority"));
+        assert_eq!(c.untrusted_priority_header(), None);
+        let w = c.trust_warnings();
+        assert_eq!(w.len(), 2, "{w:?}");
+        assert_eq!(w[0].path, "admission.tenantKey[0]");
+        assert_eq!(w[0].value, "\"header:x-tenant-id\"");
+        assert!(
+            w[0].reason.contains("any client can send `x-tenant-id`"),
+            "{}",
+            w[0]
+        );
+        assert_eq!(w[1].path, "admission.tenantKey[1]");
+        assert!(w[1].reason.contains("invent API keys"), "{}", w[1]);
+        assert!(w[0]
+            .to_string()
+            .starts_with("field `admission.tenantKey[0]`: value \"header:x-tenant-id\": "));
+
+        let keys = AdmissionConfig::from_value(&json!({
+            "tenantKey": ["apiKeyHash"], "trustedHeaders": ["authorization", "x-api-key"]
+        }))
+        .unwrap();
+        assert!(keys.trust_warnings().is_empty());
+
+        for (v, path) in [
+            (
+                json!({"trustedHeaders": ["x a"]}),
+                "admission.trustedHeaders[0]",
+            ),
+            (
+                json!({"trustedHeaders": ["a", "A"]}),
+                "admission.trustedHeaders[1]",
+            ),
+            (
+                json!({"trustedHeaders": [""]}),
+                "admission.trustedHeaders[0]",
+            ),
+        ] {
+            assert_eq!(
+                AdmissionConfig::from_value(&v).unwrap_err().path,
+                path,
+                "{v}"
+            );
+        }
+    }
+
     #[test]
     fn round_trips_through_json() {
         let mut c = AdmissionConfig::default();
@@ -1097,6 +1274,7 @@ mod tests {
             path_prefix: "/x".into(),
             class: PriorityClass::Sheddable,
         });
+        c.trusted_headers.push("x-ai-lb-tenant".into());
         assert_eq!(AdmissionConfig::from_value(&c.to_value()), Ok(c));
     }
 }

@@ -6,10 +6,11 @@
 //! the core's tests drive it with a mock host and no Envoy (`filter/core/tests/lifecycle.rs`).
 //!
 //! The steps, in order:
-//! 1. request headers: drop a client-sent routing header; answer the status path; find the pool
-//!    by the routed cluster; read the model header and the debug header; decide whether the
-//!    body must be read (the model is only in the body, or a pod of the pool reports its prefix
-//!    cache); let the [`Gate`] (admission, when the glue has one) start.
+//! 1. request headers: drop a client-sent routing header (and an untrusted priority header);
+//!    answer the status path; find the pool by the routed cluster; read the model header and
+//!    the debug header (which goes no further); decide whether the body must be read (the
+//!    model is only in the body, or a pod of the pool reports its prefix cache); let the
+//!    [`Gate`] (admission, when the glue has one) start.
 //! 2. the whole body (when asked for): the model, the output reservation, the prompt's key
 //!    blocks; the gate costs it.
 //! 3. the gate may reply or hold the request; else it is routed ([`steer`]): the ranked list is
@@ -331,9 +332,19 @@ impl Exchange {
         let debug_header = cfg.debug_header.clone();
         let pools = cfg.pools.len();
         self.body_cap = cfg.max_body_read_bytes as usize;
-        // Clients cannot steer: whatever they sent in the routing header is dropped first.
-        if !host.set_request_header(&routing_header, None) {
-            host.warn(&format!("ai-lb: cannot remove `{routing_header}`"));
+        // Clients cannot steer, nor claim a priority class no trusted filter gave them: the
+        // routing header, and the priority header unless `admission.trustedHeaders` lists it,
+        // are dropped before anything reads them (issue 31).
+        let untrusted = cfg
+            .admission
+            .as_ref()
+            .filter(|a| a.enabled)
+            .and_then(|a| a.untrusted_priority_header())
+            .map(str::to_string);
+        for h in std::iter::once(routing_header.as_str()).chain(untrusted.as_deref()) {
+            if !host.set_request_header(h, None) {
+                host.warn(&format!("ai-lb: cannot remove `{h}`"));
+            }
         }
         if let Some(path) = status_path.as_deref() {
             let asked = host
@@ -360,7 +371,13 @@ impl Exchange {
         let Some(pool) = self.pool else {
             return Next::Continue;
         };
-        self.debug = debug_header.is_some_and(|h| host.request_header(&h).is_some());
+        self.debug = debug_header
+            .as_deref()
+            .is_some_and(|h| host.request_header(h).is_some());
+        // It asks this filter for the debug header; the model server has no use for it.
+        if let Some(h) = debug_header.as_deref().filter(|_| self.debug) {
+            host.set_request_header(h, None);
+        }
         if let Some(h) = model_header.as_deref() {
             self.model = host
                 .request_header(h)
