@@ -16,7 +16,10 @@ const USAGE: &str = "usage: ai-lb-check-config [--schema] <FILE|->...
          and/or EnvoyFilter resources; `-` reads stdin (JSON or YAML)
   --schema  print the plugin config's JSON Schema and exit
 Prints `OK <file> [<resource>]` per valid config, the field path, value and reason per
-invalid one. Exit status: 0 all valid, 1 some config invalid, 2 usage or I/O error.";
+invalid one, and `WARN` lines (field, value, why) for what a valid config lets any client
+claim or read: a tenant key from a header no authentication filter sets, the debug header,
+the status page. Exit status: 0 all valid (warnings or not), 1 some config invalid, 2 usage
+or I/O error.";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -74,7 +77,12 @@ fn main() -> ExitCode {
             match f {
                 Found::Config { resource, json } => {
                     match ai_lb_filter_core::FilterConfig::from_json(json.as_bytes()) {
-                        Ok(_) => println!("OK {name}{}", label(&resource)),
+                        Ok(cfg) => {
+                            println!("OK {name}{}", label(&resource));
+                            for w in trust_warnings(&cfg) {
+                                println!("WARN {name}{}: {w}", label(&resource));
+                            }
+                        }
                         Err(e) => {
                             invalid += 1;
                             println!("INVALID {name}{}: {e}", label(&resource));
@@ -98,6 +106,43 @@ fn main() -> ExitCode {
     } else {
         ExitCode::SUCCESS
     }
+}
+
+/// What a valid route config lets any client claim or read (issue 31): a tenant key from a
+/// header no authentication filter sets, and the debug header and status page, which show pod
+/// addresses and scores to whoever asks. Warnings, not errors: each is right where every caller
+/// is trusted.
+fn trust_warnings(cfg: &ai_lb_filter_core::FilterConfig) -> Vec<String> {
+    use ai_lb_filter_core::config::Mode;
+    if cfg.mode != Mode::Route {
+        return Vec::new();
+    }
+    let mut out: Vec<String> = cfg
+        .admission
+        .iter()
+        .filter(|a| a.enabled)
+        .flat_map(|a| a.trust_warnings())
+        .map(|w| w.to_string())
+        .collect();
+    let quoted = |s: &str| serde_json::to_string(s).unwrap_or_else(|_| s.to_string());
+    if let Some(h) = &cfg.debug_header {
+        out.push(format!(
+            "field `debugHeader`: value {}: any client that sends `{h}` gets the chosen pod's \
+             address, its score and the ranked list in the response; set it only where every \
+             caller may see them, or remove the header from other callers' requests before \
+             ai-lb (Envoy `header_mutation`)",
+            quoted(h)
+        ));
+    }
+    if let Some(p) = &cfg.status_path {
+        out.push(format!(
+            "field `statusPath`: value {}: any client that requests this path gets every pod's \
+             address, load and scores; serve it only where every caller may see them, or deny \
+             the path to other callers before ai-lb (Envoy `rbac`)",
+            quoted(p)
+        ));
+    }
+    out
 }
 
 fn label(resource: &Option<String>) -> String {

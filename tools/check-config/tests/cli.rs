@@ -78,6 +78,119 @@ fn shipped_configs_pass() {
         assert!(t.contains(must), "missing {must:?} in:\n{t}");
     }
     assert!(!t.contains("INVALID"), "{t}");
+    // Issue 31: what the compose stack and Istio ship lets no client claim a tenant or read the
+    // scoreboard; only the local sample (debug header and status page on) is warned about.
+    let warns: Vec<&str> = t.lines().filter(|l| l.starts_with("WARN ")).collect();
+    assert!(
+        warns
+            .iter()
+            .all(|l| l.starts_with("WARN envoy-config/filter-config.json: ")),
+        "{t}"
+    );
+    assert_eq!(warns.len(), 2, "{t}");
+    assert!(
+        warns[0].contains("`debugHeader`") && warns[1].contains("`statusPath`"),
+        "{t}"
+    );
+}
+
+/// Issue 31: a tenant key read from a plain request header is accepted (exit 0) but warned
+/// about, naming the field, the value and why; listing the header as set by a trusted filter
+/// (`admission.trustedHeaders`), or taking the tenant from the mTLS peer, is not.
+#[test]
+fn a_forgeable_tenant_key_is_warned_about_not_rejected() {
+    let cfg = |admission: &str| format!(r#"{{{POOL},"admission":{admission}}}"#);
+    let out = run(
+        &["-"],
+        Some(&cfg(
+            r#"{"tenantKey": ["header:X-Tenant-Id", "peerPrincipal"]}"#,
+        )),
+    );
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{t}");
+    assert!(t.contains("OK <stdin>"), "{t}");
+    let warn = t
+        .lines()
+        .find(|l| l.starts_with("WARN <stdin>: "))
+        .unwrap_or_else(|| panic!("no warning in:\n{t}"));
+    for must in [
+        "field `admission.tenantKey[0]`",
+        r#"value "header:x-tenant-id""#,
+        "any client can send `x-tenant-id`",
+        "admission.trustedHeaders",
+    ] {
+        assert!(warn.contains(must), "missing {must:?} in {warn}");
+    }
+    assert_eq!(t.matches("WARN ").count(), 1, "{t}");
+
+    let out = run(&["-"], Some(&cfg(r#"{"tenantKey": ["apiKeyHash"]}"#)));
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{t}");
+    assert!(
+        t.contains("WARN <stdin>: field `admission.tenantKey[0]`: value \"apiKeyHash\": any client can invent API keys"),
+        "{t}"
+    );
+
+    for quiet in [
+        r#"{"tenantKey": ["header:x-ai-lb-tenant"], "trustedHeaders": ["X-AI-LB-Tenant"]}"#,
+        r#"{"tenantKey": ["peerPrincipal"]}"#,
+        r#"{}"#,
+        r#"{"tenantKey": ["apiKeyHash"], "trustedHeaders": ["authorization", "x-api-key"]}"#,
+        // Admission off: no tenant is resolved.
+        r#"{"enabled": false, "tenantKey": ["header:x-tenant-id"]}"#,
+    ] {
+        let out = run(&["-"], Some(&cfg(quiet)));
+        let t = text(&out);
+        assert_eq!(out.status.code(), Some(0), "{quiet}: {t}");
+        assert!(!t.contains("WARN"), "{quiet}: {t}");
+    }
+
+    // A warning does not hide an error in another config, nor change its exit status.
+    let dir = tempfile::tempdir().unwrap();
+    let warned = dir.path().join("warned.json");
+    std::fs::write(&warned, cfg(r#"{"tenantKey": ["header:x-tenant-id"]}"#)).unwrap();
+    let bad = dir.path().join("bad.json");
+    std::fs::write(&bad, cfg(r#"{"trustedHeaders": ["x a"]}"#)).unwrap();
+    let out = run(&[warned.to_str().unwrap(), bad.to_str().unwrap()], None);
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{t}");
+    assert!(
+        t.contains("WARN ") && t.contains("`admission.trustedHeaders[0]`"),
+        "{t}"
+    );
+}
+
+/// Issue 31: the debug header and the status page show pod addresses and scores to any
+/// caller; a route config that turns them on is warned about, a guard config is not.
+#[test]
+fn debug_header_and_status_path_are_warned_about() {
+    let out = run(
+        &["-"],
+        Some(&format!(
+            r#"{{{POOL},"debugHeader":"x-dbg","statusPath":"/lb"}}"#
+        )),
+    );
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{t}");
+    assert!(
+        t.contains(
+            r#"WARN <stdin>: field `debugHeader`: value "x-dbg": any client that sends `x-dbg`"#
+        ),
+        "{t}"
+    );
+    assert!(
+        t.contains(
+            r#"WARN <stdin>: field `statusPath`: value "/lb": any client that requests this path"#
+        ),
+        "{t}"
+    );
+    let out = run(
+        &["-"],
+        Some(r#"{"mode":"guard","pools":[],"admission":{"tenantKey":["header:x-t"]}}"#),
+    );
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{t}");
+    assert!(!t.contains("WARN"), "{t}");
 }
 
 const POOL: &str = r#""pools":[{"name":"llm","cluster":"inference"}]"#;
