@@ -38,11 +38,37 @@ pub fn property_u64(path: &[&str]) -> Option<u64> {
     Some(u64::from_le_bytes(arr))
 }
 
-/// One request header; only valid in the request phase.
+/// One request header; only valid in the request phase (None elsewhere, never a trap).
 pub fn request_header(name: &str) -> Option<String> {
-    hostcalls::get_map_value(MapType::HttpRequestHeaders, name)
-        .ok()
-        .flatten()
+    header_value(MapType::HttpRequestHeaders, name)
+}
+
+/// A header's (first) value. Invalid UTF-8 is replaced (U+FFFD), not refused: Envoy passes a
+/// client's obs-text bytes (0x80-0xFF) through, and the SDK's `get_map_value` unwraps
+/// `String::from_utf8`, so one such byte in a header the filter reads trapped the VM (issue 31;
+/// e2e `filter_header_injection`). A host status other than Ok is None (the SDK panics on
+/// anything but NotFound).
+#[allow(unsafe_code)] // the raw ABI call, as the SDK makes it, without its panics
+fn header_value(map: MapType, name: &str) -> Option<String> {
+    let mut data: *mut u8 = std::ptr::null_mut();
+    let mut size: usize = 0;
+    // SAFETY: `name` is a live slice for the call; on Ok the host wrote a buffer it allocated
+    // through this module's `proxy_on_memory_allocate` (the Rust allocator), of `size` bytes,
+    // which is then owned here exactly as the SDK owns it.
+    let status =
+        unsafe { proxy_get_header_map_value(map, name.as_ptr(), name.len(), &mut data, &mut size) };
+    match status {
+        Status::Ok if data.is_null() => Some(String::new()),
+        Status::Ok => {
+            // SAFETY: see above.
+            let bytes = unsafe { Vec::from_raw_parts(data, size, size) };
+            Some(match String::from_utf8(bytes) {
+                Ok(s) => s,
+                Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+            })
+        }
+        _ => None,
+    }
 }
 
 /// Replaces (or with `None`, removes) a request header; only valid before the request is sent.
@@ -50,11 +76,9 @@ pub fn set_request_header(name: &str, value: Option<&str>) -> Result<(), Status>
     hostcalls::set_map_value(MapType::HttpRequestHeaders, name, value)
 }
 
-/// One response header; only valid in the response phase.
+/// One response header; only valid in the response phase (None elsewhere, never a trap).
 pub fn response_header(name: &str) -> Option<String> {
-    hostcalls::get_map_value(MapType::HttpResponseHeaders, name)
-        .ok()
-        .flatten()
+    header_value(MapType::HttpResponseHeaders, name)
 }
 
 /// Sets a response header; only valid in the response-headers phase.
@@ -103,6 +127,13 @@ extern "C" {
         grpc_status: i32,
     ) -> Status;
     fn proxy_continue_stream(stream_type: StreamType) -> Status;
+    fn proxy_get_header_map_value(
+        map_type: MapType,
+        key_data: *const u8,
+        key_size: usize,
+        return_value_data: *mut *mut u8,
+        return_value_size: *mut usize,
+    ) -> Status;
 }
 
 /// proxy-wasm's header map serialization: count, then (key len, value len) pairs, then each

@@ -808,7 +808,7 @@ fn serve_stub(s: TcpStream, addr: SocketAddr, seen: SeenHeaders, stop: Arc<Atomi
     let mut line = String::new();
     while !stop.load(Ordering::Relaxed) {
         line.clear();
-        match r.read_line(&mut line) {
+        match read_line_lossy(&mut r, &mut line) {
             Ok(0) => return,
             Ok(_) => {}
             Err(e)
@@ -823,7 +823,7 @@ fn serve_stub(s: TcpStream, addr: SocketAddr, seen: SeenHeaders, stop: Arc<Atomi
         let mut len = 0usize;
         loop {
             let mut h = String::new();
-            if r.read_line(&mut h).unwrap_or(0) == 0 {
+            if read_line_lossy(&mut r, &mut h).unwrap_or(0) == 0 {
                 return;
             }
             let h = h.trim_end();
@@ -854,6 +854,15 @@ fn serve_stub(s: TcpStream, addr: SocketAddr, seen: SeenHeaders, stop: Arc<Atomi
             return;
         }
     }
+}
+
+/// One line, its bytes as text with invalid UTF-8 replaced: header values may carry obs-text
+/// bytes (0x80-0xFF), which Envoy passes on and `read_line` would refuse.
+fn read_line_lossy(r: &mut impl BufRead, line: &mut String) -> std::io::Result<usize> {
+    let mut buf = Vec::new();
+    let n = r.read_until(b'\n', &mut buf)?;
+    line.push_str(&String::from_utf8_lossy(&buf));
+    Ok(n)
 }
 
 /// A free loopback port for a process that must know its peers' ports before they start
