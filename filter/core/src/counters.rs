@@ -78,6 +78,14 @@ impl Counters {
         }
     }
 
+    /// Whether the glues export counter `name` as `ailb.<name>`: every counter but the
+    /// worker-local breaker transitions (`breaker.*`), which both glues count from the breakers
+    /// every worker shares instead (`ailb.breaker_opened.<reason>`, `ailb.breaker_half_opened`,
+    /// `ailb.breaker_closed`); exporting both would give two families of one stat that disagree.
+    pub fn exported(name: &str) -> bool {
+        !name.starts_with("breaker.")
+    }
+
     /// `(stat name, value)` pairs, stable names for Envoy counters.
     pub fn iter(&self) -> [(&'static str, u64); Self::COUNT] {
         [

@@ -12,6 +12,7 @@ use std::time::Duration;
 use ai_lb_filter_core::config::FilterConfig;
 use ai_lb_filter_core::feed::{Backoff, Subscription};
 use ai_lb_filter_core::picker::Router;
+use ai_lb_filter_core::Counters as CoreCounters;
 use ai_lb_proto::v1::metrics_service_client::MetricsServiceClient;
 use ai_lb_proto::v1::WatchPoolRequest;
 
@@ -68,8 +69,9 @@ pub struct Shared {
     pub stream_opens: Tally,
     pub stream_failures: Tally,
     pub stream_closes: Tally,
-    /// Events that did not decode or apply.
-    pub decode_errors: AtomicU64,
+    /// The feed routers' own counters (the core's, in `Counters::iter` order), added as they
+    /// apply events; the workers add them to Envoy's `ailb.<name>`.
+    pub feed_counters: [Tally; CoreCounters::COUNT],
     /// Hooks that found their worker's routing state in use (a re-entered hook) and left
     /// the request to Envoy's balancing (`ailb.state_busy`).
     pub busy: Tally,
@@ -180,6 +182,8 @@ async fn watch(
     let idle = Duration::from_millis(sub.idle_timeout_ms());
     let mut rng = SmallRng::seed_from_u64(now_ms() ^ (i as u64).wrapping_mul(0x9e37_79b9));
     let mut router = Router::new(cfg);
+    // The router's counters as last added to `shared.feed_counters`.
+    let mut seen = [0u64; CoreCounters::COUNT];
     let mut turn = 0usize;
     let mut token = 0u32;
     loop {
@@ -204,9 +208,12 @@ async fn watch(
             &mut router,
             addr,
             &shared,
+            &mut seen,
             idle,
-            w.min_interval_ms,
-            w.heartbeat_ms,
+            WatchPoolRequest {
+                min_interval_ms: w.min_interval_ms,
+                heartbeat_ms: w.heartbeat_ms,
+            },
         );
         let ended = tokio::select! {
             r = run => r,
@@ -247,16 +254,12 @@ async fn stream_once(
     router: &mut Router,
     addr: SocketAddr,
     shared: &Shared,
+    seen: &mut [u64; CoreCounters::COUNT],
     idle: Duration,
-    min_interval_ms: u32,
-    heartbeat_ms: u32,
+    req: WatchPoolRequest,
 ) -> Ended {
     let Ok(mut client) = MetricsServiceClient::connect(format!("http://{addr}")).await else {
         return Ended::NotOpened;
-    };
-    let req = WatchPoolRequest {
-        min_interval_ms,
-        heartbeat_ms,
     };
     let Ok(resp) = client.watch_pool(req).await else {
         return Ended::NotOpened;
@@ -272,8 +275,22 @@ async fn stream_once(
         any = true;
         let now = now_ms();
         router.apply_pool_event(i, &ev, now);
-        let Some(bytes) = router.pool_state(i).map(|st| st.encode()) else {
-            shared.decode_errors.fetch_add(1, Ordering::Relaxed);
+        let encoded = router.pool_state(i).map(|st| st.encode());
+        if encoded.is_none() {
+            router.counters_mut().pool_decode_errors += 1;
+        }
+        for ((_, v), (tally, last)) in router
+            .counters()
+            .iter()
+            .iter()
+            .zip(shared.feed_counters.iter().zip(seen.iter_mut()))
+        {
+            if *v > *last {
+                tally.add(*v - *last);
+                *last = *v;
+            }
+        }
+        let Some(bytes) = encoded else {
             continue;
         };
         if let Some(slot) = shared.pools.get(i) {

@@ -87,7 +87,14 @@ impl ConfigRt {
         });
         let core_names = CoreCounters::default().iter().map(|(name, _)| name);
         let counters = Counters {
-            core: core_names.map(|n| handle.define_counter(&format!("ailb.{n}"))),
+            // Id 0 (never counted) for the ones not exported (`Counters::exported`).
+            core: core_names.map(|n| {
+                if CoreCounters::exported(n) {
+                    handle.define_counter(&format!("ailb.{n}"))
+                } else {
+                    0
+                }
+            }),
             stream_opens: handle.define_counter("ailb.stream.opens"),
             stream_failures: handle.define_counter("ailb.stream.failures"),
             stream_closes: handle.define_counter("ailb.stream.closes"),
@@ -227,9 +234,8 @@ impl lifecycle::Worker for Worker {
             if slot.version.load(Ordering::Acquire) != *seen {
                 let (v, bytes) = slot.read();
                 *seen = v;
-                if self.router.set_pool_state_bytes(pool, &bytes, now).is_err() {
-                    self.shared.decode_errors.fetch_add(1, Ordering::Relaxed);
-                }
+                // A state that does not decode is counted by the router (pool_decode_errors).
+                let _ = self.router.set_pool_state_bytes(pool, &bytes, now);
                 // Pods new to this worker get their shared breakers too.
                 if let Some(b) = self.breakers.seen.get_mut(pool) {
                     *b = 0;
@@ -295,8 +301,17 @@ impl Worker {
                 .unwrap_or(0);
             s.inc(id, 1);
         }
-        // What the feed thread and the other workers counted since any worker last exported.
+        // What the feed threads counted applying the agents' events (pool events, rejected
+        // snapshots, signal issues, hardware faults, model servers down: counted where events
+        // are applied, as the wasm filter's subscribing VM does), since any worker last
+        // exported.
         let sh = &rt.shared;
+        for (tally, id) in sh.feed_counters.iter().zip(c.core) {
+            let n = tally.take_new();
+            if n > 0 {
+                s.inc(id, n);
+            }
+        }
         for (tally, id) in [
             (&sh.busy, c.state_busy),
             (&sh.stream_opens, c.stream_opens),

@@ -171,11 +171,7 @@ impl Metrics {
     pub fn export_core(&mut self, counters: &[(&'static str, u64)]) -> u64 {
         let mut fallbacks = 0;
         for (name, value) in counters {
-            // Breaker transitions are counted from the shared (cross-VM) breaker state instead,
-            // as `ailb.breaker_opened.<reason>`, `ailb.breaker_half_opened` and
-            // `ailb.breaker_closed` (root.rs); the core's `breaker.*` counts would be a second
-            // family of the same stats that disagrees with the first.
-            if name.starts_with("breaker.") {
+            if !ai_lb_filter_core::Counters::exported(name) {
                 continue;
             }
             let Some(last) = self.last_core.insert(name, *value) else {

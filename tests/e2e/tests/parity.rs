@@ -201,6 +201,20 @@ fn a_hot_pod_is_kept_out_and_the_model_read_from_the_body_on(path: Path) {
         )
         .unwrap_or_else(|e| panic!("{e}: scores x1000 per pod {:?}", scores()));
     assert_eq!(scores()[0], 0, "the hot pod's score gauge {:?}", scores());
+    // The agents' events are counted where they are applied (the wasm filter's subscribing
+    // VM, the native module's feed thread), and the core's worker-local breaker counts are not
+    // exported beside the shared ones.
+    assert!(
+        path.stat(&envoy, "ailb.pool_events") > 0,
+        "ailb.pool_events"
+    );
+    let stats = envoy.stats().unwrap();
+    assert!(
+        !stats
+            .keys()
+            .any(|k| k.starts_with(&format!("{}ailb.breaker.", path.prefix()))),
+        "a second family of breaker stats (ailb.breaker.*) is exported"
+    );
     let stats = envoy.stats().unwrap();
     for a in &pool.pod_addrs {
         let age = path.pod_stat_name("metrics_age_ms", &a.to_string());
