@@ -5,8 +5,11 @@
 //! ejection multiplier), so a pod that fails half its requests, whose probes sometimes all
 //! succeed, is not let back at the base cooldown every time. Half-open, the first probe goes
 //! alone and the rest of `halfOpenProbes` only once it has succeeded, so a pod that still fails
-//! costs one request per cooldown (per sidecar), not the whole budget. Time is passed in; every
-//! transition is returned so the caller can count it.
+//! costs one request per cooldown (per sidecar), not the whole budget. The picker sends a
+//! half-open pod the next request it can take as its probe, ahead of its weighted draw and of
+//! prefix affinity (see [`crate::picker`]): drawn like any pod, a healed pod holding no cached
+//! prefix, or with a queue, was left half-open with no probe for as long as the traffic lasted.
+//! Time is passed in; every transition is returned so the caller can count it.
 //!
 //! Failures: 5xx, resets, connect failures, timeouts, and TTFT above `ttftSloMs`; a 4xx is the
 //! client's fault and counts as a success. Agent-reported hardware faults trip it at once, and
@@ -417,7 +420,8 @@ impl Breaker {
     /// Whether a request may go to this pod now (call [`Breaker::poll`] first). Closed: yes;
     /// HalfOpen: while probes remain, the first one alone (the rest only once it succeeded, so
     /// a pod that still fails costs one request per cooldown, not the whole probe budget);
-    /// Open: no.
+    /// Open: no. HalfOpen and admitting, the picker sends it the next request it can take
+    /// (its probe) rather than leaving it to the draw; [`Breaker::on_request`] spends it.
     pub fn admits(&self, cfg: &BreakerConfig) -> bool {
         match self.state {
             BreakerState::Closed => true,

@@ -285,6 +285,15 @@ impl<'a> Candidates<'a> {
         })
     }
 
+    /// Whether the request may go to half-open pod `id` as its probe ([`View::probe_due`]):
+    /// unless it would wait for the pod's KV cache (or, held by `bigRequestHold`, find no room
+    /// there). Such a request would wait at the head of the pod's queue, and its time to first
+    /// token would judge the queue, not the pod's health; the next request that fits takes the
+    /// probe.
+    pub(super) fn may_probe(&self, id: u32) -> bool {
+        self.fits(id)
+    }
+
     /// Key blocks of the prompt pod `id` holds, 0 below `minMatchBlocks`.
     fn held_enough(&self, id: u32) -> usize {
         let h = self.held(id);

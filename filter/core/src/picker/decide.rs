@@ -1,5 +1,6 @@
-//! Where one request goes: the view's verdict (steer, or fall back and why), the draw, the
-//! ranked list behind the chosen pod, and what a pick spends (its count, a half-open probe).
+//! Where one request goes: the view's verdict (steer, or fall back and why), a half-open pod's
+//! probe ahead of the draw, the draw, the ranked list behind the chosen pod, and what a pick
+//! spends (its count, a half-open probe).
 
 use rand::RngCore;
 
@@ -101,13 +102,11 @@ impl Router {
                 &mut self.counters,
             );
         }
-        let first = draw(view, total, rng);
-        let Some(&a) = view.slots.get(first) else {
-            self.counters.fallback_no_agent_data += 1;
-            return Decision::Fallback(FallbackReason::NoAgentData);
-        };
-        let mut chosen = a;
-        if cfg.pick_strategy == PickStrategy::TwoChoices {
+        // A half-open pod with probe budget takes the request as its probe, ahead of the draw,
+        // the two-choice contest and prefix affinity: they would keep a healed pod that holds
+        // no prefix, or has a queue, out for as long as the traffic lasts.
+        let probe = view.probe_due();
+        let chosen = if cfg.pick_strategy == PickStrategy::TwoChoices {
             let mean_output_tokens = self.mean_output_tokens;
             let c = Candidates::new(
                 &p.pods,
@@ -118,9 +117,27 @@ impl Router {
                 req,
                 mean_output_tokens,
             );
-            chosen = c.choose(first, a, total, rng, &mut self.counters);
+            let chosen = match probe.filter(|&h| c.may_probe(h)) {
+                Some(h) => h,
+                None => {
+                    let Some((first, a)) = first_draw(view, total, rng) else {
+                        self.counters.fallback_no_agent_data += 1;
+                        return Decision::Fallback(FallbackReason::NoAgentData);
+                    };
+                    c.choose(first, a, total, rng, &mut self.counters)
+                }
+            };
             c.record_prefix(chosen, &mut self.counters, &mut p.own);
-        }
+            chosen
+        } else {
+            match probe.or_else(|| first_draw(view, total, rng).map(|(_, a)| a)) {
+                Some(a) => a,
+                None => {
+                    self.counters.fallback_no_agent_data += 1;
+                    return Decision::Fallback(FallbackReason::NoAgentData);
+                }
+            }
+        };
         ranked.push(chosen);
         push_fallbacks(&mut ranked, view, cfg.fallback_endpoints);
         let chosen_score = note_pick(p, chosen, model, now_ms, cfg);
@@ -130,6 +147,12 @@ impl Router {
             chosen_score,
         }
     }
+}
+
+/// The first candidate drawn by weight: its slot and pod (`total` > 0).
+fn first_draw(view: &View, total: f64, rng: &mut (impl RngCore + ?Sized)) -> Option<(usize, u32)> {
+    let first = draw(view, total, rng);
+    view.slots.get(first).map(|&a| (first, a))
 }
 
 /// Counts a fallback by its reason.

@@ -88,6 +88,14 @@
 //! - `proportional`: one draw with each weight divided by `1 + d / capacity`, `d` = this VM's
 //!   requests started since the pod's last snapshot net of ends (not below 0).
 //!
+//! Half-open probes come first, under either strategy: a pod whose breaker (or the requested
+//! model's) is HalfOpen with probe budget, and not cut, takes the next request as its probe,
+//! ahead of the draw, the contest and prefix affinity (`View::probe_due` in `view`), unless under
+//! `twoChoices` the request would wait for its KV cache. Drawn by weight among pods holding
+//! the traffic's prefixes, or against pods that start at once, a healed pod could otherwise go
+//! unprobed for as long as the traffic lasted (40 s and more in the demo). The budget bounds
+//! it: the first probe alone, the rest of `halfOpenProbes` once it passed.
+//!
 //! The chosen pod comes first in the ranked list, then the next best pods by smoothed weight
 //! (not HalfOpen ones: their probes are budgeted), up to `fallbackEndpoints`.
 //!

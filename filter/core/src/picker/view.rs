@@ -26,6 +26,9 @@ pub(super) struct View {
     pub(super) order: Vec<u32>,
     /// Pods cut only by the GPU hard limit ([`PodRt::hot`]): `twoChoices` overflow candidates.
     pub(super) hot: Vec<u32>,
+    /// Slots of the half-open pods (their breaker, or the model's) that had probe budget when
+    /// the view was laid out: see [`View::probe_due`].
+    pub(super) probing: Vec<u32>,
     pub(super) verdict: Verdict,
 }
 
@@ -39,8 +42,22 @@ impl View {
             tree: Vec::new(),
             order: Vec::new(),
             hot: Vec::new(),
+            probing: Vec::new(),
             verdict: Verdict::Fallback(FallbackReason::NoAgentData),
         }
+    }
+
+    /// The half-open pod owed a probe now: the first of [`View::probing`] whose probe budget is
+    /// not spent (a probe sent since the layout zeroed its weight, [`update_pod`]). Every
+    /// decision that can use it sends it the request ahead of the draw (see the [`super`]
+    /// docs), so a healed pod is never left half-open for want of traffic.
+    pub(super) fn probe_due(&self) -> Option<u32> {
+        self.probing.iter().find_map(|&s| {
+            let s = s as usize;
+            (self.w.get(s).copied().unwrap_or(0.0) > 0.0)
+                .then(|| self.slots.get(s).copied())
+                .flatten()
+        })
     }
 
     fn add(&mut self, slot: usize, delta: f64) {
@@ -171,6 +188,7 @@ pub(super) fn build_view(v: &mut View, p: &PoolRt, cfg: &FilterConfig) {
     v.w.clear();
     v.order.clear();
     v.hot.clear();
+    v.probing.clear();
     v.slot_of.clear();
     v.slot_of.resize(p.pods.len(), NONE);
     let (fresh, stale) = fill_slots(v, p, cfg);
@@ -180,7 +198,7 @@ pub(super) fn build_view(v: &mut View, p: &PoolRt, cfg: &FilterConfig) {
 }
 
 /// Gives every pod that serves the view's model a slot with its draw weight, and lists the hot
-/// ones (overflow candidates). Returns how many of them have metrics that are fresh, and stale.
+/// ones (overflow candidates) and the half-open ones with probe budget. Returns how many of them have metrics that are fresh, and stale.
 fn fill_slots(v: &mut View, p: &PoolRt, cfg: &FilterConfig) -> (usize, usize) {
     let mut fresh = 0usize;
     let mut stale = 0usize;
@@ -204,7 +222,12 @@ fn fill_slots(v: &mut View, p: &PoolRt, cfg: &FilterConfig) -> (usize, usize) {
             *s = u32::try_from(slot).unwrap_or(NONE);
         }
         v.slots.push(u32::try_from(i).unwrap_or(NONE));
-        v.w.push(effective(pod, model, cfg));
+        let w = effective(pod, model, cfg);
+        v.w.push(w);
+        // Weighed, so not cut and admitted by its breakers: a half-open one has budget.
+        if w > 0.0 && pod.half_open(model) {
+            v.probing.push(u32::try_from(slot).unwrap_or(NONE));
+        }
         if pod.hot
             && pod
                 .model_breaker(model)
