@@ -114,6 +114,11 @@ impl PoolState {
         self.last_event_ms
     }
 
+    /// The pool agent's instance id from its last event ("" before any).
+    pub fn agent_instance(&self) -> &str {
+        &self.agent_instance
+    }
+
     /// Applies one `WatchPool` event received at `now_ms` (a copy of it: see
     /// [`PoolState::apply_event_bytes`]).
     pub fn apply_event(&mut self, ev: &PoolEvent, now_ms: u64, counters: &mut Counters) {
@@ -153,7 +158,10 @@ impl PoolState {
                 (4, Field::Bytes(b)) => {
                     self.agent_instance = utf8("PoolEvent.agent_instance", b)?;
                 }
-                (1 | 2 | 4, _) => return Err(wire_type("PoolEvent", tag)),
+                // `time_unix_ms` is not used, but checked as prost checks it: the event is
+                // read as the contract's decoder reads it, or refused.
+                (3, Field::Varint(_)) => {}
+                (1..=4, _) => return Err(wire_type("PoolEvent", tag)),
                 _ => {}
             }
             Ok(())
@@ -930,6 +938,26 @@ mod tests {
         assert!(p
             .apply_event_bytes(&bytes[..bytes.len() - 8], 200, &mut c)
             .is_err());
+    }
+
+    #[test]
+    fn event_time_of_the_wrong_wire_type_is_refused_as_prost_refuses_it() {
+        // Found by fuzz/fuzz_targets/pool_state.rs: field 3 (`time_unix_ms`, a varint) sent
+        // length-delimited was skipped as if unknown, so the event applied where prost fails.
+        use prost::encoding::{encode_key, encode_varint, WireType};
+        let mut bytes = PoolEvent {
+            peers: vec![peer("a", "10.0.0.1:1", PeerStatus::Live, 0)],
+            ..Default::default()
+        }
+        .encode_to_vec();
+        encode_key(3, WireType::LengthDelimited, &mut bytes);
+        encode_varint(2, &mut bytes);
+        bytes.extend_from_slice(b"hi");
+        assert!(PoolEvent::decode(bytes.as_slice()).is_err());
+        let mut c = Counters::default();
+        let mut p = PoolState::new();
+        let err = p.apply_event_bytes(&bytes, 100, &mut c).unwrap_err();
+        assert!(err.to_string().contains("PoolEvent field 3"), "{err}");
     }
 
     #[test]
