@@ -233,7 +233,7 @@ pub struct FileArgs {
 
 impl RawArgs {
     /// Reads `--config` (if any) and fills every field the command line left unset.
-    pub fn merge_file(mut self) -> Result<RawArgs, ConfigError> {
+    pub fn merge_file(self) -> Result<RawArgs, ConfigError> {
         let Some(path) = self.config.clone() else {
             return Ok(self);
         };
@@ -242,6 +242,12 @@ impl RawArgs {
             detail: e.to_string(),
         })?;
         let file = parse_file(&path, &text)?;
+        Ok(self.merge(file))
+    }
+
+    /// Fills every field the command line left unset from a parsed config file (what
+    /// [`RawArgs::merge_file`] does once the file is read).
+    pub fn merge(mut self, file: FileArgs) -> RawArgs {
         fn fill(slot: &mut Option<String>, v: Option<String>) {
             if slot.is_none() {
                 *slot = v;
@@ -334,11 +340,13 @@ impl RawArgs {
             &mut self.http_max_connections_per_peer,
             file.http_max_connections_per_peer.map(text),
         );
-        Ok(self)
+        self
     }
 }
 
-fn parse_file(path: &Path, text: &str) -> Result<FileArgs, ConfigError> {
+/// The entry of the config file parser: reads `text` as the file `path` names it (`.yaml`,
+/// `.yml` or `.toml`; only the extension of `path` is read, never the file).
+pub fn parse_file(path: &Path, text: &str) -> Result<FileArgs, ConfigError> {
     let err = |detail: String| ConfigError::File {
         path: path.display().to_string(),
         detail,

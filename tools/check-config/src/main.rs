@@ -4,12 +4,10 @@
 //! `EnvoyFilter` resources (the wasm filter's `configuration` StringValue in the patches).
 //! Exit 0: every config is valid; 1: one is invalid; 2: usage or I/O error.
 
-mod inputs;
-
 use std::io::Read;
 use std::process::ExitCode;
 
-use inputs::{configs_in, Found};
+use ai_lb_check_config::inputs::{configs_in, Found};
 
 const USAGE: &str = "usage: ai-lb-check-config [--schema] <FILE|->...
   FILE   a plugin config JSON file (.json), or Kubernetes YAML (.yaml/.yml) with WasmPlugin
