@@ -83,8 +83,8 @@ struct Cli {
     #[arg(long)]
     overhead_workers: Option<usize>,
     /// Overhead scenarios: alternating rounds (the order rotated each round); figures are
-    /// medians over rounds (default 3; overhead-stream and overhead-epp 5 open-loop rounds,
-    /// overhead-rps 7).
+    /// medians over rounds (default 3; overhead-stream 14 open-loop rounds, overhead-epp 10,
+    /// overhead-rps 12).
     #[arg(long)]
     overhead_rounds: Option<usize>,
     /// Overhead scenarios: content chunks in each answer of the fast upstream (default 2;
@@ -96,12 +96,17 @@ struct Cli {
     /// per streamed chunk.
     #[arg(long)]
     overhead_chunk_gap_ms: Option<u64>,
+    /// overhead-stream, overhead-epp and overhead-rps: seconds of each measurement (one side, one
+    /// round; default 5, with 14, 10 and 12 rounds).
+    #[arg(long)]
+    overhead_secs: Option<f64>,
     /// overhead-stream and overhead-epp: sinks, each a pod with its own agent.
     #[arg(long, default_value_t = 4)]
     overhead_pods: usize,
     /// Overhead scenarios: which sides run against plain Envoy, side by side: `wasm`
     /// (shipped), `native` (the dynamic module, filter/native; built by scripts/bench.sh when
-    /// named), `wasm-b` (a second wasm build, `$AI_LB_WASM_B`, to compare a change in the same
+    /// named), `wasm-b` / `native-b` (a second build, `$AI_LB_WASM_B` / `$AI_LB_NATIVE_B`,
+    /// and/or plugin config, `$AI_LB_BENCH_FILTER_CONFIG_B`, to compare a change in the same
     /// run), `empty-wasm` (a proxy-wasm filter that does nothing, the floor of any wasm filter;
     /// tests/bench/empty-wasm), `epp` (the endpoint picker behind ext_proc; overhead-epp
     /// only), comma-separated: `wasm,native`. Default: `wasm` for overhead, `native,wasm` for
@@ -287,6 +292,14 @@ fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
         let mut s = overhead_figures::Settings::defaults(f, cli.smoke);
         if let Some(r) = cli.overhead_rounds {
             s.rounds = r;
+        }
+        if let Some(x) = cli.overhead_secs {
+            if !(x.is_finite() && x > 0.0) {
+                return Err(format!(
+                    "invalid value '{x}' for '--overhead-secs': must be > 0"
+                ));
+            }
+            s.secs = x;
         }
         if let Some(w) = cli.overhead_workers {
             s.workers = w;

@@ -168,9 +168,12 @@ pub enum Side {
     /// The experimental native dynamic module (filter/native, envoy-config/envoy-native.yaml)
     /// with the same plugin config.
     Native,
-    /// A second build of the wasm filter (`$AI_LB_WASM_B`), same config: to compare a change
-    /// against the build before it in one run, where round-to-round noise hits both alike.
+    /// A second build of the wasm filter (`$AI_LB_WASM_B`) and/or a second plugin config
+    /// (`$AI_LB_BENCH_FILTER_CONFIG_B`): to compare a change against the build or config before
+    /// it in one run, where round-to-round noise hits both alike.
     WasmB,
+    /// The same for the native module (`$AI_LB_NATIVE_B`, `$AI_LB_BENCH_FILTER_CONFIG_B`).
+    NativeB,
     /// A proxy-wasm filter that does nothing (tests/bench/empty-wasm) in front of plain
     /// least_request: the floor of any proxy-wasm filter, not an ai-lb build.
     EmptyWasm,
@@ -188,12 +191,13 @@ impl Side {
             Side::Wasm => "ai_lb",
             Side::Native => "ai_lb_native",
             Side::WasmB => "ai_lb_b",
+            Side::NativeB => "ai_lb_native_b",
             Side::EmptyWasm => "empty_wasm",
             Side::Epp => "epp",
         }
     }
 
-    /// The filters of `--overhead-filter` (`wasm`, `wasm-b`, `native`, `empty-wasm`, `epp`,
+    /// The filters of `--overhead-filter` (`wasm`, `wasm-b`, `native`, `native-b`, `empty-wasm`, `epp`,
     /// comma-separated); errors name the flag and the value.
     pub fn parse_builds(s: &str) -> Result<Vec<Side>, Error> {
         let mut out = Vec::new();
@@ -202,11 +206,12 @@ impl Side {
                 "wasm" => Side::Wasm,
                 "native" => Side::Native,
                 "wasm-b" => Side::WasmB,
+                "native-b" => Side::NativeB,
                 "empty-wasm" => Side::EmptyWasm,
                 "epp" => Side::Epp,
                 other => {
                     return Err(format!(
-                        "--overhead-filter: value {other:?}: expected `wasm`, `wasm-b`, `native`, `empty-wasm` or `epp`, comma-separated (e.g. `wasm,native`)"
+                        "--overhead-filter: value {other:?}: expected `wasm`, `wasm-b`, `native`, `native-b`, `empty-wasm` or `epp`, comma-separated (e.g. `wasm,native`)"
                     ))
                 }
             };
@@ -433,7 +438,22 @@ impl Rig {
                 Side::Wasm => topology::start_sidecar(Policy::AiLb, &sinks, &grpc, 1)?,
                 Side::Native => topology::start_native_sidecar(&sinks, &grpc, 1)?,
                 Side::WasmB => {
-                    topology::start_sidecar_with_wasm(&topology::wasm_b_path()?, &sinks, &grpc, 1)?
+                    let (build, config) = topology::b_side("AI_LB_WASM_B", "wasm-b")?;
+                    let wasm = match build {
+                        Some(b) => b,
+                        None => ai_lb_e2e::envoy::wasm_path()?,
+                    };
+                    topology::start_sidecar_with_wasm(&wasm, &config, &sinks, &grpc, 1)?
+                }
+                Side::NativeB => {
+                    let (build, config) = topology::b_side("AI_LB_NATIVE_B", "native-b")?;
+                    topology::start_native_sidecar_with(
+                        build.as_deref(),
+                        &config,
+                        &sinks,
+                        &grpc,
+                        1,
+                    )?
                 }
                 Side::EmptyWasm => topology::start_empty_wasm_sidecar(&sinks, 1)?,
                 Side::Epp => {
@@ -648,6 +668,8 @@ pub fn overhead(
         "pinned": pinned,
         "empty_wasm_steps": sides.contains(&Side::EmptyWasm).then(topology::empty_wasm_steps),
         "wasm_b": sides.contains(&Side::WasmB).then(|| std::env::var("AI_LB_WASM_B").unwrap_or_default()),
+        "native_b": sides.contains(&Side::NativeB).then(|| std::env::var("AI_LB_NATIVE_B").unwrap_or_default()),
+        "filter_config_b": (sides.contains(&Side::WasmB) || sides.contains(&Side::NativeB)).then(|| std::env::var("AI_LB_BENCH_FILTER_CONFIG_B").unwrap_or_default()),
         "max_rps": {
             "median": medians(&rps),
             "vs_least_request": max_vs,

@@ -98,11 +98,14 @@ impl Settings {
     /// The figure's defaults (a few seconds and one round each in smoke mode).
     pub fn defaults(f: Figure, smoke: bool) -> Settings {
         let streamed = f != Figure::Rps;
+        // Short measurements, many rounds: the two sides of a pair run seconds apart, so the
+        // load of a shared machine changes less between them.
         let mut s = Settings {
-            secs: 10.0,
+            secs: 5.0,
             rounds: match f {
-                Figure::Epp => 5,
-                _ => 7,
+                Figure::Stream => 14,
+                Figure::Epp => 10,
+                Figure::Rps => 12,
             },
             max_rounds: match f {
                 Figure::Stream => 3,
@@ -440,6 +443,15 @@ pub fn run(env: &Env, f: Figure, s: &Settings) -> Result<Value, Error> {
     v["agents_cpu_ms_per_s"] = json!(agents_cpu()
         .zip(agents_before)
         .map(|(a, b)| (a - b) * 1e3 / el));
+    if sides.contains(&Side::WasmB) || sides.contains(&Side::NativeB) {
+        let var = |k: &str| std::env::var(k).ok();
+        v["b_sides"] = json!({
+            "AI_LB_WASM_B": var("AI_LB_WASM_B"),
+            "AI_LB_NATIVE_B": var("AI_LB_NATIVE_B"),
+            "AI_LB_BENCH_FILTER_CONFIG_B": var("AI_LB_BENCH_FILTER_CONFIG_B"),
+        });
+    }
+    v["filter_config"] = json!(std::env::var("AI_LB_BENCH_FILTER_CONFIG").ok());
     v["figure"] = json!(f.scenario());
     v["sides"] = json!(sides.iter().map(|s| s.key()).collect::<Vec<_>>());
     v["traffic"] = traffic(s, streamed);

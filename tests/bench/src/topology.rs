@@ -808,14 +808,16 @@ pub fn start_epp_pair(
 }
 
 /// Starts an ai-lb sidecar as [`start_sidecar`] does, running the wasm build at `wasm` instead
-/// of `$AI_LB_WASM` (a second build of the filter, to compare two in the same run).
+/// of `$AI_LB_WASM` with the plugin config `config` (a second build or config of the filter,
+/// to compare two in the same run).
 pub fn start_sidecar_with_wasm(
     wasm: &Path,
+    config: &str,
     upstreams: &[SocketAddr],
     agents: &[SocketAddr],
     concurrency: u32,
 ) -> Result<Envoy, Error> {
-    let mut opts = EnvoyOptions::new(ailb_filter_config()?);
+    let mut opts = EnvoyOptions::new(config);
     let t = envoy::template()?;
     if !t.contains("${WASM_PATH}") {
         return Err("envoy-config/envoy.yaml: no ${WASM_PATH} placeholder".into());
@@ -824,16 +826,30 @@ pub fn start_sidecar_with_wasm(
     start_with(opts, upstreams, agents, concurrency)
 }
 
-/// The second wasm build of the overhead run's `wasm-b`: `$AI_LB_WASM_B` (required).
-pub fn wasm_b_path() -> Result<PathBuf, Error> {
-    let p = std::env::var_os("AI_LB_WASM_B")
-        .map(PathBuf::from)
-        .ok_or("--overhead-filter wasm-b needs AI_LB_WASM_B (the second build's .wasm)")?;
-    if p.exists() {
-        Ok(p)
-    } else {
-        Err(format!("AI_LB_WASM_B={} does not exist", p.display()))
+/// The B side of an overhead run (`wasm-b`, `native-b`): the build named by `var`
+/// (`AI_LB_WASM_B`, `AI_LB_NATIVE_B`; None: the shipped one) and the plugin config of
+/// `$AI_LB_BENCH_FILTER_CONFIG_B` (else the A side's). One of the two must be set, or B would
+/// be A.
+pub fn b_side(var: &str, flag: &str) -> Result<(Option<PathBuf>, String), Error> {
+    let build = std::env::var_os(var).map(PathBuf::from);
+    if let Some(p) = build.as_ref().filter(|p| !p.exists()) {
+        return Err(format!("{var}={} does not exist", p.display()));
     }
+    let config = match std::env::var_os("AI_LB_BENCH_FILTER_CONFIG_B") {
+        Some(p) => {
+            let p = PathBuf::from(p);
+            std::fs::read_to_string(&p).map_err(|e| {
+                format!("AI_LB_BENCH_FILTER_CONFIG_B: reading {}: {e}", p.display())
+            })?
+        }
+        None if build.is_none() => {
+            return Err(format!(
+                "--overhead-filter {flag} needs {var} (the second build) or AI_LB_BENCH_FILTER_CONFIG_B (the second plugin config)"
+            ))
+        }
+        None => ailb_filter_config()?,
+    };
+    Ok((build, config))
 }
 
 /// The empty proxy-wasm filter (`tests/bench/empty-wasm`): `$AI_LB_EMPTY_WASM`, else
@@ -904,7 +920,19 @@ pub fn start_native_sidecar(
     agents: &[SocketAddr],
     concurrency: u32,
 ) -> Result<Envoy, Error> {
-    let mut config = envoy::native_filter_config(&ailb_filter_config()?, agents)?;
+    start_native_sidecar_with(None, &ailb_filter_config()?, upstreams, agents, concurrency)
+}
+
+/// [`start_native_sidecar`] with the module at `module` (None: `$AI_LB_NATIVE` or the build)
+/// and the plugin config `plugin`.
+pub fn start_native_sidecar_with(
+    module: Option<&Path>,
+    plugin: &str,
+    upstreams: &[SocketAddr],
+    agents: &[SocketAddr],
+    concurrency: u32,
+) -> Result<Envoy, Error> {
+    let mut config = envoy::native_filter_config(plugin, agents)?;
     // How the module steers (its `steering`), to compare: `overrideHost` also puts the cluster
     // on least_request, since override_host would then only add its own cost.
     let steering = std::env::var("AI_LB_BENCH_NATIVE_STEERING").unwrap_or_default();
@@ -921,6 +949,17 @@ pub fn start_native_sidecar(
     if !steering.is_empty() {
         config = envoy::native_with_steering(&config, &steering)?;
     }
+    let template = match module {
+        Some(m) if template.contains("${NATIVE_MODULE_PATH}") => {
+            template.replace("${NATIVE_MODULE_PATH}", &m.display().to_string())
+        }
+        Some(_) => {
+            return Err(
+                "envoy-config/envoy-native.yaml: no ${NATIVE_MODULE_PATH} placeholder".into(),
+            )
+        }
+        None => template,
+    };
     let mut opts = EnvoyOptions::new(config);
     opts.template = Some(template);
     start_with(opts, upstreams, agents, concurrency)
