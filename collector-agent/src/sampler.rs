@@ -1357,10 +1357,16 @@ mod tests {
             }
             assert_eq!(s.sources[0].state, SourceState::Fresh as i32);
         }
+        // Past the second timeout (1000 ms) before stopping: stopping at the very instant it
+        // is due left it to the scheduler's order whether it was counted.
+        tokio::time::sleep(Duration::from_millis(50)).await;
         stop_tx.send_replace(true);
         task.await.unwrap();
         let gpu = f.gpu_reads.load(Ordering::Relaxed) - g0;
-        assert!((50..=52).contains(&gpu), "GPU reads in 1 s at 20 ms: {gpu}");
+        assert!(
+            (52..=55).contains(&gpu),
+            "GPU reads in 1.05 s at 20 ms: {gpu}"
+        );
         assert_eq!(f.answers.load(Ordering::Relaxed), a0, "still frozen");
         let failed = f
             .hub
