@@ -275,8 +275,9 @@ fn check_peer_authentication(pa: &Value) {
             .unwrap_or(Value::Null);
         for port in seq(&agent, "ports") {
             let n = port["containerPort"].as_u64().unwrap_or(0);
+            // Keys are strings: Kubernetes' JSON has no integer keys (kubectl refuses them).
             let mode = pa["spec"]["portLevelMtls"]
-                .get(Value::Number(n.into()))
+                .get(Value::String(n.to_string()))
                 .and_then(|m| m["mode"].as_str());
             assert_eq!(
                 mode,
