@@ -42,6 +42,11 @@ AI_LB_NATIVE="$target_dir/debug/libai_lb_filter_native.so" cargo test --workspac
 step "benchmarks compile (run them by hand, see BENCHMARKS.md)"
 cargo bench --workspace --no-run --locked
 
+step "fuzz smoke (20 s per target)"
+# Every cargo-fuzz target in fuzz/ from its committed seeds (docs/fuzzing.md); installs
+# cargo-fuzz if missing.
+scripts/fuzz.sh 20
+
 step "benchmark suite, smoke run (a tiny pool; proves the suite works, asserts no numbers)"
 CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$root/target}" scripts/bench.sh --smoke
 
