@@ -234,7 +234,7 @@ def overhead_figures(out):
             summ[name] = json.load(open(f))
     if not summ:
         return
-    fig, axes = plt.subplots(1, 4, figsize=(22, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(24, 4.8), gridspec_kw={"width_ratios": [1, 1.8, 1, 1]})
 
     def per_round(ax, builds, get, goals, title, ylabel):
         for i, b in enumerate(builds):
@@ -263,15 +263,19 @@ def overhead_figures(out):
     if e:
         sides = [x for x in e["sides"] if x != "least_request"]
         measures = ["ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99"]
+        phases = [(e, f"{e['rate_rps']:.0f}/s")]
+        if e.get("low_rate"):
+            phases.append((e["low_rate"], f"{e['low_rate']['rate_rps']:.0f}/s"))
+        groups = [(ph, m, f"{m}\n@{label}") for ph, label in phases for m in measures]
         w = 0.8 / len(sides)
         for j, side in enumerate(sides):
-            vals = [(e["added_us"][side][m] or {}).get("median") or 0.0 for m in measures]
-            axes[1].bar([i + j * w for i in range(len(measures))], vals, w, label=side)
-        axes[1].set_xticks([i + 0.4 - w / 2 for i in range(len(measures))])
-        axes[1].set_xticklabels(measures)
+            vals = [((ph["added_us"].get(side) or {}).get(m) or {}).get("median") or 0.0 for ph, m, _ in groups]
+            axes[1].bar([i + j * w for i in range(len(groups))], vals, w, label=side)
+        axes[1].set_xticks([i + 0.4 - w / 2 for i in range(len(groups))])
+        axes[1].set_xticklabels([g[2] for g in groups], fontsize="x-small")
         axes[1].set_yscale("symlog", linthresh=100)
         axes[1].set_ylabel("added over plain Envoy, µs (median of rounds)")
-        axes[1].set_title(f"2. against the endpoint picker at {e['rate_rps']:.0f} req/s:\nadded latency", fontsize="medium")
+        axes[1].set_title("2. against the endpoint picker:\nadded latency at half and a tenth of the lowest max", fontsize="medium")
         axes[1].legend(fontsize="small")
         axes[1].grid(True, axis="y", alpha=0.3)
         names = e["sides"]

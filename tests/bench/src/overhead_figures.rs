@@ -416,7 +416,27 @@ pub fn run(env: &Env, f: Figure, s: &Settings) -> Result<Value, Error> {
             let open = dir.join("open.jsonl");
             fixed_trace_sized(env, rate, s.secs, s.prompt_tokens, s.output_tokens, &open)?;
             let rounds = phase(env, &rig, &dir, "half", &open, &[], s.rounds, &sides)?;
+            // And at a tenth of it, where no side queues for the machine's CPU: what the
+            // picker's round trips add by themselves.
+            let low_rate = (lowest / 10.0).max(1.0);
+            let low_trace = dir.join("open-low.jsonl");
+            fixed_trace_sized(
+                env,
+                low_rate,
+                s.secs,
+                s.prompt_tokens,
+                s.output_tokens,
+                &low_trace,
+            )?;
+            let low = phase(env, &rig, &dir, "tenth", &low_trace, &[], s.rounds, &sides)?;
             let mut v = epp_summary(&max, rate, &rounds, &sides);
+            let mut l = epp_summary(&max, low_rate, &low, &sides);
+            if let Some(o) = l.as_object_mut() {
+                o.remove("max_rounds");
+                o.remove("max_rps_median");
+            }
+            l["what"] = json!("the same at a tenth of the lowest maximum, where no side queues for the machine's CPU; CPU per request there is mostly each process's idle work (the picker's scrapes, the filter's ticks) spread over few requests, so the CPU verdict is the half-load one");
+            v["low_rate"] = l;
             v["picker_totals"] = rig
                 .picker_stats()
                 .map_or(Value::Null, |t| t["totals"].clone());
@@ -557,10 +577,16 @@ fn epp_summary(max: &Rounds, rate: f64, rounds: &Rounds, sides: &[Side]) -> Valu
             let mut m = serde_json::Map::new();
             // The worst of the TTFT ratios (the latency the pick adds before the first token)
             // and, apart, of the e2e ones (the response path's: ext_proc echoes every chunk).
-            let (mut worst_ttft, mut worst_e2e): (Option<f64>, Option<f64>) = (None, None);
+            // None: no measure yet; Some(None): one was undefined.
+            let (mut worst_ttft, mut worst_e2e): (Option<Option<f64>>, Option<Option<f64>>) =
+                (None, None);
             for (name, f) in LATENCY {
                 let med = |s: Side| added[s.key()][name]["median"].as_f64();
-                let r = div(med(b), med(Side::Epp));
+                // Undefined where epp added nothing measurable; ai-lb faster than plain is 0.
+                let r = match (med(b), med(Side::Epp)) {
+                    (Some(a), Some(e)) if e > 0.0 => Some(a.max(0.0) / e),
+                    _ => None,
+                };
                 let per: Vec<f64> = rounds
                     .iter()
                     .filter_map(|r| {
@@ -573,17 +599,16 @@ fn epp_summary(max: &Rounds, rate: f64, rounds: &Rounds, sides: &[Side]) -> Valu
                     format!("added_{name}_ratio"),
                     json!({"ratio_of_median_added": r, "per_round": per}),
                 );
-                // A negative added latency (faster than plain in the median) counts as 0; a
-                // missing one makes the worst unknown.
+                // An undefined ratio makes the worst unknown.
                 let worst = if name.starts_with("ttft") {
                     &mut worst_ttft
                 } else {
                     &mut worst_e2e
                 };
-                *worst = match (*worst, r.map(|x| x.max(0.0))) {
-                    (Some(w), Some(x)) => Some(w.max(x)),
-                    (None, x) => x,
-                    (w, None) => w,
+                *worst = match (*worst, r) {
+                    (Some(Some(w)), Some(x)) => Some(Some(w.max(x))),
+                    (None, x) => Some(x),
+                    _ => Some(None),
                 };
             }
             let cpu_per = paired(rounds, b, Side::Epp, |q, e| {
@@ -607,8 +632,8 @@ fn epp_summary(max: &Rounds, rate: f64, rounds: &Rounds, sides: &[Side]) -> Valu
             verdicts.insert(
                 b.key().into(),
                 json!({
-                    "added_ttft_ratio_worst_of_p50_p99": verdict(worst_ttft, 0.1, 0.3, false),
-                    "added_e2e_ratio_worst_of_p50_p99": verdict(worst_e2e, 0.1, 0.3, false),
+                    "added_ttft_ratio_worst_of_p50_p99": verdict(worst_ttft.flatten(), 0.1, 0.3, false),
+                    "added_e2e_ratio_worst_of_p50_p99": verdict(worst_e2e.flatten(), 0.1, 0.3, false),
                     "cpu_ratio": verdict(cpu.map(|c| c.median), 0.3, 0.5, false),
                 }),
             );
@@ -761,6 +786,69 @@ fn sides_of(v: &Value) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// The epp figure's tables for one open-loop phase: per side, then each ai-lb build against
+/// epp (with the CPU columns when `cpu`).
+fn epp_phase_table(v: &Value, sides: &[String], builds: &[&String], cpu: bool) -> String {
+    let mut t = String::from("| side | added TTFT p50 / p99 µs | added e2e p50 / p99 µs |");
+    t += if cpu {
+        " CPU per request µs (Envoy + picker) |\n|---|---|---|---|\n"
+    } else {
+        "\n|---|---|---|\n"
+    };
+    for s in sides {
+        let a = &v["added_us"][s.as_str()];
+        t += &format!(
+            "| {s} | {} / {} | {} / {} |",
+            num(&a["ttft_p50"]["median"], 0),
+            num(&a["ttft_p99"]["median"], 0),
+            num(&a["e2e_p50"]["median"], 0),
+            num(&a["e2e_p99"]["median"], 0),
+        );
+        if cpu {
+            t += &format!(
+                " {} ({} + {}) |",
+                num(&v["cpu_us_per_request_median"][s.as_str()], 1),
+                num(&v["envoy_cpu_us_per_request_median"][s.as_str()], 1),
+                num(&v["picker_cpu_us_per_request_median"][s.as_str()], 1),
+            );
+        }
+        t += "\n";
+    }
+    t += "\n| ai-lb build | added TTFT / epp's: p50, p99 | goal ≤ 0.1, floor ≤ 0.3 | added e2e / epp's: p50, p99 | goal ≤ 0.1, floor ≤ 0.3 |";
+    t += if cpu {
+        " CPU / epp's (Envoy + picker), median (min–max) | goal ≤ 0.3, floor ≤ 0.5 | added CPU / epp's added |\n|---|---|---|---|---|---|---|---|\n"
+    } else {
+        "\n|---|---|---|---|---|\n"
+    };
+    for b in builds {
+        let x = &v["vs_epp"][b.as_str()];
+        if x.is_null() {
+            continue;
+        }
+        let r = |m: &str| num(&x[format!("added_{m}_ratio")]["ratio_of_median_added"], 3);
+        let vd = &v["verdicts"][b.as_str()];
+        t += &format!(
+            "| {b} | {}, {} | {} | {}, {} | {} |",
+            r("ttft_p50"),
+            r("ttft_p99"),
+            met(&vd["added_ttft_ratio_worst_of_p50_p99"]),
+            r("e2e_p50"),
+            r("e2e_p99"),
+            met(&vd["added_e2e_ratio_worst_of_p50_p99"]),
+        );
+        if cpu {
+            t += &format!(
+                " {} | {} | {} |",
+                spread_text(&x["cpu_ratio"], 3),
+                met(&vd["cpu_ratio"]),
+                spread_text(&x["added_cpu_ratio"], 3),
+            );
+        }
+        t += "\n";
+    }
+    t
+}
+
 /// One figure's markdown section.
 fn table(f: Figure, v: &Value) -> String {
     let sides = sides_of(v);
@@ -812,47 +900,19 @@ fn table(f: Figure, v: &Value) -> String {
                 num(&v["rate_rps"], 0),
                 v["rounds"].as_array().map_or(0, Vec::len),
             );
-            t += "| side | added TTFT p50 / p99 µs | added e2e p50 / p99 µs | CPU per request µs (Envoy + picker) |\n|---|---|---|---|\n";
-            for s in &sides {
-                let a = &v["added_us"][s.as_str()];
-                t += &format!(
-                    "| {s} | {} / {} | {} / {} | {} ({} + {}) |\n",
-                    num(&a["ttft_p50"]["median"], 0),
-                    num(&a["ttft_p99"]["median"], 0),
-                    num(&a["e2e_p50"]["median"], 0),
-                    num(&a["e2e_p99"]["median"], 0),
-                    num(&v["cpu_us_per_request_median"][s.as_str()], 1),
-                    num(&v["envoy_cpu_us_per_request_median"][s.as_str()], 1),
-                    num(&v["picker_cpu_us_per_request_median"][s.as_str()], 1),
-                );
-            }
-            t += "\n| ai-lb build | added TTFT / epp's: p50, p99 | goal ≤ 0.1, floor ≤ 0.3 | added e2e / epp's: p50, p99 | goal ≤ 0.1, floor ≤ 0.3 | CPU / epp's (Envoy + picker), median (min–max) | goal ≤ 0.3, floor ≤ 0.5 | added CPU / epp's added |\n|---|---|---|---|---|---|---|---|\n";
-            for b in &builds {
-                let x = &v["vs_epp"][b.as_str()];
-                if x.is_null() {
-                    continue;
-                }
-                let r = |m: &str| num(&x[format!("added_{m}_ratio")]["ratio_of_median_added"], 3);
-                let vd = &v["verdicts"][b.as_str()];
-                t += &format!(
-                    "| {b} | {}, {} | {} | {}, {} | {} | {} | {} | {} |\n",
-                    r("ttft_p50"),
-                    r("ttft_p99"),
-                    met(&vd["added_ttft_ratio_worst_of_p50_p99"]),
-                    r("e2e_p50"),
-                    r("e2e_p99"),
-                    met(&vd["added_e2e_ratio_worst_of_p50_p99"]),
-                    spread_text(&x["cpu_ratio"], 3),
-                    met(&vd["cpu_ratio"]),
-                    spread_text(&x["added_cpu_ratio"], 3),
-                );
-            }
+            t += &epp_phase_table(v, &sides, &builds, true);
             t += &format!(
                 "\nPlain Envoy's CPU per request / epp's (the least any filter's ratio can be here): {}. ai-lb's agents (one per pod, in no Envoy's CPU above; the picker's scrapes are in its CPU): {} ms CPU per second, all {} together, over the run.\n",
                 spread_text(&v["plain_cpu_over_epp"], 3),
                 num(&v["agents_cpu_ms_per_s"], 1),
                 v["traffic"]["pods"],
             );
+            t += &format!(
+                "\nAt {} req/s (a tenth of the lowest maximum), {} rounds: latency only (CPU per request there is mostly idle work spread over few requests).\n\n",
+                num(&v["low_rate"]["rate_rps"], 0),
+                v["low_rate"]["rounds"].as_array().map_or(0, Vec::len),
+            );
+            t += &epp_phase_table(&v["low_rate"], &sides, &builds, false);
         }
         Figure::Rps => {
             t += &format!(
@@ -911,6 +971,7 @@ pub fn check(v: &Value) -> Result<(), Error> {
     for k in ["rounds", "max_rounds"] {
         all.extend(v[k].as_array().into_iter().flatten());
     }
+    all.extend(v["low_rate"]["rounds"].as_array().into_iter().flatten());
     if all.is_empty() {
         return Err(format!("smoke: {} measured nothing", v["figure"]));
     }
@@ -1026,6 +1087,21 @@ mod tests {
             &json!({"sides": ["least_request", "ai_lb_native", "epp"]}),
         );
         assert!(t.contains("| epp |"), "{t}");
+    }
+
+    #[test]
+    fn a_latency_ratio_is_undefined_where_epp_added_nothing() {
+        let sides = [Side::Plain, Side::Native, Side::Epp];
+        let rounds: Rounds = vec![BTreeMap::from([
+            ("least_request", point(100.0, 2.0, 100.0)),
+            ("ai_lb_native", point(105.0, 1.0, 100.0)),
+            ("epp", point(300.0, 1.5, 100.0)),
+        ])];
+        let v = epp_summary(&rounds, 50.0, &rounds, &sides);
+        let x = &v["vs_epp"]["ai_lb_native"]["added_ttft_p50_ratio"]["ratio_of_median_added"];
+        assert!(x.is_null(), "{x}");
+        let vd = &v["verdicts"]["ai_lb_native"]["added_ttft_ratio_worst_of_p50_p99"];
+        assert_eq!(met(vd), "–", "{vd}");
     }
 
     #[test]

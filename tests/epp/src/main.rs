@@ -114,7 +114,18 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
             .add_service(health_service)
             .add_service(ExternalProcessorServer::new(ExtProc::new(pool.clone())))
             .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::TcpListenerStream::new(grpc),
+                // TCP_NODELAY on every accepted stream, as Go's net package sets by default
+                // (llm-d's EPP is a Go gRPC server): with Nagle's algorithm on, the picker's
+                // small ext_proc replies wait for Envoy's delayed ACKs (tens of ms).
+                tokio_stream::StreamExt::map(
+                    tokio_stream::wrappers::TcpListenerStream::new(grpc),
+                    |s| {
+                        if let Ok(s) = &s {
+                            let _ = s.set_nodelay(true);
+                        }
+                        s
+                    },
+                ),
                 async move {
                     let _ = grpc_stop.wait_for(|s| *s).await;
                 },
