@@ -6,6 +6,7 @@
 //! ended twice), failures feed the shared breaker, a half-open probe passes at its first byte.
 
 use std::borrow::Cow;
+use std::cell::Cell;
 use std::collections::HashMap;
 
 use ai_lb_filter_core::breaker::{Breaker, BreakerState, Transition};
@@ -37,6 +38,11 @@ struct MockHost {
     replies: Vec<(u16, String)>,
     warnings: Vec<String>,
     refuse_steer: bool,
+    /// Envoy's own balancer serves retries (the native module's `steering: overrideHost`).
+    retries_elsewhere: bool,
+    /// Reads of what only the log phase needs (code, flags, details), and of the upstream.
+    end_reads: Cell<usize>,
+    upstream_reads: Cell<usize>,
 }
 
 impl Host for MockHost {
@@ -67,16 +73,23 @@ impl Host for MockHost {
         self.cluster.as_deref().map(Cow::Borrowed)
     }
     fn upstream_address(&self) -> Option<Cow<'_, str>> {
+        self.upstream_reads.set(self.upstream_reads.get() + 1);
         self.upstream.as_deref().map(Cow::Borrowed)
     }
     fn response_code(&self) -> Option<u16> {
+        self.end_reads.set(self.end_reads.get() + 1);
         self.code
     }
     fn response_flags(&self) -> u64 {
+        self.end_reads.set(self.end_reads.get() + 1);
         0
     }
     fn response_code_details(&self) -> Option<Cow<'_, str>> {
+        self.end_reads.set(self.end_reads.get() + 1);
         self.details.as_deref().map(Cow::Borrowed)
+    }
+    fn retries_follow_ranked(&self) -> bool {
+        !self.retries_elsewhere
     }
     fn steer(&mut self, routing_header: &str, ranked: &str) -> bool {
         if self.refuse_steer {
@@ -705,4 +718,81 @@ fn a_model_beyond_the_read_limit_is_not_seen_and_the_request_is_still_routed() {
     assert_eq!(ex.model(), None);
     // Every pod serves every request when no model is named: still steered by score.
     assert_eq!(h.steered.len(), 1);
+}
+
+/// Runs a request whose answer came from the `served`-th pod of its ranked list (after Envoy's
+/// retries down the list), with `code`, the whole answer seen or not.
+fn served_by(
+    w: &mut MockWorker,
+    h: &mut MockHost,
+    served: usize,
+    code: u16,
+    complete: bool,
+) -> Exchange {
+    let mut ex = Exchange::new();
+    ex.on_request_headers(h, w, &mut NoGate, true);
+    let ranked: Vec<String> = ex.ranked().split(',').map(str::to_string).collect();
+    h.upstream = Some(ranked[served].clone());
+    h.code = Some(code);
+    h.resp.insert(":status".into(), code.to_string());
+    ex.on_response_headers(h, w, &mut NoGate, false);
+    h.now += 5;
+    ex.on_response_body(h, w, &mut NoGate, 10, complete);
+    ex.on_end(h, w, &mut NoGate);
+    ex
+}
+
+#[test]
+fn a_clean_end_reads_nothing_more_at_the_log_phase() {
+    let mut w = worker();
+    let mut h = host(1_010);
+    served_by(&mut w, &mut h, 0, 200, true);
+    assert_eq!(h.end_reads.get(), 0, "code, flags and details are not read");
+    assert_eq!(
+        h.upstream_reads.get(),
+        1,
+        "the upstream is read once, with the headers"
+    );
+    assert!(w.stats.failed.is_empty());
+    assert_eq!(inflight(&w, 2_000), 0);
+}
+
+#[test]
+fn an_end_that_is_not_clean_reads_the_final_status() {
+    // A 503, and a 200 whose answer broke off (no end of stream): both read what Envoy saw.
+    for (code, complete) in [(503, true), (200, false)] {
+        let mut w = worker();
+        let mut h = host(1_010);
+        served_by(&mut w, &mut h, 0, code, complete);
+        assert!(h.end_reads.get() >= 2, "{code} complete={complete}");
+        assert_eq!(inflight(&w, 2_000), 0);
+    }
+}
+
+#[test]
+fn a_retry_down_the_ranked_list_fails_the_pods_before_the_one_that_answered() {
+    let mut w = worker();
+    let mut h = host(1_010);
+    let ex = served_by(&mut w, &mut h, 2, 200, true);
+    let ranked: Vec<&str> = ex.ranked().split(',').collect();
+    assert_eq!(
+        w.stats.failed,
+        vec![ranked[0].to_string(), ranked[1].to_string()],
+        "the first two pods were tried and failed, with no attempt-count header"
+    );
+    assert_eq!(h.end_reads.get(), 0);
+    assert_eq!(inflight(&w, 2_000), 0);
+}
+
+#[test]
+fn where_retries_leave_the_list_the_attempt_count_header_says_how_many() {
+    let mut w = worker();
+    let mut h = host(1_010);
+    h.retries_elsewhere = true;
+    // Envoy's balancer served the retry from the third pod after two attempts: only the first
+    // (the override host) is known tried; the list's second was not.
+    h.resp.insert("x-envoy-attempt-count".into(), "2".into());
+    let ex = served_by(&mut w, &mut h, 2, 200, true);
+    let ranked: Vec<&str> = ex.ranked().split(',').collect();
+    assert_eq!(w.stats.failed, vec![ranked[0].to_string()]);
 }

@@ -498,6 +498,11 @@ impl Host for NativeHost<'_> {
     fn warn(&mut self, msg: &str) {
         host::log(Level::Warn, msg);
     }
+    fn retries_follow_ranked(&self) -> bool {
+        // The routing header's list serves retries; the override host alone leaves them to
+        // the cluster's own balancer.
+        self.steering.header()
+    }
 }
 
 impl Request {

@@ -48,10 +48,10 @@ pub(super) fn pass_probe<H, W>(
         return;
     };
     let cfg = worker.router().config().breaker;
-    if !Outcome::probe_passed_at_first_byte(ex.probe_status, ttft_ms, &cfg) {
+    if !Outcome::probe_passed_at_first_byte(ex.status, ttft_ms, &cfg) {
         return;
     }
-    if host.upstream_address().as_deref() != Some(chosen.as_str()) {
+    if ex.upstream.as_deref() != Some(chosen.as_str()) {
         return;
     }
     ex.probe_passed = true;
@@ -78,26 +78,40 @@ where
     W: Worker + ?Sized,
 {
     let Some(pool) = ex.pool else { return };
-    let status = host.response_code().filter(|c| *c > 0);
-    let flags = host.response_flags();
-    // Details only refine failures; a clean answer (< 500, no flag) needs none (one host
-    // call fewer on the common path).
-    let clean_answer = flags == 0 && status.is_some_and(|c| c < 500);
-    let details = if clean_answer {
-        String::new()
+    // A clean end (the whole response went through with a status under 500, from a pod) is
+    // known from what the response headers said: no log-phase read (each costs the wasm
+    // filter a copy into the VM). Anything else reads the final status, flags and details.
+    let clean = ex.response_complete && ex.status.is_some_and(|c| c < 500) && ex.upstream.is_some();
+    let (status, flags, details, upstream) = if clean {
+        (ex.status, 0, String::new(), ex.upstream.clone())
     } else {
-        host.response_code_details()
-            .map(|d| d.into_owned())
-            .unwrap_or_default()
+        let status = host.response_code().filter(|c| *c > 0);
+        let flags = host.response_flags();
+        // Details only refine failures; an answer under 500 with no flag needs none.
+        let details = if flags == 0 && status.is_some_and(|c| c < 500) {
+            String::new()
+        } else {
+            host.response_code_details()
+                .map(|d| d.into_owned())
+                .unwrap_or_default()
+        };
+        let upstream = host
+            .upstream_address()
+            .map(|u| u.into_owned())
+            .or_else(|| ex.upstream.clone());
+        (status, flags, details, upstream)
     };
-    let upstream = host.upstream_address().map(|u| u.into_owned());
     let observed = Observed {
         ranked: ex.ranked(),
         upstream: upstream.as_deref(),
         status,
         flags,
         details: &details,
-        attempts: ex.attempts,
+        attempts: if host.retries_follow_ranked() {
+            attempts_from_ranked(ex.ranked(), upstream.as_deref())
+        } else {
+            ex.attempts
+        },
         ttft_ms: ex.ttft_ms,
         total_ms: Some(now.saturating_sub(ex.started_ms)),
     };
@@ -154,4 +168,20 @@ where
             record_transitions(host, p.stats, &name, pod, &ts);
         }
     }
+}
+
+/// Envoy's override_host sends attempt i to the i-th member of the ranked list, so the pod that
+/// answered says how many attempts there were (no `x-envoy-attempt-count` read, which also
+/// needs the route to ask for it). A listed pod Envoy skipped (not a member of the cluster) is
+/// counted as tried and failed, which only steers away from a pod Envoy would not use. None
+/// when the pod is not in the list (Envoy's fallback balancer served it): then only the chosen
+/// pod is known to have been tried before.
+pub(super) fn attempts_from_ranked(ranked: &str, upstream: Option<&str>) -> Option<u32> {
+    let upstream = upstream?;
+    ranked
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .position(|p| p == upstream)
+        .and_then(|i| u32::try_from(i + 1).ok())
 }

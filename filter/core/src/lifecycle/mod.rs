@@ -60,6 +60,13 @@ pub trait Host {
     fn steer(&mut self, routing_header: &str, ranked: &str) -> bool;
     /// A warning in the proxy's log.
     fn warn(&mut self, msg: &str);
+    /// Whether Envoy's retries go down the ranked list (override_host with the list), so the
+    /// pod that answered says how many attempts there were. False where Envoy's own balancer
+    /// serves retries (the native module's `steering: overrideHost`): the attempt count is
+    /// then read from `x-envoy-attempt-count`.
+    fn retries_follow_ranked(&self) -> bool {
+        true
+    }
 }
 
 /// Counts of the request path that only the glue can export (Envoy stats).
@@ -211,11 +218,16 @@ pub struct Exchange {
     steered: Option<Steered>,
     started_ms: u64,
     ttft_ms: Option<u64>,
+    /// The response's status, read with its headers.
+    status: Option<u16>,
+    /// The pod that answered (`ip:port`), read with the response headers (the final attempt's).
+    upstream: Option<String>,
+    /// The whole response went through (its end of stream was seen).
+    response_complete: bool,
+    /// `x-envoy-attempt-count`, read only where retries do not follow the ranked list.
     attempts: Option<u32>,
     /// The client asked for the debug response header.
     debug: bool,
-    /// The probe's response status (probes only).
-    probe_status: Option<u16>,
     /// The probe's success was recorded at its first byte (not again at its end).
     probe_passed: bool,
     /// The end was handled (the in-flight count closed, the breakers fed).
@@ -247,9 +259,11 @@ impl Exchange {
             steered: None,
             started_ms: 0,
             ttft_ms: None,
+            status: None,
+            upstream: None,
+            response_complete: false,
             attempts: None,
             debug: false,
-            probe_status: None,
             probe_passed: false,
             ended: false,
         }
@@ -530,11 +544,16 @@ impl Exchange {
         }
         self.take_resumed(worker, gate);
         gate.on_response_headers(worker, end_of_stream);
-        self.attempts = host
-            .response_header("x-envoy-attempt-count")
-            .and_then(|v| v.parse().ok());
-        if self.steered.as_ref().is_some_and(|s| s.probe) {
-            self.probe_status = host.response_header(":status").and_then(|v| v.parse().ok());
+        // The two reads of the response every routed request makes: with them a clean end
+        // needs no log-phase read, and the retries are read off the ranked list
+        // ([`feedback::finish`]).
+        self.status = host.response_header(":status").and_then(|v| v.parse().ok());
+        self.upstream = host.upstream_address().map(Cow::into_owned);
+        self.response_complete = end_of_stream;
+        if !host.retries_follow_ranked() {
+            self.attempts = host
+                .response_header("x-envoy-attempt-count")
+                .and_then(|v| v.parse().ok());
         }
         if end_of_stream && self.ttft_ms.is_none() {
             self.ttft_ms = Some(host.now_ms().saturating_sub(self.started_ms));
@@ -573,6 +592,9 @@ impl Exchange {
             if self.steered.as_ref().is_some_and(|s| s.probe) && !end_of_stream {
                 feedback::pass_probe(self, host, worker, ttft, now);
             }
+        }
+        if end_of_stream {
+            self.response_complete = true;
         }
         gate.on_response_body(worker, size, end_of_stream);
     }
