@@ -394,6 +394,13 @@ impl Root {
                 &format!("ailb.pool.{}.stream_live", p.name),
                 u64::from(p.sub.live()),
             );
+            // Per-pod entries held for the pool (its pool state's peers): bounded by what the
+            // agent lists, departed pods pruned (the churn soak watches it).
+            let held = router.pool_state(i).map_or(0, |s| s.peers().len());
+            metrics.set(
+                &format!("ailb.pool.{}.pods", p.name),
+                u64::try_from(held).unwrap_or(u64::MAX),
+            );
             for row in router.pod_status(i, now) {
                 let m = metrics.pod(row.address);
                 if let Some(id) = m.score {
