@@ -438,7 +438,21 @@ impl Envoy {
     pub fn start(opts: &EnvoyOptions) -> Result<Envoy, Error> {
         let dir = scratch_dir("envoy")?;
         let config = write_config(opts, &dir)?;
-        let child = envoy_command(&config, &dir, opts.concurrency)
+        Self::start_config(dir, &config, opts.concurrency, opts.ready_timeout, &[])
+    }
+
+    /// Starts Envoy on a config file already written (in `dir`, which also takes its log and
+    /// admin address file), with `extra_args` after the harness's own (e.g. `--drain-time-s`),
+    /// and waits until `/ready` answers 200 and the `inference` listener is bound.
+    pub fn start_config(
+        dir: PathBuf,
+        config: &Path,
+        concurrency: u32,
+        ready_timeout: Duration,
+        extra_args: &[String],
+    ) -> Result<Envoy, Error> {
+        let child = envoy_command(config, &dir, concurrency)
+            .args(extra_args)
             .spawn()
             .map_err(|e| spawn_error(&e))?;
         let placeholder: SocketAddr = ([127, 0, 0, 1], 0).into();
@@ -448,7 +462,7 @@ impl Envoy {
             admin: placeholder,
             listener: placeholder,
         };
-        let deadline = Instant::now() + opts.ready_timeout;
+        let deadline = Instant::now() + ready_timeout;
         // The admin address file appears once the admin listener is bound.
         envoy.admin = envoy.wait_for(deadline, "admin address file", |e| {
             let text = std::fs::read_to_string(e.dir.join("admin.addr")).ok()?;

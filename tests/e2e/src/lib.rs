@@ -8,3 +8,4 @@ pub mod process;
 pub mod ratelimit;
 pub mod require;
 pub mod wait;
+pub mod xds_files;
