@@ -50,6 +50,9 @@ scripts/fuzz.sh 20
 step "benchmark suite, smoke run (a tiny pool; proves the suite works, asserts no numbers)"
 CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$root/target}" scripts/bench.sh --smoke
 
+step "soaks, short mode (churn, overload, many pods; each fails on a broken bound: docs/operations.md)"
+CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$root/target}" BENCH_NO_BUILD=1 scripts/soak.sh all --short
+
 step "docker-compose stack: images, checks, faults (scripts/compose.sh check)"
 if [ "${AI_LB_SKIP_COMPOSE:-0}" = 1 ]; then
   echo "SKIPPED the docker-compose stack (AI_LB_SKIP_COMPOSE=1): not tested on this run"

@@ -13,4 +13,5 @@ pub mod freshness;
 pub mod overhead;
 pub mod overhead_figures;
 pub mod scenario;
+pub mod soak;
 pub mod topology;

@@ -127,6 +127,19 @@ struct Cli {
 }
 
 fn main() -> ExitCode {
+    // The soaks (scripts/soak.sh) take their own flags: `ai-lb-bench soak-churn --short`.
+    if std::env::args()
+        .nth(1)
+        .is_some_and(|a| a.starts_with("soak-"))
+    {
+        return match ai_lb_bench::soak::main_from_args(std::env::args()) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("ai-lb-bench: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let mut cli = Cli::parse();
     let cmdline = format!(
         "scripts/bench.sh {}",
