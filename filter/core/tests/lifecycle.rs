@@ -542,11 +542,18 @@ struct TestGate {
 }
 
 impl Gate<MockWorker> for TestGate {
-    fn begin(&mut self, _w: &mut MockWorker, _eos: bool, _now: u64) -> GateStep {
+    fn begin<H: Host + ?Sized>(
+        &mut self,
+        _h: &mut H,
+        _w: &mut MockWorker,
+        _eos: bool,
+        _now: u64,
+    ) -> GateStep {
         self.begin
     }
-    fn before_route(
+    fn before_route<H: Host + ?Sized>(
         &mut self,
+        _h: &mut H,
         _w: &mut MockWorker,
         _pool: usize,
         _model: Option<&str>,
@@ -558,7 +565,7 @@ impl Gate<MockWorker> for TestGate {
     fn take_resumed(&mut self, _w: &mut MockWorker) -> Option<Steered> {
         self.resumed.take()
     }
-    fn on_end(&mut self, _w: &mut MockWorker, _now: u64) {
+    fn on_end<H: Host + ?Sized>(&mut self, _h: &mut H, _w: &mut MockWorker, _now: u64) {
         self.ends += 1;
     }
 }

@@ -222,6 +222,7 @@ pub type HttpBodyType = u32;
 pub mod body_type {
     pub const RECEIVED_REQUEST_BODY: u32 = 0;
     pub const BUFFERED_REQUEST_BODY: u32 = 1;
+    pub const RECEIVED_RESPONSE_BODY: u32 = 2;
 }
 
 /// Return value of the request/response *headers* hooks (mirrors Envoy's FilterHeadersStatus).
@@ -235,6 +236,7 @@ pub mod headers_status {
 pub type BodyStatus = u32;
 pub mod body_status {
     pub const CONTINUE: u32 = 0;
+    pub const STOP_ITERATION_AND_BUFFER: u32 = 1;
     pub const STOP_ITERATION_AND_WATERMARK: u32 = 2;
 }
 
@@ -274,6 +276,7 @@ pub type AttributeId = u32;
 pub mod attribute_id {
     pub const RESPONSE_CODE: u32 = 15; // int, once response headers exist
     pub const RESPONSE_CODE_DETAILS: u32 = 16; // string
+    pub const CONNECTION_URI_SAN_PEER_CERTIFICATE: u32 = 37; // string, mTLS peers only
     pub const UPSTREAM_ADDRESS: u32 = 41; // string "ip:port", once a host was picked
     pub const XDS_CLUSTER_NAME: u32 = 57; // string, needs a matched route
 }
@@ -531,6 +534,17 @@ unsafe extern "C" {
         strict: bool,
     ) -> bool;
 
+    // ----- filter state -----
+
+    /// Sets filter state `key` through the object factory Envoy registered for that key (as
+    /// `envoy.ratelimit.hits_addend`: a number as text). False when no factory knows the key
+    /// or it refused the value.
+    pub fn envoy_dynamic_module_callback_http_set_filter_state_typed(
+        filter_envoy: HttpFilterEnvoyPtr,
+        key: ModuleBuffer,
+        value: ModuleBuffer,
+    ) -> bool;
+
     // ----- counters -----
 
     /// Define a counter; only succeeds while `on_http_filter_config_new` runs (else FROZEN).
@@ -564,6 +578,24 @@ unsafe extern "C" {
         label_names: *const ModuleBuffer,
         label_names_len: usize,
         gauge_id: *mut usize,
+    ) -> MetricsResult;
+
+    /// Define a histogram; only succeeds while `on_http_filter_config_new` runs (else FROZEN).
+    pub fn envoy_dynamic_module_callback_http_filter_config_define_histogram(
+        config_envoy: HttpFilterConfigEnvoyPtr,
+        name: ModuleBuffer,
+        label_names: *const ModuleBuffer,
+        label_names_len: usize,
+        histogram_id: *mut usize,
+    ) -> MetricsResult;
+
+    /// Record `value` in a histogram from a stream context (labels as for counters).
+    pub fn envoy_dynamic_module_callback_http_filter_record_histogram_value(
+        filter_envoy: HttpFilterEnvoyPtr,
+        histogram_id: usize,
+        label_values: *const ModuleBuffer,
+        label_values_len: usize,
+        value: u64,
     ) -> MetricsResult;
 
     /// Set a gauge from a stream context. Pass null/0 labels for a plain gauge; otherwise

@@ -74,12 +74,21 @@ pub fn parse(bytes: &[u8]) -> Result<NativeConfig, String> {
                 .into(),
         ));
     }
-    if filter.admission.is_some() {
-        return Err(err(
-            "filter.admission",
-            "admission control is not in the native module; remove it or use the wasm filter"
-                .into(),
-        ));
+    // The token limiter is here; holding and shedding by priority class is not yet.
+    for part in ["saturation", "priority"] {
+        if raw
+            .filter
+            .get("admission")
+            .and_then(|a| a.get(part))
+            .is_some()
+        {
+            return Err(err(
+                &format!("filter.admission.{part}"),
+                "priority classes (shed and hold under saturation) are not in the native \
+                 module yet; remove it (the token limiter works without) or use the wasm filter"
+                    .into(),
+            ));
+        }
     }
     if filter.big_request_hold.is_some() {
         return Err(err(
@@ -204,9 +213,12 @@ mod tests {
         };
         let e = parse(with(r#""bigRequestHold":{}"#).as_bytes()).unwrap_err();
         assert!(e.contains("filter.bigRequestHold"), "{e}");
-        let e =
-            parse(with(r#""admission":{"tenants":{"default":{"tokensPerSecond":10}}}"#).as_bytes());
-        // An admission section the core accepts is refused here; one it rejects fails there.
-        assert!(e.is_err());
+        // The token limiter is accepted; priority classes are not yet.
+        let limiter = r#""admission":{"tenants":{"default":{"tokensPerSecond":10,"burst":20}}}"#;
+        if let Err(e) = parse(with(limiter).as_bytes()) {
+            panic!("{e}");
+        }
+        let e = parse(with(r#""admission":{"saturation":{"maxHeld":4}}"#).as_bytes()).unwrap_err();
+        assert!(e.contains("filter.admission.saturation"), "{e}");
     }
 }

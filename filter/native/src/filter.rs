@@ -3,8 +3,10 @@
 //! router owned by the Envoy worker thread (no locks on the pick) and breakers shared by every
 //! worker ([`crate::breakers`]). The host calls are the module ABI's ([`NativeHost`]).
 //!
-//! Not here (refused at config time or stated in filter/native/README.md): admission, big
-//! request hold, the guard mode, the per-pod in-flight gauge.
+//! Admission (the limiter) is the core's gate over buckets shared by every worker
+//! ([`crate::admission`]). Not here (refused at config time or stated in
+//! filter/native/README.md): priority holds, big request hold, the guard mode, the per-pod
+//! in-flight gauge.
 
 use std::borrow::Cow;
 use std::cell::RefCell;
@@ -12,15 +14,20 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use ai_lb_filter_core::admission::MemoryStore;
 use ai_lb_filter_core::breaker::{Breaker, BreakerState, Transition, TripReason};
-use ai_lb_filter_core::lifecycle::{
-    self, BreakerStore, Exchange, Host, Next as LifeNext, NoGate, Parts, Stats,
+use ai_lb_filter_core::lifecycle::admission::{
+    AdmissionGate, AdmissionParts, AdmissionRt, AdmissionWorker,
 };
-use ai_lb_filter_core::picker::Router;
+use ai_lb_filter_core::lifecycle::{
+    self, BreakerStore, Exchange, Gate, GateStep, Host, Next as LifeNext, Parts, Stats, Steered,
+};
+use ai_lb_filter_core::picker::{RequestSize, Router};
 use ai_lb_filter_core::Counters as CoreCounters;
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
 
+use crate::admission::{AdmTally, AdmissionIds};
 use crate::breakers::SharedBreakers;
 use crate::config::{NativeConfig, Steering};
 use crate::feed::{self, now_ms, Feed, Shared};
@@ -64,6 +71,10 @@ pub struct ConfigRt {
     /// Circuit breakers shared by every worker.
     pub breakers: Arc<SharedBreakers>,
     pub counters: Counters,
+    /// Admission's stats (None: admission is off).
+    adm_ids: Option<AdmissionIds>,
+    /// The tenants' token buckets, shared by every worker.
+    buckets: Arc<MemoryStore>,
     /// When the per-pod gauges are next due (ms; [`export_gauges`]).
     gauges_due_ms: AtomicU64,
     /// Workers keep a weak handle: a worker of a config that is gone is dropped when its
@@ -112,6 +123,8 @@ impl ConfigRt {
             metrics_age_ms: handle
                 .define_labeled_gauge("ailb.endpoint.metrics_age_ms", "ailb_endpoint"),
         };
+        let admission_on = cfg.filter.admission.as_ref().is_some_and(|a| a.enabled);
+        let adm_ids = admission_on.then(|| AdmissionIds::define(handle));
         let feed = feed::start(&cfg.filter, &cfg.agents, Arc::clone(&shared))?;
         Ok(ConfigRt {
             id: NEXT.fetch_add(1, Ordering::Relaxed),
@@ -119,6 +132,8 @@ impl ConfigRt {
             cfg,
             shared,
             counters,
+            adm_ids,
+            buckets: Arc::new(MemoryStore::new()),
             gauges_due_ms: AtomicU64::new(0),
             alive: Arc::new(()),
             _feed: feed,
@@ -149,6 +164,10 @@ struct Worker {
     core_seen: [u64; CORE_COUNTERS],
     /// When this worker next adds its pending per-pod counts to Envoy's counters (ms).
     flush_due_ms: u64,
+    /// Admission (None: off): its config, tenants and held queue in this worker.
+    admission: Option<AdmissionRt>,
+    adm_stats: AdmTally,
+    buckets: Arc<MemoryStore>,
 }
 
 /// The number of the core's counters ([`ai_lb_filter_core::Counters::iter`]).
@@ -270,12 +289,27 @@ impl lifecycle::Worker for Worker {
     }
 }
 
+impl AdmissionWorker for Worker {
+    fn admission(&mut self) -> Option<AdmissionParts<'_>> {
+        let rt = self.admission.as_mut()?;
+        Some(AdmissionParts {
+            rt,
+            router: &mut self.router,
+            stats: &mut self.adm_stats,
+            store: &*self.buckets,
+        })
+    }
+}
+
 impl Worker {
     /// Adds what the last event counted to Envoy's counters: the core's counters (deltas;
     /// `ailb.<name>`, the wasm filter's names), the breaker transitions this worker wrote,
     /// and once a second the per-pod picks and failures.
     fn export(&mut self, rt: &ConfigRt, s: &Stream) {
         let c = &rt.counters;
+        if let Some(ids) = &rt.adm_ids {
+            self.adm_stats.flush(ids, s);
+        }
         for (i, (_, v)) in self.router.counters().iter().iter().enumerate() {
             let (Some(seen), Some(id)) = (self.core_seen.get_mut(i), c.core.get(i)) else {
                 continue;
@@ -374,6 +408,15 @@ fn with_worker<R>(rt: &ConfigRt, f: impl FnOnce(&mut Worker) -> R) -> Option<R> 
                     stats: WorkerStats::default(),
                     core_seen: [0; CORE_COUNTERS],
                     flush_due_ms: 0,
+                    admission: rt
+                        .cfg
+                        .filter
+                        .admission
+                        .clone()
+                        .filter(|a| a.enabled)
+                        .map(AdmissionRt::new),
+                    adm_stats: AdmTally::default(),
+                    buckets: Arc::clone(&rt.buckets),
                 });
                 ws.len() - 1
             }
@@ -427,6 +470,78 @@ fn export_gauges(rt: &ConfigRt, s: &Stream, now: u64) {
 pub struct Request {
     rt: *const ConfigRt,
     ex: Exchange,
+    gate: NativeGate,
+}
+
+/// Admission of one request: the core's gate. Priority holds are not in the native module yet
+/// (a request is never held: its class is counted, never shed).
+#[derive(Debug)]
+struct NativeGate {
+    adm: AdmissionGate,
+}
+
+impl Gate<Worker> for NativeGate {
+    fn begin<H: Host + ?Sized>(
+        &mut self,
+        h: &mut H,
+        w: &mut Worker,
+        eos: bool,
+        now: u64,
+    ) -> GateStep {
+        self.adm.begin(h, w, eos, now)
+    }
+    fn body<H: Host + ?Sized>(
+        &mut self,
+        h: &mut H,
+        w: &mut Worker,
+        body: &[u8],
+        complete: bool,
+        now: u64,
+    ) -> GateStep {
+        self.adm.body(h, w, body, complete, now)
+    }
+    fn before_route<H: Host + ?Sized>(
+        &mut self,
+        _h: &mut H,
+        _w: &mut Worker,
+        _pool: usize,
+        _model: Option<&str>,
+        _size: RequestSize,
+        _now: u64,
+    ) -> GateStep {
+        GateStep::Proceed
+    }
+    fn take_resumed(&mut self, w: &mut Worker) -> Option<Steered> {
+        self.adm.take_resumed(w)
+    }
+    fn on_response_headers<H: Host + ?Sized>(&mut self, h: &mut H, w: &mut Worker, eos: bool) {
+        self.adm.on_response_headers(h, w, eos);
+    }
+    fn on_response_body<H: Host + ?Sized>(
+        &mut self,
+        h: &mut H,
+        w: &mut Worker,
+        size: usize,
+        eos: bool,
+    ) {
+        self.adm.on_response_body(h, w, size, eos);
+    }
+    fn on_end<H: Host + ?Sized>(&mut self, h: &mut H, w: &mut Worker, now: u64) {
+        Gate::<Worker>::on_end(&mut self.adm, h, w, now);
+    }
+}
+
+/// Numbers requests for the workers' held queues (unique among those waiting at once).
+static REQUEST_IDS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
+
+/// What a request-body hook tells Envoy.
+#[derive(Debug, PartialEq, Eq)]
+pub enum BodyNext {
+    Continue,
+    /// Buffer with flow control and call again (the body is still being read).
+    Wait,
+    /// The request was answered locally: keep the body back.
+    Stop,
 }
 
 /// What a headers hook tells Envoy.
@@ -503,13 +618,27 @@ impl Host for NativeHost<'_> {
         // the cluster's own balancer.
         self.steering.header()
     }
+    fn peer_principal(&self) -> Option<Cow<'_, str>> {
+        self.s.peer_uri_san().map(Cow::Borrowed)
+    }
+    fn set_hits_addend(&mut self, n: u64) -> bool {
+        self.s
+            .set_filter_state_typed("envoy.ratelimit.hits_addend", &n.to_string())
+    }
+    fn response_chunk(&self, _size: usize) -> Option<Vec<u8>> {
+        Some(self.s.response_chunk())
+    }
 }
 
 impl Request {
     pub fn new(rt: *const ConfigRt) -> Self {
+        let id = REQUEST_IDS.fetch_add(1, Ordering::Relaxed);
         Request {
             rt,
             ex: Exchange::new(),
+            gate: NativeGate {
+                adm: AdmissionGate::new(id),
+            },
         }
     }
 
@@ -528,16 +657,16 @@ impl Request {
     fn event<R>(
         &mut self,
         s: &Stream,
-        f: impl FnOnce(&mut Exchange, &mut NativeHost<'_>, &mut Worker) -> R,
+        f: impl FnOnce(&mut Exchange, &mut NativeHost<'_>, &mut Worker, &mut NativeGate) -> R,
     ) -> Option<R> {
         let rt = self.rt()?;
         let mut host = NativeHost {
             s,
             steering: rt.cfg.steering,
         };
-        let ex = &mut self.ex;
+        let (ex, gate) = (&mut self.ex, &mut self.gate);
         let out = with_worker(rt, |w| {
-            let out = f(ex, &mut host, w);
+            let out = f(ex, &mut host, w, gate);
             // A pool state installed by the event may carry agent-reported trips.
             lifecycle::carry_signal_trips(&mut host, w, now_ms());
             w.export(rt, s);
@@ -552,8 +681,8 @@ impl Request {
 
     pub fn on_request_headers(&mut self, s: &Stream, end_of_stream: bool) -> Next {
         let next = self
-            .event(s, |ex, h, w| {
-                ex.on_request_headers(h, w, &mut NoGate, end_of_stream)
+            .event(s, |ex, h, w, g| {
+                ex.on_request_headers(h, w, g, end_of_stream)
             })
             .unwrap_or(LifeNext::Continue);
         if let Some(rt) = self.rt() {
@@ -570,43 +699,45 @@ impl Request {
     /// A request-body chunk; true when the filter still waits for more (Envoy buffers). The
     /// body is held back only up to `maxBodyReadBytes`: past that its first bytes are read and
     /// the rest streams (waiting for the end would make Envoy answer 413 at its limit).
-    pub fn on_request_body(&mut self, s: &Stream, end_of_stream: bool) -> bool {
+    pub fn on_request_body(&mut self, s: &Stream, end_of_stream: bool) -> BodyNext {
         if !self.ex.waiting_body() {
-            return false;
+            return BodyNext::Continue;
         }
         // Envoy buffers with flow control here (StopIterationAndWatermark, see lib.rs).
         if !end_of_stream && self.ex.wants_more_body(s.request_body_len(), true) {
-            return true;
+            return BodyNext::Wait;
         }
-        self.body_done(s, true, end_of_stream);
-        false
+        match self.body_done(s, true, end_of_stream) {
+            LifeNext::Stop => BodyNext::Stop,
+            LifeNext::Continue | LifeNext::StopForBody => BodyNext::Continue,
+        }
     }
 
-    /// Trailers: the body ended without end_of_stream.
-    pub fn on_request_trailers(&mut self, s: &Stream) {
-        if self.ex.waiting_body() {
-            self.body_done(s, false, true);
-        }
+    /// Trailers: the body ended without end_of_stream. True when the request stops here
+    /// (answered locally).
+    pub fn on_request_trailers(&mut self, s: &Stream) -> bool {
+        self.ex.waiting_body() && self.body_done(s, false, true) == LifeNext::Stop
     }
 
     /// The body is here, whole or up to `maxBodyReadBytes` (`in_hook`: the last chunk is the
     /// current body hook's).
-    fn body_done(&mut self, s: &Stream, in_hook: bool, ended: bool) {
+    fn body_done(&mut self, s: &Stream, in_hook: bool, ended: bool) -> LifeNext {
         let cap = self.ex.body_read_limit();
         let mut body = s.request_body(in_hook);
         let complete = ended && body.len() <= cap;
         body.truncate(cap);
-        self.event(s, |ex, h, w| {
-            ex.on_request_body(h, w, &mut NoGate, &body, complete)
-        });
+        self.event(s, |ex, h, w, g| {
+            ex.on_request_body(h, w, g, &body, complete)
+        })
+        .unwrap_or(LifeNext::Continue)
     }
 
     pub fn on_response_headers(&mut self, s: &Stream, end_of_stream: bool) {
         if self.ex.pool().is_none() {
             return;
         }
-        self.event(s, |ex, h, w| {
-            ex.on_response_headers(h, w, &mut NoGate, end_of_stream)
+        self.event(s, |ex, h, w, g| {
+            ex.on_response_headers(h, w, g, end_of_stream)
         });
     }
 
@@ -616,13 +747,13 @@ impl Request {
         if self.ex.pool().is_none() {
             return;
         }
-        self.event(s, |ex, h, w| {
-            ex.on_response_body(h, w, &mut NoGate, 0, end_of_stream)
+        self.event(s, |ex, h, w, g| {
+            ex.on_response_body(h, w, g, 0, end_of_stream)
         });
     }
 
     /// The request is over: close the pick and tell the breakers how it went.
     pub fn on_stream_complete(&mut self, s: &Stream) {
-        self.event(s, |ex, h, w| ex.on_end(h, w, &mut NoGate));
+        self.event(s, |ex, h, w, g| ex.on_end(h, w, g));
     }
 }

@@ -134,6 +134,33 @@ impl Stream {
         std::str::from_utf8(self.attr_bytes(attribute_id::RESPONSE_CODE_DETAILS)?).ok()
     }
 
+    /// `connection.uri_san_peer_certificate`: the downstream peer certificate's URI SAN (a
+    /// SPIFFE id under mTLS), None on a plain connection.
+    pub fn peer_uri_san(&self) -> Option<&str> {
+        let b = self.attr_bytes(attribute_id::CONNECTION_URI_SAN_PEER_CERTIFICATE)?;
+        std::str::from_utf8(b).ok().filter(|s| !s.is_empty())
+    }
+
+    /// Sets filter state `key` to `value` through Envoy's object factory for that key; false
+    /// when Envoy refused.
+    pub fn set_filter_state_typed(&self, key: &str, value: &str) -> bool {
+        // SAFETY: live filter pointer; the buffers point into `key`/`value`, copied by Envoy.
+        unsafe {
+            abi::envoy_dynamic_module_callback_http_set_filter_state_typed(
+                self.0,
+                ModuleBuffer::from_text(key),
+                ModuleBuffer::from_text(value),
+            )
+        }
+    }
+
+    /// The response-body chunk of the current body hook, copied.
+    pub fn response_chunk(&self) -> Vec<u8> {
+        let mut body = Vec::new();
+        self.append_body(body_type::RECEIVED_RESPONSE_BODY, &mut body);
+        body
+    }
+
     /// The request body: what Envoy buffered so far, then the chunk of the current body hook
     /// (`with_current`; at the last body call that chunk is not in the buffer yet), copied.
     pub fn request_body(&self, with_current: bool) -> Vec<u8> {
@@ -225,6 +252,31 @@ impl Stream {
         self.inc_with(id, &[], n);
     }
 
+    /// Adds `n` to the two-label counter `id` for those labels' values; ignores errors.
+    pub fn inc_labeled2(&self, id: LabeledCounter2, values: [&str; 2], n: u64) {
+        self.inc_with(id.0, &values.map(ModuleBuffer::from_text), n);
+    }
+
+    /// Records `v` in the plain histogram `id` (from [`ConfigHandle::define_histogram`]).
+    pub fn record(&self, id: usize, v: u64) {
+        self.metric(
+            abi::envoy_dynamic_module_callback_http_filter_record_histogram_value,
+            id,
+            &[],
+            v,
+        );
+    }
+
+    /// Sets the plain gauge `id` (from [`ConfigHandle::define_gauge`]) to `v`.
+    pub fn set_gauge(&self, id: usize, v: u64) {
+        self.metric(
+            abi::envoy_dynamic_module_callback_http_filter_set_gauge,
+            id,
+            &[],
+            v,
+        );
+    }
+
     /// Adds `n` to the one-label counter `id` for that label's `value`; ignores errors.
     pub fn inc_labeled(&self, id: LabeledCounter, value: &str, n: u64) {
         self.inc_with(id.0, &[ModuleBuffer::from_text(value)], n);
@@ -232,25 +284,30 @@ impl Stream {
 
     /// Sets the one-label gauge `id` for that label's `value` to `v`; ignores errors.
     pub fn set_labeled(&self, id: LabeledGauge, value: &str, v: u64) {
-        if id.0 == 0 {
-            return;
-        }
-        let values = [ModuleBuffer::from_text(value)];
-        // SAFETY: live filter pointer; `values` (and the text it points into) outlives the
-        // call, and the gauge was defined with exactly one label.
-        unsafe {
-            abi::envoy_dynamic_module_callback_http_filter_set_gauge(
-                self.0,
-                id.0,
-                values.as_ptr(),
-                values.len(),
-                v,
-            );
-        }
+        self.metric(
+            abi::envoy_dynamic_module_callback_http_filter_set_gauge,
+            id.0,
+            &[ModuleBuffer::from_text(value)],
+            v,
+        );
     }
 
     fn inc_with(&self, id: usize, values: &[ModuleBuffer], n: u64) {
-        if id == 0 || n == 0 {
+        if n == 0 {
+            return;
+        }
+        self.metric(
+            abi::envoy_dynamic_module_callback_http_filter_increment_counter,
+            id,
+            values,
+            n,
+        );
+    }
+
+    /// Applies `op` (one of the ABI's counter, gauge and histogram updates, which share one
+    /// signature) to metric `id` with `values` for its labels; ignores errors and id 0.
+    fn metric(&self, op: UpdateMetric, id: usize, values: &[ModuleBuffer], v: u64) {
+        if id == 0 {
             return;
         }
         let ptr = if values.is_empty() {
@@ -259,15 +316,9 @@ impl Stream {
             values.as_ptr()
         };
         // SAFETY: live filter pointer; `values` (and the text each points into) outlives the
-        // call, and Envoy reads exactly `values.len()` of them.
+        // call, and Envoy reads exactly `values.len()` of them (as many as the metric's labels).
         unsafe {
-            abi::envoy_dynamic_module_callback_http_filter_increment_counter(
-                self.0,
-                id,
-                ptr,
-                values.len(),
-                n,
-            );
+            op(self.0, id, ptr, values.len(), v);
         }
     }
 }
@@ -277,10 +328,33 @@ impl Stream {
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct LabeledCounter(usize);
 
+/// The id of a counter with two labels ([`ConfigHandle::define_labeled_counter2`]); only
+/// [`Stream::inc_labeled2`] takes it, with exactly two values. 0: never counted.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct LabeledCounter2(usize);
+
 /// The id of a gauge with one label ([`ConfigHandle::define_labeled_gauge`]); only
 /// [`Stream::set_labeled`] takes it. 0: never set.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct LabeledGauge(usize);
+
+/// The shape of the ABI's metric updates from a stream (counter, gauge, histogram).
+type UpdateMetric = unsafe extern "C" fn(
+    abi::HttpFilterEnvoyPtr,
+    usize,
+    *const ModuleBuffer,
+    usize,
+    u64,
+) -> abi::MetricsResult;
+
+/// The shape of the ABI's metric-defining callbacks (counter, gauge, histogram).
+type DefineMetric = unsafe extern "C" fn(
+    abi::HttpFilterConfigEnvoyPtr,
+    ModuleBuffer,
+    *const ModuleBuffer,
+    usize,
+    *mut usize,
+) -> abi::MetricsResult;
 
 /// Envoy's per-config handle, valid inside `on_http_filter_config_new` only.
 #[derive(Debug)]
@@ -305,30 +379,49 @@ impl ConfigHandle {
         LabeledCounter(self.define_counter_with(name, &[ModuleBuffer::from_text(label)]))
     }
 
-    /// Defines gauge `name` with the one label `label`, as [`Self::define_labeled_counter`].
-    pub fn define_labeled_gauge(&self, name: &str, label: &str) -> LabeledGauge {
-        let labels = [ModuleBuffer::from_text(label)];
-        let mut id = 0usize;
-        // SAFETY: live config pointer during config_new; valid out-pointer; `labels` (and the
-        // text it points into) outlives the call.
-        let r = unsafe {
-            abi::envoy_dynamic_module_callback_http_filter_config_define_gauge(
-                self.0,
-                ModuleBuffer::from_text(name),
-                labels.as_ptr(),
-                labels.len(),
-                &mut id,
-            )
-        };
-        LabeledGauge(if r == abi::metrics_result::SUCCESS {
-            id
-        } else {
-            0
-        })
+    /// Defines counter `name` with the two labels `labels` (shown as for one label, in order).
+    pub fn define_labeled_counter2(&self, name: &str, labels: [&str; 2]) -> LabeledCounter2 {
+        LabeledCounter2(self.define_counter_with(name, &labels.map(ModuleBuffer::from_text)))
     }
 
-    /// 0 (never counted) when Envoy refused.
+    /// Defines the plain gauge `name`; 0 (never set) when Envoy refused.
+    pub fn define_gauge(&self, name: &str) -> usize {
+        self.define(
+            abi::envoy_dynamic_module_callback_http_filter_config_define_gauge,
+            name,
+            &[],
+        )
+    }
+
+    /// Defines the plain histogram `name`; 0 (never recorded) when Envoy refused.
+    pub fn define_histogram(&self, name: &str) -> usize {
+        self.define(
+            abi::envoy_dynamic_module_callback_http_filter_config_define_histogram,
+            name,
+            &[],
+        )
+    }
+
+    /// Defines gauge `name` with the one label `label`, as [`Self::define_labeled_counter`].
+    pub fn define_labeled_gauge(&self, name: &str, label: &str) -> LabeledGauge {
+        LabeledGauge(self.define(
+            abi::envoy_dynamic_module_callback_http_filter_config_define_gauge,
+            name,
+            &[ModuleBuffer::from_text(label)],
+        ))
+    }
+
     fn define_counter_with(&self, name: &str, labels: &[ModuleBuffer]) -> usize {
+        self.define(
+            abi::envoy_dynamic_module_callback_http_filter_config_define_counter,
+            name,
+            labels,
+        )
+    }
+
+    /// Defines a metric with `define` (one of the ABI's define callbacks, which share one
+    /// signature); 0 (never used) when Envoy refused.
+    fn define(&self, define: DefineMetric, name: &str, labels: &[ModuleBuffer]) -> usize {
         let ptr = if labels.is_empty() {
             std::ptr::null()
         } else {
@@ -338,7 +431,7 @@ impl ConfigHandle {
         // SAFETY: live config pointer during config_new; valid out-pointer; `labels` (and the
         // text each points into) outlives the call.
         let r = unsafe {
-            abi::envoy_dynamic_module_callback_http_filter_config_define_counter(
+            define(
                 self.0,
                 ModuleBuffer::from_text(name),
                 ptr,

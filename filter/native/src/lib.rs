@@ -13,6 +13,7 @@
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod abi;
+pub mod admission;
 pub mod breakers;
 pub mod config;
 pub mod feed;
@@ -25,7 +26,7 @@ mod exports {
     use std::panic::{catch_unwind, AssertUnwindSafe};
 
     use crate::abi::{self, body_status, headers_status, trailers_status, EnvoyBuffer};
-    use crate::filter::{ConfigRt, Next, Request};
+    use crate::filter::{BodyNext, ConfigRt, Next, Request};
     use crate::host::{self, ConfigHandle, Level, Stream};
 
     /// Runs `f`, turning a panic into `fallback` (logged).
@@ -140,13 +141,14 @@ mod exports {
             let Some(r) = (unsafe { request(filter_module) }) else {
                 return body_status::CONTINUE;
             };
-            if r.on_request_body(&Stream::new(filter_envoy), end_of_stream) {
+            match r.on_request_body(&Stream::new(filter_envoy), end_of_stream) {
                 // Buffered with flow control: a chunk that takes the buffered body past
                 // Envoy's limit pauses the client instead of failing the request with 413
                 // (with StopIterationAndBuffer, 128 KB held plus a 1 MiB read did).
-                body_status::STOP_ITERATION_AND_WATERMARK
-            } else {
-                body_status::CONTINUE
+                BodyNext::Wait => body_status::STOP_ITERATION_AND_WATERMARK,
+                // Answered locally: the body goes no further.
+                BodyNext::Stop => body_status::STOP_ITERATION_AND_BUFFER,
+                BodyNext::Continue => body_status::CONTINUE,
             }
         })
     }
@@ -158,10 +160,13 @@ mod exports {
     ) -> abi::TrailersStatus {
         guard(trailers_status::CONTINUE, || {
             // SAFETY: see `request`.
-            if let Some(r) = unsafe { request(filter_module) } {
-                r.on_request_trailers(&Stream::new(filter_envoy));
+            let stop = unsafe { request(filter_module) }
+                .is_some_and(|r| r.on_request_trailers(&Stream::new(filter_envoy)));
+            if stop {
+                trailers_status::STOP_ITERATION
+            } else {
+                trailers_status::CONTINUE
             }
-            trailers_status::CONTINUE
         })
     }
 

@@ -292,6 +292,22 @@ impl ai_lb_filter_core::lifecycle::Host for WasmHost {
     fn warn(&mut self, msg: &str) {
         log(LogLevel::Warn, msg);
     }
+    /// The peer certificate's URI SAN, else Istio's `source.principal`.
+    fn peer_principal(&self) -> Option<std::borrow::Cow<'_, str>> {
+        property_string(&["connection", "uri_san_peer_certificate"])
+            .filter(|p| !p.is_empty())
+            .or_else(|| property_string(&["source", "principal"]))
+            .map(std::borrow::Cow::Owned)
+    }
+    fn set_hits_addend(&mut self, n: u64) -> bool {
+        set_hits_addend(n).is_ok()
+    }
+    fn response_chunk(&self, size: usize) -> Option<Vec<u8>> {
+        if size == 0 {
+            return None;
+        }
+        response_body(size)
+    }
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! One HTTP request: translates the proxy-wasm callbacks into the core's request lifecycle
 //! ([`Exchange`], the same one the native module drives), with this VM's [`State`] as the
 //! worker and [`WasmGate`] as the admission gate (the token limiter, priority classes, the
-//! held queue and the big-request hold, which the native module does not have yet).
+//! held queue, from the core) and the big-request hold.
 //!
 //! Each callback borrows the VM's state once; a borrow that fails (a re-entered callback) is
 //! counted (`ailb.state_busy`), and an end that finds the state busy is finished at the next
@@ -15,16 +15,13 @@ use std::rc::Rc;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 
-use ai_lb_filter_core::admission::config::TenantKeySource;
-use ai_lb_filter_core::admission::cost::BodyPlan;
-use ai_lb_filter_core::admission::priority::{self, PriorityDecision};
-use ai_lb_filter_core::lifecycle::{Exchange, Gate, GateStep, Next, Steered};
+use ai_lb_filter_core::lifecycle::admission::AdmissionGate;
+use ai_lb_filter_core::lifecycle::{Exchange, Gate, GateStep, Host, Next, Steered};
 use ai_lb_filter_core::picker::RequestSize;
 
-use crate::admission::{self, AdmReq, Headers, HeldReq, Step};
 use crate::hold::{self, Held};
 use crate::host::{self, WasmHost};
-use crate::state::{self, refresh_view_if_old, State};
+use crate::state::{self, State};
 
 /// A context that does nothing (filter not configured for routing).
 pub struct PassThrough;
@@ -56,11 +53,7 @@ impl Request {
         Self {
             state,
             ex: Exchange::new(),
-            gate: WasmGate {
-                id,
-                adm: None,
-                big_held: false,
-            },
+            gate: WasmGate::new(id),
         }
     }
 
@@ -152,14 +145,7 @@ impl HttpContext for Request {
             // the next callback or tick that gets the state.
             let ex = std::mem::take(&mut self.ex);
             let id = self.gate.id;
-            let gate = std::mem::replace(
-                &mut self.gate,
-                WasmGate {
-                    id,
-                    adm: None,
-                    big_held: false,
-                },
-            );
+            let gate = std::mem::replace(&mut self.gate, WasmGate::new(id));
             DEFERRED.with(|d| {
                 if let Ok(mut d) = d.try_borrow_mut() {
                     d.push((ex, gate));
@@ -169,73 +155,60 @@ impl HttpContext for Request {
     }
 }
 
-/// Admission control and holds of one request (when the plugin config enables them).
+/// Admission control and holds of one request: the core's admission gate (when the plugin
+/// config enables it), then the worker's big-request hold.
 pub struct WasmGate {
     /// The proxy-wasm context id (the held queues' handle).
     id: u32,
-    adm: Option<AdmReq>,
+    adm: AdmissionGate,
     /// Queued in the worker's big-request hold.
     big_held: bool,
 }
 
-impl Gate<State> for WasmGate {
-    /// Starts admission control (tenant, class, body plan). A request without a body, or
-    /// one costed by its length, is admitted here; a JSON body is costed when it arrives.
-    fn begin(&mut self, s: &mut State, end_of_stream: bool, now: u64) -> GateStep {
-        let State {
-            admission, metrics, ..
-        } = s;
-        let Some(rt) = admission.as_mut() else {
-            return GateStep::Proceed;
-        };
-        let headers = Headers::fetch(admission::header_names(&rt.cfg));
-        let peer = if rt.cfg.tenant_key.contains(&TenantKeySource::PeerPrincipal) {
-            host::property_string(&["connection", "uri_san_peer_certificate"])
-                .filter(|p| !p.is_empty())
-                .or_else(|| host::property_string(&["source", "principal"]))
-        } else {
-            None
-        };
-        let (mut adm, plan) = admission::begin(rt, &headers, peer.as_deref(), metrics);
-        let step = match plan {
-            // No body at all: nothing to cost.
-            _ if end_of_stream => GateStep::Proceed,
-            BodyPlan::ByLength(n) => step(adm.admit_length(n, now, metrics)),
-            BodyPlan::Buffer => GateStep::NeedBody,
-        };
-        self.adm = Some(adm);
-        step
-    }
-
-    /// Costs the whole body (an empty or unreadable one, e.g. after trailers, by its length;
-    /// one larger than `maxBodyReadBytes` by its declared length, else what was read).
-    fn body(&mut self, s: &mut State, body: &[u8], complete: bool, now: u64) -> GateStep {
-        let Some(a) = self.adm.as_mut() else {
-            return GateStep::Proceed;
-        };
-        if !complete {
-            let length = host::request_header("content-length")
-                .and_then(|v| v.trim().parse().ok())
-                .unwrap_or(body.len() as u64);
-            step(a.admit_length(length, now, &mut s.metrics))
-        } else if body.is_empty() {
-            step(a.admit_length(0, now, &mut s.metrics))
-        } else {
-            step(a.admit_body(body, now, &mut s.metrics))
+impl WasmGate {
+    fn new(id: u32) -> Self {
+        Self {
+            id,
+            adm: AdmissionGate::new(id),
+            big_held: false,
         }
     }
+}
 
-    /// Sheds, holds or lets through by class when the pool is saturated; then a big request
-    /// no pod has room for waits in the worker's hold (`bigRequestHold`).
-    fn before_route(
+impl Gate<State> for WasmGate {
+    fn begin<H: Host + ?Sized>(
         &mut self,
+        host: &mut H,
+        s: &mut State,
+        end_of_stream: bool,
+        now: u64,
+    ) -> GateStep {
+        self.adm.begin(host, s, end_of_stream, now)
+    }
+
+    fn body<H: Host + ?Sized>(
+        &mut self,
+        host: &mut H,
+        s: &mut State,
+        body: &[u8],
+        complete: bool,
+        now: u64,
+    ) -> GateStep {
+        self.adm.body(host, s, body, complete, now)
+    }
+
+    /// Sheds, holds or lets through by class when the pool is saturated (the core's gate);
+    /// then a big request no pod has room for waits in the worker's hold (`bigRequestHold`).
+    fn before_route<H: Host + ?Sized>(
+        &mut self,
+        host: &mut H,
         s: &mut State,
         pool: usize,
         model: Option<&str>,
         size: RequestSize,
         now: u64,
     ) -> GateStep {
-        match self.priority_gate(s, pool, model, size, now) {
+        match self.adm.before_route(host, s, pool, model, size, now) {
             GateStep::Proceed => {}
             other => return other,
         }
@@ -266,131 +239,24 @@ impl Gate<State> for WasmGate {
         } else {
             None
         };
-        let Some(rt) = s.admission.as_mut() else {
-            return big;
-        };
-        let resumed = rt.resumed.remove(&self.id);
-        let expired = rt.expired.remove(&self.id);
-        // A client that left while held.
-        if rt.held.remove(self.id) {
-            rt.held_reqs.remove(&self.id);
-        }
-        if expired {
-            if let Some(a) = self.adm.as_mut() {
-                a.refund_all = true;
-            }
-        }
-        resumed.or(big)
+        self.adm.take_resumed(s).or(big)
     }
 
-    fn on_response_headers(&mut self, s: &mut State, end_of_stream: bool) {
-        if let Some(a) = self.adm.as_mut().filter(|a| !a.refund_all) {
-            a.on_response_headers();
-            if end_of_stream {
-                a.on_response_end(&mut s.metrics);
-            }
-        }
+    fn on_response_headers<H: Host + ?Sized>(&mut self, host: &mut H, s: &mut State, eos: bool) {
+        self.adm.on_response_headers(host, s, eos);
     }
 
-    /// Feeds the answer's usage scanner (the charge is reconciled with the actual tokens).
-    fn on_response_body(&mut self, s: &mut State, size: usize, end_of_stream: bool) {
-        let Some(a) = self.adm.as_mut().filter(|a| a.scanner.is_some()) else {
-            return;
-        };
-        if size > 0 {
-            if let Some(chunk) = host::response_body(size) {
-                a.on_response_body(&chunk);
-            }
-        }
-        if end_of_stream {
-            a.on_response_end(&mut s.metrics);
-        }
-    }
-
-    fn on_end(&mut self, s: &mut State, now: u64) {
-        if let Some(mut a) = self.adm.take() {
-            a.settle(now, &mut s.metrics);
-        }
-    }
-}
-
-fn step(s: Step) -> GateStep {
-    match s {
-        Step::Proceed => GateStep::Proceed,
-        Step::Replied => GateStep::Replied,
-    }
-}
-
-impl WasmGate {
-    /// The class policy under saturation (admission on): proceed, shed (429), reject (503)
-    /// or hold in the priority queue until the root releases it.
-    fn priority_gate(
+    fn on_response_body<H: Host + ?Sized>(
         &mut self,
+        host: &mut H,
         s: &mut State,
-        pool: usize,
-        model: Option<&str>,
-        size: RequestSize,
-        now: u64,
-    ) -> GateStep {
-        let Some(a) = self.adm.as_mut() else {
-            return GateStep::Proceed;
-        };
-        // As for a pick: an idle VM's view may be older than refreshMs (it ticks slowly), and
-        // judging saturation on it shed or let through by a pool state up to a tick old.
-        refresh_view_if_old(s, pool, now);
-        let State {
-            router,
-            admission,
-            metrics,
-            ..
-        } = s;
-        let Some(rt) = admission.as_mut() else {
-            return GateStep::Proceed;
-        };
-        let sat = rt.cfg.saturation;
-        let (saturated, _) = admission::saturation(router, pool, now, sat.soft_threshold);
-        let reject = |a: &mut AdmReq, metrics: &mut crate::metrics::Metrics, what: &str| {
-            a.count(metrics, what, 1);
-            admission::count(metrics, what, 1);
-            a.refund_all = true;
-        };
-        match priority::decide(&sat, a.class, saturated, rt.held.has_room(), now) {
-            PriorityDecision::Proceed => {
-                if saturated {
-                    a.count(metrics, "saturated_proceed", 1);
-                }
-                GateStep::Proceed
-            }
-            PriorityDecision::Shed { retry_after_s } => {
-                reject(a, metrics, "shed");
-                admission::shed_reply(retry_after_s);
-                GateStep::Replied
-            }
-            PriorityDecision::Reject { retry_after_s } => {
-                reject(a, metrics, "held_rejected");
-                admission::overloaded_reply(retry_after_s);
-                GateStep::Replied
-            }
-            PriorityDecision::Hold { deadline_ms } => {
-                if rt.held.push(self.id, a.class, now, deadline_ms).is_err() {
-                    reject(a, metrics, "held_rejected");
-                    admission::overloaded_reply(sat.retry_after_seconds);
-                    return GateStep::Replied;
-                }
-                rt.held_reqs.insert(
-                    self.id,
-                    HeldReq {
-                        pool,
-                        model: model.map(str::to_string),
-                        stat_tenant: a.stat_tenant.clone(),
-                        size,
-                    },
-                );
-                a.count(metrics, "held", 1);
-                admission::count(metrics, "held", 1);
-                metrics.set("ailb.admission.held_depth", rt.held.depth() as u64);
-                GateStep::Held
-            }
-        }
+        size: usize,
+        end_of_stream: bool,
+    ) {
+        self.adm.on_response_body(host, s, size, end_of_stream);
+    }
+
+    fn on_end<H: Host + ?Sized>(&mut self, host: &mut H, s: &mut State, now: u64) {
+        Gate::<State>::on_end(&mut self.adm, host, s, now);
     }
 }

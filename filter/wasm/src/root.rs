@@ -19,19 +19,20 @@ use rand::{Rng, SeedableRng};
 use ai_lb_filter_core::admission::config::GuardConfig;
 use ai_lb_filter_core::admission::AdmissionConfig;
 use ai_lb_filter_core::config::{FilterConfig, Mode};
-use ai_lb_filter_core::lifecycle;
+use ai_lb_filter_core::lifecycle::{self, admission};
 use ai_lb_filter_core::picker::Router;
 use ai_lb_proto::WatchPoolRequest;
 
-use crate::admission::{AdmissionRt, AdmissionSection};
+use crate::admission::AdmissionSection;
 use crate::breakers::Breakers;
 use crate::guard::{self, Guard};
 use crate::hold::{self, BigHold};
 use crate::http::{PassThrough, Request};
 use crate::metrics::Metrics;
 use crate::state::{self, refresh_view, PoolView, State};
-use crate::{admission, grpc_service, host, shared};
+use crate::{grpc_service, host, shared};
 use ai_lb_filter_core::feed::{Backoff, Subscription};
+use ai_lb_filter_core::lifecycle::admission::AdmissionRt;
 use ai_lb_filter_core::GpuSignal;
 
 const SERVICE: &str = "ai_lb.v1.MetricsService";
@@ -651,11 +652,11 @@ impl RootContext for Root {
     }
 }
 
-/// The worker's held queue on each tick: requests past their deadline get 503 (refunded by
-/// their own `on_log`), and as many as there are unsaturated pods are routed and resumed, most
-/// important class first.
+/// The worker's held queue on each tick (the core's [`admission::held_tick`]): requests past
+/// their deadline get 503 (refunded by their own `on_log`), and as many as there are
+/// unsaturated pods are routed on their own context and resumed, most important class first.
 fn held_tick(state: &Rc<RefCell<State>>, now: u64) {
-    let (expired, released, retry_after) = {
+    let tick = {
         let Ok(mut s) = state::lock(state) else {
             return;
         };
@@ -668,48 +669,14 @@ fn held_tick(state: &Rc<RefCell<State>>, now: u64) {
         let Some(rt) = admission.as_mut() else {
             return;
         };
-        if rt.held.depth() == 0 {
-            return;
-        }
-        let retry_after = rt.cfg.saturation.retry_after_seconds;
-        let mut expired = Vec::new();
-        for l in rt.held.expire(now) {
-            rt.expired.insert(l.id);
-            if let Some(h) = rt.held_reqs.remove(&l.id) {
-                admission::count_class(metrics, &h.stat_tenant, l.class, "held_rejected", 1);
-            }
-            admission::count(metrics, "held_expired", 1);
-            admission::count(metrics, "held_rejected", 1);
-            admission::record(metrics, "held_wait_ms", l.waited_ms);
-            expired.push(l.id);
-        }
-        let soft = rt.cfg.saturation.soft_threshold;
-        let pools: std::collections::BTreeSet<usize> =
-            rt.held_reqs.values().map(|h| h.pool).collect();
-        let mut free = 0usize;
-        for p in pools {
-            let (saturated, f) = admission::saturation(router, p, now, soft);
-            if !saturated {
-                free = free.saturating_add(f);
-            }
-        }
-        let mut released = Vec::new();
-        for l in rt.held.release(free, now) {
-            if let Some(h) = rt.held_reqs.remove(&l.id) {
-                admission::count(metrics, "held_released", 1);
-                admission::record(metrics, "held_wait_ms", l.waited_ms);
-                released.push((l.id, h));
-            }
-        }
-        metrics.set("ailb.admission.held_depth", rt.held.depth() as u64);
-        (expired, released, retry_after)
+        admission::held_tick(rt, router, metrics, now)
     };
-    for id in expired {
+    for id in tick.expired {
         if hostcalls::set_effective_context(id).is_ok() {
-            admission::overloaded_reply(retry_after);
+            admission::overloaded_reply(&mut host::WasmHost, tick.retry_after_s);
         }
     }
-    for (id, h) in released {
+    for (id, h) in tick.released {
         if hostcalls::set_effective_context(id).is_err() {
             continue;
         }

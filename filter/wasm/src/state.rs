@@ -11,7 +11,9 @@ use ai_lb_filter_core::lifecycle;
 use ai_lb_filter_core::picker::Router;
 use proxy_wasm::types::LogLevel;
 
-use crate::admission::AdmissionRt;
+use ai_lb_filter_core::lifecycle::admission::{AdmissionParts, AdmissionRt, AdmissionWorker};
+
+use crate::admission::HostStore;
 use crate::breakers::Breakers;
 use crate::hold::BigHold;
 use crate::metrics::Metrics;
@@ -77,6 +79,18 @@ impl lifecycle::Worker for State {
 
     fn ordinal(&self) -> u64 {
         self.vm
+    }
+}
+
+impl AdmissionWorker for State {
+    fn admission(&mut self) -> Option<AdmissionParts<'_>> {
+        let rt = self.admission.as_mut()?;
+        Some(AdmissionParts {
+            rt,
+            router: &mut self.router,
+            stats: &mut self.metrics,
+            store: &HostStore,
+        })
     }
 }
 

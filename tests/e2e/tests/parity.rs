@@ -9,8 +9,9 @@
 //! with every worker (Envoy with 4 workers); closes a healed pod's breaker at its probes' first
 //! tokens. Large bodies: `filter_large_body.rs` (both paths). Rows for one path only: the
 //! native module refusing config it cannot honour, and its `overrideHost` steering mode.
-//! Admission, the big-request hold and guard mode are wasm-only so far (the native module
-//! refuses their config; their tests are `admission_*.rs`, `filter_big_hold.rs`).
+//! Admission: each tenant's token bucket answers 429 once its quota is spent (both paths).
+//! Priority classes, the big-request hold and guard mode are wasm-only so far (the native
+//! module refuses their config; their tests are `admission_*.rs`, `filter_big_hold.rs`).
 //! Needs both builds (scripts/test.sh builds them).
 
 mod filter_common;
@@ -304,6 +305,10 @@ fn envoy_refuses_a_native_config_the_module_cannot_honour() {
             config(json!({"bigRequestHold": {}})),
             "filter.bigRequestHold",
         ),
+        (
+            config(json!({"admission": {"saturation": {"maxHeld": 4}}})),
+            "filter.admission.saturation",
+        ),
         (config(json!({"minPods": 0})), "minPods"),
     ] {
         let opts = native_opts(&pool, &filter, &pool.agent_addrs);
@@ -315,6 +320,126 @@ fn envoy_refuses_a_native_config_the_module_cannot_honour() {
             out.log
         );
     }
+}
+
+/// The per-tenant stat `what` (`admitted`, `rate_limited`, ...) of `tenant` in `class`, as
+/// `/stats` names it: the wasm filter puts tenant and class in the name, the native module
+/// gives them as the labels `ailb_tenant` and `ailb_class`.
+fn tenant_stat(path: Path, envoy: &Envoy, tenant: &str, class: &str, what: &str) -> u64 {
+    let name = match path {
+        Path::Wasm => format!("wasmcustom.ailb.admission.tenant.{tenant}.{class}.{what}"),
+        Path::Native => format!(
+            "dynamicmodulescustom.ailb.admission.tenant.{what}.ailb_tenant.{tenant}.ailb_class.{class}"
+        ),
+    };
+    envoy.stat(&name).unwrap_or(0)
+}
+
+/// The token limiter: each tenant's bucket (its own quota, or the default one) admits
+/// requests until its burst is spent, then answers 429 with `retry-after`, `x-ratelimit-*`
+/// and the OpenAI error body, while another tenant is still admitted; an admitted answer
+/// carries `x-ratelimit-remaining` and its usage is settled (the reservation beyond it is
+/// refunded or the rest charged). Counted under the same names on both paths, per tenant and globally.
+#[test]
+fn each_tenants_bucket_answers_429_once_its_quota_is_spent() {
+    for path in BOTH {
+        eprintln!("== {path:?}");
+        each_tenants_bucket_answers_429_once_its_quota_is_spent_on(path);
+    }
+}
+
+fn each_tenants_bucket_answers_429_once_its_quota_is_spent_on(path: Path) {
+    let pool = PodPool::start(2, 0.01).unwrap();
+    // A request costs its prompt (a few tokens) + max_tokens 100: "small" (burst 250) takes
+    // two, "big" (burst 2500) takes twenty, refilling 1 token a second.
+    let filter = config(json!({
+        "admission": {
+            "tenantKey": ["header:x-tenant-id"],
+            "trustedHeaders": ["x-tenant-id"],
+            "tenants": {
+                "default": {"tokensPerSecond": 1, "burst": 250},
+                "big": {"tokensPerSecond": 1, "burst": 2500}
+            }
+        }
+    }));
+    let envoy = Envoy::start(&path.opts(&pool, &filter, &pool.agent_addrs)).unwrap();
+    let mut client = HttpClient::new(envoy.listener);
+    let req = json!({"model": MODEL, "prompt": "hello there", "max_tokens": 100}).to_string();
+    let mut send = |tenant: &str| {
+        client
+            .post_json("/v1/completions", &[("x-tenant-id", tenant)], &req)
+            .unwrap()
+    };
+    let statuses =
+        |tenant: &str, n: usize, send: &mut dyn FnMut(&str) -> ai_lb_e2e::envoy::Response| {
+            (0..n).map(|_| send(tenant)).collect::<Vec<_>>()
+        };
+    let small = statuses("small", 3, &mut send);
+    let codes: Vec<u16> = small.iter().map(|r| r.status).collect();
+    assert_eq!(&codes[..2], &[200, 200], "{codes:?}");
+    let limited = &small[2];
+    assert_eq!(limited.status, 429, "{}", limited.text());
+    for h in [
+        "retry-after",
+        "x-ratelimit-limit",
+        "x-ratelimit-remaining",
+        "x-ratelimit-reset",
+    ] {
+        assert!(limited.header(h).is_some(), "the 429 has no {h}");
+    }
+    assert!(limited.text().contains("rate_limit"), "{}", limited.text());
+    assert!(
+        small[0].header("x-ratelimit-remaining").is_some(),
+        "an admitted answer carries x-ratelimit-remaining"
+    );
+    // Another tenant, with its own quota, is still admitted.
+    let big = statuses("big", 5, &mut send);
+    assert!(
+        big.iter().all(|r| r.status == 200),
+        "{:?}",
+        big.iter().map(|r| r.status).collect::<Vec<_>>()
+    );
+    envoy
+        .poll(Duration::from_secs(5), "the admission stats", || {
+            (tenant_stat(path, &envoy, "small", "standard", "admitted") == 2
+                && tenant_stat(path, &envoy, "small", "standard", "rate_limited") == 1
+                && tenant_stat(path, &envoy, "big", "standard", "admitted") == 5
+                && path.stat(&envoy, "ailb.admission.rate_limited") == 1
+                && path.stat(&envoy, "ailb.admission.settled") == 7)
+                .then_some(())
+        })
+        .unwrap_or_else(|e| {
+            let stats = envoy.stats().unwrap();
+            let adm: Vec<_> = stats
+                .iter()
+                .filter(|(k, _)| k.contains("admission"))
+                .collect();
+            panic!("{e}: {adm:#?}")
+        });
+    // Prometheus: the wasm filter's name carries tenant and class (envoy.yaml tags none of
+    // them), the native module's counter carries them as labels.
+    let prom = envoy.prometheus().unwrap();
+    let line = match path {
+        Path::Wasm => "ailb_admission_tenant_small_standard_admitted{} 2".to_string(),
+        Path::Native => "envoy_dynamicmodulescustom_ailb_admission_tenant_admitted{\
+             ailb_tenant=\"small\",ailb_class=\"standard\"} 2"
+            .to_string(),
+    };
+    assert!(
+        prom.lines().any(|l| l == line),
+        "no `{line}` in /stats/prometheus:\n{}",
+        prom.lines()
+            .filter(|l| l.contains("admission_tenant"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    // The fake pod reports usage: every reservation was settled against it.
+    assert!(path.stat(&envoy, "ailb.admission.tokens_actual") > 0);
+    assert!(
+        !envoy.log_tail(200).contains("panicked"),
+        "a hook panicked:\n{}",
+        envoy.log_tail(40)
+    );
 }
 
 const OPENED: &str = "ailb.breaker_opened.server_errors";

@@ -11,7 +11,8 @@
 //! 429 (a tenant's bucket, and shedding under saturation), 400 and 503, and holds a standard
 //! request until a pod cools; the wasm filter in guard mode rejects (queue full, GPU
 //! saturated), admits, and fails open (stale signals, and a guard with no agent at all); the
-//! native module steers, falls back, truncates, and opens and closes a breaker.
+//! native module steers, falls back, truncates, opens and closes a breaker, and runs the same
+//! admission traffic (its token limiter: 429, 400, settlement).
 //!
 //! Needs both builds and the binaries: `cargo build -p ai-lb-filter-wasm --target
 //! wasm32-wasip1 --release`, `cargo build -p ai-lb-filter-native`, `cargo build --bins`.
@@ -54,6 +55,8 @@ const NOT_EXERCISED_WASM: &[(&str, &str)] = &[
         "moves only on a proxy that refuses the `envoy.ratelimit.hits_addend` filter state; this Envoy takes it",
     ),
 ];
+/// None: the native module defines every stat without a label (admission's among them) with
+/// its config, so each shows up at 0 before it moves.
 const NOT_EXERCISED_NATIVE: &[(&str, &str)] = &[];
 
 /// Stats that must have moved (a counter above 0, a histogram with samples): the faults and
@@ -83,6 +86,8 @@ const MUST_MOVE_NATIVE: &[&str] = &[
     "ailb.breaker_closed",
     "ailb.endpoint.<ip:port>.picks",
     "ailb.endpoint.<ip:port>.failures",
+    "ailb.admission.rate_limited",
+    "ailb.admission.settled",
 ];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -247,7 +252,9 @@ struct Exported {
 }
 
 /// `name` as the doc writes it: the data path's prefix stripped, and the native module's
-/// `ailb.endpoint.<metric>.ailb_endpoint.<ip:port>` turned into `ailb.endpoint.<ip:port>.<metric>`.
+/// `ailb.endpoint.<metric>.ailb_endpoint.<ip:port>` turned into `ailb.endpoint.<ip:port>.<metric>`
+/// and `ailb.admission.tenant.<what>.ailb_tenant.<tenant>.ailb_class.<class>` into
+/// `ailb.admission.tenant.<tenant>.<class>.<what>`.
 fn normalise(path: DataPath, raw: &str) -> Option<String> {
     let name = raw.strip_prefix(path.prefix())?;
     if !name.starts_with("ailb.") {
@@ -258,6 +265,11 @@ fn normalise(path: DataPath, raw: &str) -> Option<String> {
             if let Some(metric) = base.strip_prefix("ailb.endpoint.") {
                 return Some(format!("ailb.endpoint.{pod}.{metric}"));
             }
+        }
+        if let Some((base, labels)) = name.split_once(".ailb_tenant.") {
+            let what = base.strip_prefix("ailb.admission.tenant.")?;
+            let (tenant, class) = labels.rsplit_once(".ailb_class.")?;
+            return Some(format!("ailb.admission.tenant.{tenant}.{class}.{what}"));
         }
     }
     Some(name.to_string())
@@ -551,23 +563,32 @@ fn routing(envoy: &Envoy, pool: &PodPool, path: DataPath) {
 /// (the priority header is read only when trusted), a tenant whose bucket admits nothing, one
 /// reserved output token by default, a held standard request waiting 1 s.
 fn route_config() -> String {
+    let mut admission = limiter();
+    admission["saturation"] =
+        json!({"softThreshold": 0.85, "maxWaitStandardMs": 1000, "retryAfterSeconds": 1});
     config(json!({
         "modelHeader": MODEL_HEADER,
         "maxBodyReadBytes": 65536,
         "cutoffs": {"stalenessMs": 5000, "maxQueue": 8},
         "breaker": {"consecutiveFailures": 3, "baseCooldownMs": 1000, "halfOpenProbes": 1, "agentErrorRate": 0},
         "bigRequestHold": {"maxHoldMs": 1000, "maxHeld": 1},
-        "admission": {
-            "tenantKey": ["header:x-tenant-id"],
-            "trustedHeaders": ["x-tenant-id", "x-ai-lb-priority"],
-            "tenants": {
-                "default": {"tokensPerSecond": 1_000_000, "burst": 1_000_000},
-                "tiny": {"tokensPerSecond": 1, "burst": 1}
-            },
-            "cost": {"defaultOutputTokens": 1},
-            "saturation": {"softThreshold": 0.85, "maxWaitStandardMs": 1000, "retryAfterSeconds": 1}
-        }
+        "admission": admission
     }))
+}
+
+/// Admission's token limiter: the tenant and the priority from trusted headers (the priority
+/// header is read only when trusted), a tenant whose bucket admits nothing, one reserved
+/// output token by default.
+fn limiter() -> Value {
+    json!({
+        "tenantKey": ["header:x-tenant-id"],
+        "trustedHeaders": ["x-tenant-id", "x-ai-lb-priority"],
+        "tenants": {
+            "default": {"tokensPerSecond": 1_000_000, "burst": 1_000_000},
+            "tiny": {"tokensPerSecond": 1, "burst": 1}
+        },
+        "cost": {"defaultOutputTokens": 1}
+    })
 }
 
 /// Admission without saturation: usage settled (a response without `max_tokens`, charged past
@@ -754,11 +775,13 @@ fn every_exported_stat_is_documented_and_every_documented_stat_is_exported() {
     );
     drop((route, guard, lone));
 
-    // The native module (no admission, hold or guard: it refuses their config).
+    // The native module: the token limiter (no priority classes, hold or guard: it refuses
+    // their config).
     let filter = config(json!({
         "modelHeader": MODEL_HEADER,
         "maxBodyReadBytes": 65536,
-        "breaker": {"consecutiveFailures": 3, "baseCooldownMs": 1000, "halfOpenProbes": 1, "agentErrorRate": 0}
+        "breaker": {"consecutiveFailures": 3, "baseCooldownMs": 1000, "halfOpenProbes": 1, "agentErrorRate": 0},
+        "admission": limiter()
     }));
     let mut opts =
         EnvoyOptions::new(envoy::native_filter_config(&filter, &pool.agent_addrs).unwrap());
@@ -768,6 +791,7 @@ fn every_exported_stat_is_documented_and_every_documented_stat_is_exported() {
     let native = Envoy::start(&opts).unwrap();
     wait_fresh(&native, &pool);
     routing(&native, &pool, DataPath::Native);
+    admission(&native);
     // Per-pod picks and failures are added once a second per worker, on a request.
     native
         .poll(Duration::from_secs(5), "per-pod failures exported", || {
@@ -805,6 +829,14 @@ fn patterns_expand_and_match() {
         )
         .as_deref(),
         Some("ailb.endpoint.10.0.0.1:80.picks")
+    );
+    assert_eq!(
+        normalise(
+            DataPath::Native,
+            "dynamicmodulescustom.ailb.admission.tenant.admitted.ailb_tenant.a.b.ailb_class.standard"
+        )
+        .as_deref(),
+        Some("ailb.admission.tenant.a.b.standard.admitted")
     );
     assert_eq!(
         normalise(DataPath::Wasm, "cluster.inference.upstream_rq"),

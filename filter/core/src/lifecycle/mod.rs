@@ -20,6 +20,7 @@
 //! 6. the end: the in-flight count is closed however the request ended, and the outcome of
 //!    every attempt feeds the pods' breakers ([`feedback`]).
 
+pub mod admission;
 mod feedback;
 mod steer;
 
@@ -66,6 +67,21 @@ pub trait Host {
     /// then read from `x-envoy-attempt-count`.
     fn retries_follow_ranked(&self) -> bool {
         true
+    }
+    /// The downstream peer's identity (its certificate's URI SAN, or what the proxy knows of
+    /// it), for the `peerPrincipal` tenant key. None where the proxy cannot say.
+    fn peer_principal(&self) -> Option<Cow<'_, str>> {
+        None
+    }
+    /// Sets the filter state `envoy.ratelimit.hits_addend` to `n` (the cost Envoy's rate
+    /// limit filter sends); false when the proxy refused or cannot.
+    fn set_hits_addend(&mut self, _n: u64) -> bool {
+        false
+    }
+    /// The bytes of the response chunk being delivered (`size` of them, as the event said);
+    /// None where none can be read.
+    fn response_chunk(&self, _size: usize) -> Option<Vec<u8>> {
+        None
     }
 }
 
@@ -142,17 +158,31 @@ pub enum GateStep {
 /// [`NoGate`] lets everything through.
 pub trait Gate<W: ?Sized> {
     /// The headers were read and the pool is known: start (tenant, class, cost plan).
-    fn begin(&mut self, _worker: &mut W, _end_of_stream: bool, _now: u64) -> GateStep {
+    fn begin<H: Host + ?Sized>(
+        &mut self,
+        _host: &mut H,
+        _worker: &mut W,
+        _end_of_stream: bool,
+        _now: u64,
+    ) -> GateStep {
         GateStep::Proceed
     }
     /// The body arrived (after [`GateStep::NeedBody`]): cost it. `complete` is false when
     /// only its first `maxBodyReadBytes` were held back (cost it by its length then).
-    fn body(&mut self, _worker: &mut W, _body: &[u8], _complete: bool, _now: u64) -> GateStep {
+    fn body<H: Host + ?Sized>(
+        &mut self,
+        _host: &mut H,
+        _worker: &mut W,
+        _body: &[u8],
+        _complete: bool,
+        _now: u64,
+    ) -> GateStep {
         GateStep::Proceed
     }
     /// Just before routing: shed, hold or let through.
-    fn before_route(
+    fn before_route<H: Host + ?Sized>(
         &mut self,
+        _host: &mut H,
         _worker: &mut W,
         _pool: usize,
         _model: Option<&str>,
@@ -165,11 +195,24 @@ pub trait Gate<W: ?Sized> {
     fn take_resumed(&mut self, _worker: &mut W) -> Option<Steered> {
         None
     }
-    fn on_response_headers(&mut self, _worker: &mut W, _end_of_stream: bool) {}
-    /// A response chunk of `size` bytes.
-    fn on_response_body(&mut self, _worker: &mut W, _size: usize, _end_of_stream: bool) {}
+    fn on_response_headers<H: Host + ?Sized>(
+        &mut self,
+        _host: &mut H,
+        _worker: &mut W,
+        _end_of_stream: bool,
+    ) {
+    }
+    /// A response chunk of `size` bytes (its bytes: [`Host::response_chunk`]).
+    fn on_response_body<H: Host + ?Sized>(
+        &mut self,
+        _host: &mut H,
+        _worker: &mut W,
+        _size: usize,
+        _end_of_stream: bool,
+    ) {
+    }
     /// The request is over (before the breakers are fed).
-    fn on_end(&mut self, _worker: &mut W, _now: u64) {}
+    fn on_end<H: Host + ?Sized>(&mut self, _host: &mut H, _worker: &mut W, _now: u64) {}
 }
 
 /// The gate of a data path without admission.
@@ -404,7 +447,7 @@ impl Exchange {
             worker.refresh(pool, now);
             self.prompt_from_body = worker.router().prefix_space(pool).is_some();
         }
-        match gate.begin(worker, end_of_stream, now) {
+        match gate.begin(host, worker, end_of_stream, now) {
             GateStep::Replied | GateStep::Held => return Next::Stop,
             GateStep::NeedBody => self.gate_body = true,
             GateStep::Proceed => {}
@@ -466,7 +509,7 @@ impl Exchange {
             self.prompt = p.router.key_prompt(pool, body, p.prompt_ids, p.key_scratch);
         }
         if std::mem::take(&mut self.gate_body) {
-            match gate.body(worker, body, complete, now) {
+            match gate.body(host, worker, body, complete, now) {
                 GateStep::Replied | GateStep::Held => return Next::Stop,
                 GateStep::Proceed | GateStep::NeedBody => {}
             }
@@ -494,7 +537,7 @@ impl Exchange {
             .parts()
             .router
             .request_size(self.body_bytes, self.max_output_tokens);
-        match gate.before_route(worker, pool, self.model.as_deref(), self.size, now) {
+        match gate.before_route(host, worker, pool, self.model.as_deref(), self.size, now) {
             GateStep::Replied => return Next::Stop,
             GateStep::Held => {
                 self.held = true;
@@ -543,7 +586,7 @@ impl Exchange {
             return;
         }
         self.take_resumed(worker, gate);
-        gate.on_response_headers(worker, end_of_stream);
+        gate.on_response_headers(host, worker, end_of_stream);
         // The two reads of the response every routed request makes: with them a clean end
         // needs no log-phase read, and the retries are read off the ranked list
         // ([`feedback::finish`]).
@@ -596,7 +639,7 @@ impl Exchange {
         if end_of_stream {
             self.response_complete = true;
         }
-        gate.on_response_body(worker, size, end_of_stream);
+        gate.on_response_body(host, worker, size, end_of_stream);
     }
 
     /// The request is over (Envoy's log phase / stream end): closes its in-flight count and
@@ -612,7 +655,7 @@ impl Exchange {
         }
         let now = host.now_ms();
         self.take_resumed(worker, gate);
-        gate.on_end(worker, now);
+        gate.on_end(host, worker, now);
         if self.pool.is_some() {
             feedback::finish(self, host, worker, now);
         }

@@ -1,0 +1,480 @@
+//! Decides whether the admission gate both data paths run (`lifecycle::admission`) does what
+//! the filter promises, driven through the request lifecycle by a mock host and a mock worker
+//! with no Envoy: a tenant's bucket answers 429 with `x-ratelimit-*` once its burst is spent
+//! while another tenant is still admitted; the cost reaches `hits_addend`; the response's usage
+//! settles the reservation; malformed JSON is a 400; under saturation a sheddable request is
+//! shed (429), a standard one held then released by capacity or answered 503 at its deadline
+//! (refunded); every stat it counts is one the glues define.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+
+use ai_lb_filter_core::admission::bucket::{self, MemoryStore};
+use ai_lb_filter_core::admission::priority::PriorityClass;
+use ai_lb_filter_core::breaker::{Breaker, Transition};
+use ai_lb_filter_core::config::FilterConfig;
+use ai_lb_filter_core::lifecycle::admission::{
+    self, AdmissionGate, AdmissionParts, AdmissionRt, AdmissionStats, AdmissionWorker,
+};
+use ai_lb_filter_core::lifecycle::{
+    BreakerStore, Exchange, Host, Next, Parts, Stats, Steered, Worker,
+};
+use ai_lb_filter_core::picker::Router;
+use ai_lb_proto::{
+    GpuStats, InferenceStats, PeerState, PeerStatus, PodIdentity, PodSnapshot, PoolEvent,
+};
+use rand::rngs::SmallRng;
+use rand::SeedableRng;
+
+const PODS: [&str; 2] = ["10.0.0.1:8000", "10.0.0.2:8000"];
+
+/// A local reply: status, headers, body.
+type Reply = (u16, Vec<(String, String)>, String);
+
+#[derive(Default)]
+struct MockHost {
+    now: u64,
+    req: HashMap<String, String>,
+    resp: HashMap<String, String>,
+    replies: Vec<Reply>,
+    hits: Vec<u64>,
+    chunk: Vec<u8>,
+    peer: Option<String>,
+}
+
+impl Host for MockHost {
+    fn now_ms(&self) -> u64 {
+        self.now
+    }
+    fn request_header(&self, name: &str) -> Option<Cow<'_, str>> {
+        self.req.get(name).map(|v| Cow::Borrowed(v.as_str()))
+    }
+    fn set_request_header(&mut self, name: &str, value: Option<&str>) -> bool {
+        match value {
+            Some(v) => self.req.insert(name.into(), v.into()),
+            None => self.req.remove(name),
+        };
+        true
+    }
+    fn response_header(&self, name: &str) -> Option<Cow<'_, str>> {
+        self.resp.get(name).map(|v| Cow::Borrowed(v.as_str()))
+    }
+    fn set_response_header(&mut self, name: &str, value: &str) {
+        self.resp.insert(name.into(), value.into());
+    }
+    fn send_local_reply(&mut self, status: u16, headers: &[(&str, &str)], body: &[u8]) {
+        let hs = headers.iter().map(|(k, v)| (k.to_string(), v.to_string()));
+        let body = String::from_utf8_lossy(body).into_owned();
+        self.replies.push((status, hs.collect(), body));
+    }
+    fn cluster_name(&self) -> Option<Cow<'_, str>> {
+        Some(Cow::Borrowed("inference"))
+    }
+    fn upstream_address(&self) -> Option<Cow<'_, str>> {
+        None
+    }
+    fn response_code(&self) -> Option<u16> {
+        Some(200)
+    }
+    fn response_flags(&self) -> u64 {
+        0
+    }
+    fn response_code_details(&self) -> Option<Cow<'_, str>> {
+        None
+    }
+    fn steer(&mut self, routing_header: &str, ranked: &str) -> bool {
+        self.req.insert(routing_header.into(), ranked.into());
+        true
+    }
+    fn warn(&mut self, _msg: &str) {}
+    fn peer_principal(&self) -> Option<Cow<'_, str>> {
+        self.peer.as_deref().map(Cow::Borrowed)
+    }
+    fn set_hits_addend(&mut self, n: u64) -> bool {
+        self.hits.push(n);
+        true
+    }
+    fn response_chunk(&self, _size: usize) -> Option<Vec<u8>> {
+        Some(self.chunk.clone())
+    }
+}
+
+#[derive(Default)]
+struct NoBreakers;
+
+impl BreakerStore for NoBreakers {
+    fn sync(&mut self, _router: &mut Router, _pool: usize, _now: u64) {}
+    fn update(
+        &mut self,
+        _router: &mut Router,
+        _pool: usize,
+        _pod: &str,
+        _now: u64,
+        _update: &mut dyn FnMut(&mut Breaker) -> Option<Transition>,
+    ) -> Option<Vec<Transition>> {
+        None
+    }
+}
+
+/// Admission stats by full name, as the wasm filter names them; an unknown name fails.
+#[derive(Default)]
+struct Recorded(HashMap<String, u64>);
+
+impl AdmissionStats for Recorded {
+    fn count(&mut self, what: &str, by: u64) {
+        assert!(
+            admission::COUNTERS.contains(&what),
+            "undeclared counter {what}"
+        );
+        *self.0.entry(format!("ailb.admission.{what}")).or_default() += by;
+    }
+    fn count_tenant(&mut self, tenant: &str, class: PriorityClass, what: &str, by: u64) {
+        assert!(
+            admission::TENANT_COUNTERS.contains(&what),
+            "undeclared {what}"
+        );
+        let name = format!("ailb.admission.tenant.{tenant}.{}.{what}", class.as_str());
+        *self.0.entry(name).or_default() += by;
+    }
+    fn record(&mut self, what: &str, _value: u64) {
+        assert!(
+            admission::HISTOGRAMS.contains(&what),
+            "undeclared histogram {what}"
+        );
+    }
+    fn set(&mut self, what: &str, value: u64) {
+        assert!(admission::GAUGES.contains(&what), "undeclared gauge {what}");
+        self.0.insert(format!("ailb.admission.{what}"), value);
+    }
+}
+
+impl Recorded {
+    fn get(&self, name: &str) -> u64 {
+        self.0.get(name).copied().unwrap_or(0)
+    }
+}
+
+struct NoStats;
+
+impl Stats for NoStats {
+    fn picked(&mut self, _pod: &str) {}
+    fn failed(&mut self, _pod: &str) {}
+    fn transitions(&mut self, _pod: &str, _ts: &[Transition]) {}
+}
+
+struct MockWorker {
+    router: Router,
+    rng: SmallRng,
+    scratch: String,
+    ids: Vec<u32>,
+    keys: Vec<u64>,
+    breakers: NoBreakers,
+    stats: NoStats,
+    rt: AdmissionRt,
+    adm_stats: Recorded,
+    store: MemoryStore,
+}
+
+impl Worker for MockWorker {
+    fn refresh(&mut self, _pool: usize, _now: u64) {}
+    fn parts(&mut self) -> Parts<'_> {
+        Parts {
+            router: &mut self.router,
+            rng: &mut self.rng,
+            scratch: &mut self.scratch,
+            prompt_ids: &mut self.ids,
+            key_scratch: &mut self.keys,
+            breakers: &mut self.breakers,
+            stats: &mut self.stats,
+        }
+    }
+    fn router(&self) -> &Router {
+        &self.router
+    }
+    fn ordinal(&self) -> u64 {
+        0
+    }
+}
+
+impl AdmissionWorker for MockWorker {
+    fn admission(&mut self) -> Option<AdmissionParts<'_>> {
+        Some(AdmissionParts {
+            rt: &mut self.rt,
+            router: &mut self.router,
+            stats: &mut self.adm_stats,
+            store: &self.store,
+        })
+    }
+}
+
+/// Both pods, reported at `now`: busy (`hot`: the GPU past its hard limit, so cut) or idle.
+fn publish(router: &mut Router, now: u64, hot: bool) {
+    let peers = PODS
+        .iter()
+        .enumerate()
+        .map(|(i, a)| PeerState {
+            peer: format!("agent-{i}:9090"),
+            status: PeerStatus::Live as i32,
+            snapshot: Some(PodSnapshot {
+                identity: Some(PodIdentity {
+                    address: a.to_string(),
+                    ..Default::default()
+                }),
+                gpus: vec![GpuStats {
+                    utilization: Some(if hot { 0.99 } else { 0.1 }),
+                    sm_occupancy: Some(if hot { 0.99 } else { 0.1 }),
+                    ..Default::default()
+                }],
+                inference: Some(InferenceStats {
+                    waiting: Some(0),
+                    running: Some(1),
+                    queue_capacity: Some(8),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            reason: String::new(),
+        })
+        .collect();
+    let ev = PoolEvent {
+        full: true,
+        peers,
+        ..Default::default()
+    };
+    router.apply_pool_event(0, &ev, now);
+}
+
+fn worker(admission: &str) -> MockWorker {
+    let cfg = FilterConfig::from_json(
+        format!(
+            r#"{{"pools":[{{"name":"default","cluster":"inference"}}],"admission":{admission}}}"#
+        )
+        .as_bytes(),
+    )
+    .unwrap();
+    let adm = cfg.admission.clone().unwrap();
+    let mut router = Router::new(cfg);
+    publish(&mut router, 1_000, false);
+    MockWorker {
+        router,
+        rng: SmallRng::seed_from_u64(1),
+        scratch: String::new(),
+        ids: Vec::new(),
+        keys: Vec::new(),
+        breakers: NoBreakers,
+        stats: NoStats,
+        rt: AdmissionRt::new(adm),
+        adm_stats: Recorded::default(),
+        store: MemoryStore::new(),
+    }
+}
+
+fn post(now: u64, tenant: &str, headers: &[(&str, &str)]) -> MockHost {
+    let mut h = MockHost {
+        now,
+        ..Default::default()
+    };
+    for (k, v) in [
+        (":path", "/v1/completions"),
+        ("content-type", "application/json"),
+        ("x-tenant", tenant),
+    ]
+    .iter()
+    .chain(headers)
+    {
+        h.req.insert(k.to_string(), v.to_string());
+    }
+    h
+}
+
+/// Sends one JSON request through the lifecycle up to routing.
+fn send(w: &mut MockWorker, g: &mut AdmissionGate, h: &mut MockHost, body: &str) -> Next {
+    let mut ex = Exchange::new();
+    assert_eq!(
+        ex.on_request_headers(h, w, g, false),
+        Next::StopForBody,
+        "the gate asks for the body"
+    );
+    ex.on_request_body(h, w, g, body.as_bytes(), true)
+}
+
+const LIMITED: &str = r#"{"tenantKey":["header:x-tenant"],
+    "tenants":{"default":{"tokensPerSecond":1,"burst":120}},"cost":{"defaultOutputTokens":16}}"#;
+const BODY: &str = r#"{"prompt":"hello there","max_tokens":80}"#;
+
+#[test]
+fn a_tenants_bucket_answers_429_once_spent_and_other_tenants_still_pass() {
+    let mut w = worker(LIMITED);
+    let mut first = post(2_000, "a", &[]);
+    let mut g = AdmissionGate::new(1);
+    assert_eq!(send(&mut w, &mut g, &mut first, BODY), Next::Continue);
+    let reserved = w
+        .adm_stats
+        .get("ailb.admission.tenant.a.standard.tokens_reserved");
+    assert!(reserved > 50 && reserved <= 120, "reserved {reserved}");
+    assert_eq!(first.hits, vec![reserved], "the cost reaches hits_addend");
+    let mut second = post(2_001, "a", &[]);
+    assert_eq!(
+        send(&mut w, &mut AdmissionGate::new(2), &mut second, BODY),
+        Next::Stop
+    );
+    let (status, headers, body) = &second.replies[0];
+    assert_eq!(*status, 429, "{body}");
+    for h in ["retry-after", "x-ratelimit-limit", "x-ratelimit-remaining"] {
+        assert!(headers.iter().any(|(k, _)| k == h), "no {h}: {headers:?}");
+    }
+    assert!(body.contains("rate_limit"), "{body}");
+    // Another tenant has its own bucket.
+    let mut other = post(2_002, "b", &[]);
+    assert_eq!(
+        send(&mut w, &mut AdmissionGate::new(3), &mut other, BODY),
+        Next::Continue
+    );
+    let s = &w.adm_stats;
+    assert_eq!(s.get("ailb.admission.tenant.a.standard.admitted"), 1);
+    assert_eq!(s.get("ailb.admission.tenant.a.standard.rate_limited"), 1);
+    assert_eq!(s.get("ailb.admission.tenant.b.standard.admitted"), 1);
+    assert_eq!(s.get("ailb.admission.rate_limited"), 1);
+}
+
+#[test]
+fn the_responses_usage_settles_the_reservation_and_refunds_the_rest() {
+    let mut w = worker(LIMITED);
+    let mut h = post(2_000, "a", &[]);
+    let mut g = AdmissionGate::new(1);
+    let mut ex = Exchange::new();
+    ex.on_request_headers(&mut h, &mut w, &mut g, false);
+    ex.on_request_body(&mut h, &mut w, &mut g, BODY.as_bytes(), true);
+    ex.on_response_headers(&mut h, &mut w, &mut g, false);
+    assert!(h.resp.contains_key("x-ratelimit-remaining"), "{:?}", h.resp);
+    h.chunk = br#"{"usage":{"prompt_tokens":3,"completion_tokens":7,"total_tokens":10}}"#.to_vec();
+    let n = h.chunk.len();
+    ex.on_response_body(&mut h, &mut w, &mut g, n, true);
+    ex.on_end(&mut h, &mut w, &mut g);
+    let s = &w.adm_stats;
+    let reserved = s.get("ailb.admission.tokens_reserved");
+    assert_eq!(s.get("ailb.admission.tokens_actual"), 10);
+    assert_eq!(s.get("ailb.admission.tokens_refunded"), reserved - 10);
+    assert_eq!(s.get("ailb.admission.settled"), 1);
+    // The stream-done hits_addend: nothing beyond the reservation.
+    assert_eq!(h.hits, vec![reserved, 0]);
+    // The bucket holds burst - 10 again (1 token/s refilled over 0 ms).
+    let p = w.rt.cfg.tenants.params_for("a");
+    let level = bucket::peek(&w.store, "a", &p, 2_000).remaining();
+    assert_eq!(level, 110);
+}
+
+#[test]
+fn malformed_json_is_a_400_before_any_bucket_is_touched() {
+    let mut w = worker(LIMITED);
+    let mut h = post(2_000, "a", &[]);
+    assert_eq!(
+        send(&mut w, &mut AdmissionGate::new(1), &mut h, "{\"prompt\": "),
+        Next::Stop
+    );
+    assert_eq!(h.replies[0].0, 400);
+    assert_eq!(w.adm_stats.get("ailb.admission.malformed_bodies"), 1);
+    assert!(w.store.get_raw_is_empty());
+}
+
+trait Empty {
+    fn get_raw_is_empty(&self) -> bool;
+}
+
+impl Empty for MemoryStore {
+    fn get_raw_is_empty(&self) -> bool {
+        use ai_lb_filter_core::admission::SharedStore;
+        self.get(&bucket::bucket_key("a")).is_none()
+    }
+}
+
+const PRIORITY: &str = r#"{"tenantKey":["header:x-tenant"],
+    "priority":{"header":"x-prio"},"trustedHeaders":["x-prio"],
+    "saturation":{"softThreshold":0.5,"maxWaitStandardMs":500,"maxHeld":4}}"#;
+
+#[test]
+fn under_saturation_sheddable_is_shed_and_standard_held_then_released_or_expired() {
+    let mut w = worker(PRIORITY);
+    publish(&mut w.router, 1_000, true);
+    let mut shed = post(1_010, "a", &[("x-prio", "sheddable")]);
+    let mut g = AdmissionGate::new(1);
+    let mut ex = Exchange::new();
+    assert_eq!(
+        ex.on_request_headers(&mut shed, &mut w, &mut g, true),
+        Next::Stop
+    );
+    assert_eq!(shed.replies[0].0, 429);
+    assert!(shed.replies[0].2.contains("shed_under_saturation"));
+
+    // Two standard requests are held.
+    let mut held = Vec::new();
+    for id in [2, 3] {
+        let mut h = post(1_010, "a", &[]);
+        let mut g = AdmissionGate::new(id);
+        let mut ex = Exchange::new();
+        assert_eq!(
+            ex.on_request_headers(&mut h, &mut w, &mut g, true),
+            Next::Stop
+        );
+        assert!(h.replies.is_empty() && g.is_held(&mut w));
+        held.push((ex, g, h));
+    }
+    assert_eq!(w.adm_stats.get("ailb.admission.held_depth"), 2);
+    // Still saturated: the tick releases nothing.
+    let t = admission::held_tick(&mut w.rt, &w.router, &mut w.adm_stats, 1_100);
+    assert!(t.expired.is_empty() && t.released.is_empty());
+    // Capacity frees: one tick releases both (two pods below the threshold); the glue routes
+    // each on its own stream and resumes it.
+    publish(&mut w.router, 1_150, false);
+    let t = admission::held_tick(&mut w.rt, &w.router, &mut w.adm_stats, 1_200);
+    assert_eq!(t.released.len(), 2);
+    let (id, h) = &t.released[0];
+    assert_eq!(*id, 2);
+    assert_eq!((h.pool, h.stat_tenant.as_str()), (0, "a"));
+    // (Routing a release is the lifecycle's `steer`, tested in lifecycle.rs.)
+    let r = Steered {
+        ranked: PODS[1].into(),
+        score: 1.0,
+        sent_ms: 1_200,
+        probe: false,
+    };
+    w.rt.resumed.insert(*id, r);
+    let (ex, g, h) = &mut held[0];
+    ex.on_response_headers(h, &mut w, g, false);
+    assert!(ex.chosen().is_some(), "the release's pick is the request's");
+
+    // A third held request waits past its deadline: 503, refunded at its end.
+    publish(&mut w.router, 1_300, true);
+    let mut h = post(1_300, "a", &[]);
+    let mut g = AdmissionGate::new(4);
+    let mut ex = Exchange::new();
+    assert_eq!(
+        ex.on_request_headers(&mut h, &mut w, &mut g, true),
+        Next::Stop
+    );
+    let t = admission::held_tick(&mut w.rt, &w.router, &mut w.adm_stats, 1_900);
+    assert_eq!(t.expired, vec![4]);
+    admission::overloaded_reply(&mut h, t.retry_after_s);
+    assert_eq!(h.replies[0].0, 503);
+    ex.on_end(&mut h, &mut w, &mut g);
+    let s = &w.adm_stats;
+    assert_eq!(s.get("ailb.admission.shed"), 1);
+    assert_eq!(s.get("ailb.admission.held"), 3);
+    assert_eq!(s.get("ailb.admission.held_released"), 2);
+    assert_eq!(s.get("ailb.admission.held_expired"), 1);
+    assert_eq!(s.get("ailb.admission.tenant.a.standard.held_rejected"), 1);
+    assert_eq!(s.get("ailb.admission.tenant.a.sheddable.shed"), 1);
+}
+
+#[test]
+fn the_peer_principal_is_the_tenant_when_configured() {
+    let mut w = worker(r#"{"tenantKey":["peerPrincipal"]}"#);
+    let mut h = post(2_000, "ignored", &[]);
+    h.peer = Some("spiffe://cluster.local/ns/a/sa/b".into());
+    assert_eq!(
+        send(&mut w, &mut AdmissionGate::new(1), &mut h, BODY),
+        Next::Continue
+    );
+    let name = "ailb.admission.tenant.spiffe://cluster.local/ns/a/sa/b.standard.admitted";
+    assert_eq!(w.adm_stats.get(name), 1, "{:?}", w.adm_stats.0);
+}

@@ -1,0 +1,159 @@
+//! Decides nothing: what the core's admission gate (`ai_lb_filter_core::lifecycle::admission`)
+//! needs from the native module: the tenants' token buckets in process memory shared by every
+//! worker (the core's [`MemoryStore`]: a mutex over a map, a version number as the CAS token,
+//! so one sidecar's limit is exact across workers as with the wasm filter's shared data), and
+//! Envoy stats under the wasm filter's names, defined when the config is created (the ABI
+//! allows no later definition): `ailb.admission.<name>` plain, and the per-tenant counters as
+//! `ailb.admission.tenant.<name>` with the labels `ailb_tenant` and `ailb_class` (the wasm
+//! filter puts both in the name; docs/operations.md gives both forms).
+//!
+//! The request path only adds to a per-worker tally ([`AdmTally`]); the worker adds it to
+//! Envoy's stats after each event, as it does the core's counters.
+
+use std::collections::HashMap;
+
+use ai_lb_filter_core::admission::priority::PriorityClass;
+use ai_lb_filter_core::lifecycle::admission::{
+    AdmissionStats, COUNTERS, GAUGES, HISTOGRAMS, TENANT_COUNTERS,
+};
+
+use crate::host::{ConfigHandle, LabeledCounter2, Stream};
+
+/// Label names of the per-tenant counters.
+pub const TENANT_LABELS: [&str; 2] = ["ailb_tenant", "ailb_class"];
+
+/// The stats of priority classes under saturation, which the module does not run yet: not
+/// defined (id 0, never counted), so Envoy shows none of them.
+const NOT_YET: [&str; 7] = [
+    "shed",
+    "held",
+    "held_rejected",
+    "held_released",
+    "held_expired",
+    "held_wait_ms",
+    "held_depth",
+];
+
+/// `name`'s id from `define`, or 0 for a stat the module does not move yet.
+fn defined(name: &str, define: impl FnOnce(&str) -> usize) -> usize {
+    if NOT_YET.contains(&name) {
+        return 0;
+    }
+    define(&format!("ailb.admission.{name}"))
+}
+
+/// The admission stats' ids, defined with the config.
+#[derive(Debug, Clone)]
+pub struct AdmissionIds {
+    counters: [usize; COUNTERS.len()],
+    tenant: [LabeledCounter2; TENANT_COUNTERS.len()],
+    histograms: [usize; HISTOGRAMS.len()],
+    gauges: [usize; GAUGES.len()],
+}
+
+impl AdmissionIds {
+    pub fn define(handle: &ConfigHandle) -> Self {
+        Self {
+            counters: COUNTERS.map(|n| defined(n, |s| handle.define_counter(s))),
+            tenant: TENANT_COUNTERS.map(|n| {
+                handle.define_labeled_counter2(&format!("ailb.admission.tenant.{n}"), TENANT_LABELS)
+            }),
+            histograms: HISTOGRAMS.map(|n| defined(n, |s| handle.define_histogram(s))),
+            gauges: GAUGES.map(|n| defined(n, |s| handle.define_gauge(s))),
+        }
+    }
+}
+
+/// What a worker's admission counted and Envoy's stats do not have yet.
+#[derive(Debug, Default)]
+pub struct AdmTally {
+    counts: [u64; COUNTERS.len()],
+    /// (tenant, class, index in TENANT_COUNTERS) -> count.
+    tenant: HashMap<(String, PriorityClass, usize), u64>,
+    recorded: Vec<(usize, u64)>,
+    gauges: [Option<u64>; GAUGES.len()],
+}
+
+fn index(names: &[&str], what: &str) -> Option<usize> {
+    names.iter().position(|n| *n == what)
+}
+
+impl AdmissionStats for AdmTally {
+    fn count(&mut self, what: &str, by: u64) {
+        if let Some(c) = index(&COUNTERS, what).and_then(|i| self.counts.get_mut(i)) {
+            *c = c.saturating_add(by);
+        }
+    }
+    fn count_tenant(&mut self, tenant: &str, class: PriorityClass, what: &str, by: u64) {
+        if by == 0 {
+            return;
+        }
+        if let Some(i) = index(&TENANT_COUNTERS, what) {
+            let c = self
+                .tenant
+                .entry((tenant.to_string(), class, i))
+                .or_default();
+            *c = c.saturating_add(by);
+        }
+    }
+    fn record(&mut self, what: &str, value: u64) {
+        if let Some(i) = index(&HISTOGRAMS, what) {
+            self.recorded.push((i, value));
+        }
+    }
+    fn set(&mut self, what: &str, value: u64) {
+        if let Some(g) = index(&GAUGES, what).and_then(|i| self.gauges.get_mut(i)) {
+            *g = Some(value);
+        }
+    }
+}
+
+impl AdmTally {
+    /// Adds everything tallied to Envoy's stats, through the stream of the current hook.
+    pub fn flush(&mut self, ids: &AdmissionIds, s: &Stream) {
+        for (c, id) in self.counts.iter_mut().zip(ids.counters) {
+            if *c > 0 {
+                s.inc(id, std::mem::take(c));
+            }
+        }
+        for ((tenant, class, i), n) in self.tenant.drain() {
+            if let Some(id) = ids.tenant.get(i) {
+                s.inc_labeled2(*id, [&tenant, class.as_str()], n);
+            }
+        }
+        for (i, v) in self.recorded.drain(..) {
+            if let Some(id) = ids.histograms.get(i) {
+                s.record(*id, v);
+            }
+        }
+        for (g, id) in self.gauges.iter_mut().zip(ids.gauges) {
+            if let Some(v) = g.take() {
+                s.set_gauge(id, v);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_tally_keeps_only_the_names_the_config_defined() {
+        let mut t = AdmTally::default();
+        t.count("rate_limited", 2);
+        t.count("no_such_stat", 5);
+        t.count_tenant("a", PriorityClass::Standard, "admitted", 1);
+        t.count_tenant("a", PriorityClass::Standard, "admitted", 1);
+        t.count_tenant("a", PriorityClass::Standard, "nothing", 1);
+        t.record("held_wait_ms", 7);
+        t.set("held_depth", 3);
+        let i = index(&COUNTERS, "rate_limited").unwrap();
+        assert_eq!(t.counts[i], 2);
+        assert_eq!(t.counts.iter().sum::<u64>(), 2);
+        assert_eq!(t.tenant.len(), 1);
+        assert_eq!(t.tenant.values().sum::<u64>(), 2);
+        assert_eq!(t.recorded, vec![(1, 7)]);
+        assert_eq!(t.gauges, [Some(3)]);
+    }
+}
