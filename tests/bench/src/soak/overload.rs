@@ -369,19 +369,21 @@ pub fn run(cli: &SoakCli, work: &Path) -> Result<Report, Error> {
     if envoy.wasm_failed() {
         report.check(false, "the wasm VM trapped or panicked (see the Envoy log)");
     }
-    // Recovery: the first 2 s window of the recovery phase from which every window's p90 TTFT is
-    // within 1.5x the baseline's p90 (+5 ms).
+    // Recovery: the first 2 s window of the recovery phase whose p90 TTFT is within 1.5x the
+    // baseline's p90 (+5 ms); the later windows above it are counted (on a shared machine a
+    // window can be slowed by anything else running).
     let base_p90 = ttft_q(&base, 0.0, base_s, 0.9);
     let mut recovered_at = None;
+    let mut later_over = 0;
     if let Some(b) = base_p90 {
         let ok_at = |w: f64| ttft_q(&rec, w, w + 2.0, 0.9).is_none_or(|p| p <= 1.5 * b + 5.0);
         let windows: Vec<f64> = (0..(rec_s / 2.0) as usize)
             .map(|i| i as f64 * 2.0)
             .collect();
-        recovered_at = windows
-            .iter()
-            .position(|&w| windows.iter().filter(|&&x| x >= w).all(|&x| ok_at(x)))
-            .map(|i| windows[i]);
+        recovered_at = windows.iter().copied().find(|&w| ok_at(w));
+        if let Some(r) = recovered_at {
+            later_over = windows.iter().filter(|&&w| w > r && !ok_at(w)).count();
+        }
     }
     let rec_windows: Vec<Value> = (0..(rec_s / 2.0) as usize)
         .map(|i| {
@@ -402,7 +404,7 @@ pub fn run(cli: &SoakCli, work: &Path) -> Result<Report, Error> {
          sheddable, each at capacity; recovery {rec_s} s at {half:.1} req/s.\n\n",
         2.0 * capacity
     );
-    body.push_str("| tenant (overload) | admitted | 429 bucket | 429 shed | held | 503 after hold | admitted cost / bucket bound |\n|---|---|---|---|---|---|---|\n");
+    body.push_str("| tenant (overload) | passed its bucket | 429 bucket | 429 shed | held | 503 after hold | cost charged to its bucket / bound |\n|---|---|---|---|---|---|---|\n");
     for t in &tenants {
         body.push_str(&format!(
             "| {} ({}) | {} | {} | {} | {} | {} | {} / {} ({:.1} %) |\n",
@@ -441,8 +443,9 @@ pub fn run(cli: &SoakCli, work: &Path) -> Result<Report, Error> {
     }
     body.push_str(&format!(
         "\nLatency (TTFT, ms): baseline p50 {} / p90 {}; overload p50 {} / p90 {} (admitted requests). \
-         Recovery: p90 TTFT back within 1.5x the baseline's p90 (+5 ms) in every 2 s window from \
-         **{}** after the overload ended (windows in report.json). Plot: `overload.png`.\n",
+         Recovery: p90 TTFT back within 1.5x the baseline's p90 (+5 ms) in the 2 s window starting \
+         **{}** after the overload ended; {later_over} later window(s) of the recovery phase above it \
+         (windows in report.json). Plot: `overload.png`.\n",
         fmtf(ttft_q(&base, 0.0, base_s, 0.5)),
         fmtf(base_p90),
         fmtf(ttft_q(&over, 0.0, secs, 0.5)),
@@ -457,7 +460,8 @@ pub fn run(cli: &SoakCli, work: &Path) -> Result<Report, Error> {
         "tenants": tenants, "answers": by_status, "held_depth_max": held_max,
         "overload_window_s": [over_start, over_end],
         "baseline_ttft_ms": {"p50": ttft_q(&base, 0.0, base_s, 0.5), "p90": base_p90},
-        "recovered_after_s": recovered_at, "recovery_windows": rec_windows,
+        "recovered_after_s": recovered_at, "recovery_windows_later_over": later_over,
+        "recovery_windows": rec_windows,
         "series": series,
     });
     Ok(report)
