@@ -370,6 +370,12 @@ impl Breaker {
         self.consecutive_failures
     }
 
+    /// Closed by its probes after an open (at [`Breaker::open_until_ms`]), and the open not yet
+    /// forgotten: what a recovery ramp starts from ([`crate::recovery`]).
+    pub fn closed_after_open(&self) -> bool {
+        self.state == BreakerState::Closed && self.opens > 0
+    }
+
     /// On probation: not Closed, or closed after an open less than `maxCooldownMs` ago (the
     /// cooldown doubling is still remembered). A pod on probation has failed recently, so less
     /// evidence is asked of its agent's error rate (see `breaker.agentErrorRate`).
@@ -455,7 +461,11 @@ impl Breaker {
             }
             (BreakerState::Closed, Some(r)) => {
                 self.consecutive_failures = self.consecutive_failures.saturating_add(1);
-                if self.consecutive_failures >= cfg.consecutive_failures {
+                // While its traffic ramps back, one failure re-opens it, as a failed probe would.
+                let ramping = cfg
+                    .recovery_ramp
+                    .is_some_and(|ramp| ramp.at(self, now_ms).is_some());
+                if ramping || self.consecutive_failures >= cfg.consecutive_failures {
                     Some(self.open(r, now_ms, cfg))
                 } else {
                     None

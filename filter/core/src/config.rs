@@ -11,6 +11,7 @@ use serde_json::Value;
 
 use crate::admission::AdmissionConfig;
 use crate::error::ConfigError;
+use crate::recovery::{RawRecoveryRamp, RecoveryRamp};
 
 /// Upper bound for `fallbackEndpoints` (the ranked list has at most this many + 1 entries).
 pub const MAX_FALLBACK_ENDPOINTS: usize = 15;
@@ -143,6 +144,9 @@ pub struct BreakerConfig {
     ///
     /// [`Breaker::on_probation`]: crate::breaker::Breaker::on_probation
     pub agent_error_rate: f64,
+    /// `recoveryRamp`: after a close, the pod's weight ramps back in steps ([`crate::recovery`]).
+    /// None = off (the whole share at once).
+    pub recovery_ramp: Option<RecoveryRamp>,
 }
 
 impl Default for BreakerConfig {
@@ -157,6 +161,7 @@ impl Default for BreakerConfig {
             failure_rate_window_ms: 10_000,
             failure_rate_min_requests: 10,
             agent_error_rate: 0.25,
+            recovery_ramp: None,
         }
     }
 }
@@ -760,6 +765,12 @@ struct RawBreaker {
         schemars(extend("default" = 0.25, "minimum" = 0, "maximum" = 1))
     )]
     agent_error_rate: Option<f64>,
+    /// After a pod's breaker closes (its half-open probes passed), its share of requests ramps
+    /// back through these steps instead of returning whole at once, and a failure during the
+    /// ramp re-opens it. Absent: off. `{}`: the default ramp (0.1, 0.3, 0.5 of its weight,
+    /// 5 s each).
+    #[serde(default)]
+    recovery_ramp: Option<RawRecoveryRamp>,
 }
 
 /// `bigRequestHold`.
@@ -1233,6 +1244,12 @@ impl TryFrom<RawConfig> for FilterConfig {
                 d.agent_error_rate,
                 " (0 turns it off)",
             )?,
+            recovery_ramp: raw
+                .breaker
+                .recovery_ramp
+                .as_ref()
+                .map(RecoveryRamp::from_raw)
+                .transpose()?,
         };
 
         let ema_alpha = match raw.ema_alpha {

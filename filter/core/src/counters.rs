@@ -59,6 +59,9 @@ pub struct Counters {
     /// share of prompt blocks this sidecar expects to hit).
     pub prefix_blocks: u64,
     pub prefix_blocks_held: u64,
+    /// Requests that failed on a pod while its traffic ramped back after its breaker closed
+    /// (`breaker.recoveryRamp`): each re-opens the breaker.
+    pub breaker_ramp_failures: u64,
     /// Breaker transitions by target state.
     pub breaker_opened: u64,
     pub breaker_half_opened: u64,
@@ -67,7 +70,7 @@ pub struct Counters {
 
 impl Counters {
     /// How many counters [`Counters::iter`] lists.
-    pub const COUNT: usize = 26;
+    pub const COUNT: usize = 27;
 
     /// Counts one breaker transition into `to`.
     pub fn count_transition(&mut self, to: BreakerState) {
@@ -112,6 +115,7 @@ impl Counters {
             ("prefix.rendezvous", self.prefix_rendezvous),
             ("prefix.blocks", self.prefix_blocks),
             ("prefix.blocks_held", self.prefix_blocks_held),
+            ("breaker_ramp_failures", self.breaker_ramp_failures),
             ("breaker.opened", self.breaker_opened),
             ("breaker.half_opened", self.breaker_half_opened),
             ("breaker.closed", self.breaker_closed),

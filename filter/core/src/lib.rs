@@ -46,6 +46,7 @@ pub mod outcome;
 pub mod picker;
 pub mod pool;
 pub mod prefix;
+pub mod recovery;
 pub mod score;
 pub mod signals;
 pub mod status;

@@ -23,6 +23,7 @@ pub fn scoreboard(router: &Router, now_ms: u64) -> Value {
                         "cut": s.cut.map(|c| c.as_str()),
                         "cold": s.cold,
                         "breaker": s.breaker.as_str(),
+                        "ramp": s.ramp,
                         "picks": s.picks,
                         "inflight": s.inflight,
                         "load": s.load,

@@ -97,16 +97,38 @@ fn config_with(path: &str, value: &Value) -> Value {
     cfg
 }
 
+/// Config sections (dotted paths) that are off unless present; `{}` turns one on with its
+/// defaults.
+const OFF_UNLESS_PRESENT: [&str; 4] = [
+    "admission",
+    "bigRequestHold",
+    "prefixAffinity",
+    "breaker.recoveryRamp",
+];
+
+/// Sets the section at dotted `path` to `{}`, creating the objects above it.
+fn switch_on(c: &mut Value, path: &str) {
+    let mut at = c;
+    for key in path.split('.') {
+        if !at.get(key).is_some_and(Value::is_object) {
+            at[key] = serde_json::json!({});
+        }
+        at = &mut at[key];
+    }
+}
+
 /// Every documented default, written explicitly, gives the same config as leaving it out; every
 /// documented bound is accepted and the value just past it is rejected naming the field.
 #[test]
 fn schema_defaults_and_bounds_agree_with_the_parser() {
     let schema = plugin_config_schema();
-    // The sections that are off unless present (admission, bigRequestHold, prefixAffinity)
-    // are on with every default in the base and in every config compared with it.
+    // The sections that are off unless present (admission, bigRequestHold, prefixAffinity,
+    // breaker.recoveryRamp) are on with every default in the base and in every config
+    // compared with it.
     let mut on = config_with("admission", &serde_json::json!({}));
-    on["bigRequestHold"] = serde_json::json!({});
-    on["prefixAffinity"] = serde_json::json!({});
+    for section in OFF_UNLESS_PRESENT {
+        switch_on(&mut on, section);
+    }
     let base = FilterConfig::from_json(&serde_json::to_vec(&on).unwrap()).unwrap();
     let mut checked = 0;
     for (path, prop) in properties(&schema) {
@@ -115,9 +137,9 @@ fn schema_defaults_and_bounds_agree_with_the_parser() {
         }
         let wrap = |v: &Value| {
             let mut c = config_with(&path, v);
-            for section in ["admission", "bigRequestHold", "prefixAffinity"] {
+            for section in OFF_UNLESS_PRESENT {
                 if !path.starts_with(section) {
-                    c[section] = serde_json::json!({});
+                    switch_on(&mut c, section);
                 }
             }
             c

@@ -185,6 +185,12 @@ fn poll_breakers(
         BreakerState::HalfOpen => next = next.min(now_ms.saturating_add(cfg.base_cooldown_ms)),
         BreakerState::Closed => {}
     }
+    // Ramping back after a close: its weight moves at each step's end.
+    let step = cfg.recovery_ramp.and_then(|r| r.at(&pod.breaker, now_ms));
+    pod.ramp = step.map_or(1.0, |s| s.share);
+    if let Some(s) = step {
+        next = next.min(s.ends_ms);
+    }
     next
 }
 
@@ -229,6 +235,13 @@ impl Router {
             None => {
                 if failure.is_some() {
                     rt.last_failure_ms = Some(now_ms);
+                    let ramping = cfg
+                        .breaker
+                        .recovery_ramp
+                        .is_some_and(|r| r.at(&rt.breaker, now_ms).is_some());
+                    if ramping {
+                        self.counters.breaker_ramp_failures += 1;
+                    }
                 }
                 let t = rt.breaker.record(failure, now_ms, &cfg.breaker);
                 // The failure rate, over this VM's outcomes while Closed: a pod failing half

@@ -101,6 +101,10 @@ pub(super) struct PodRt {
     ///
     /// [`MIN_ITL_PODS`]: super::refresh::MIN_ITL_PODS
     pub(super) rel_speed: f64,
+    /// The share of its weight it gets while its traffic ramps back after its breaker closed
+    /// (`breaker.recoveryRamp`, [`crate::recovery`]); 1 otherwise. Set when its breakers are
+    /// polled.
+    pub(super) ramp: f64,
 }
 
 impl PodRt {
@@ -154,6 +158,7 @@ impl PodRt {
             rel_speed: 1.0,
             itl_ms: None,
             itl_at_ms: 0,
+            ramp: 1.0,
         }
     }
 

@@ -268,6 +268,7 @@ fn weigh(pod: &mut PodRt, mean: f64, mean_n: u32, cfg: &FilterConfig) {
     pod.base = if pod.cut.is_some() || (pod.cold && mean_n == 0) {
         0.0
     } else {
-        value.max(cfg.floor_weight).clamp(0.0, 1.0)
+        // The floor keeps a healthy pod drawn; a ramp after its breaker closed scales that.
+        value.max(cfg.floor_weight).clamp(0.0, 1.0) * pod.ramp
     };
 }

@@ -17,6 +17,9 @@ pub struct PodStatus<'a> {
     pub cut: Option<CutReason>,
     pub cold: bool,
     pub breaker: BreakerState,
+    /// The share of its weight it gets while its traffic ramps back after its breaker closed
+    /// (`breaker.recoveryRamp`); 1 otherwise.
+    pub ramp: f64,
     pub picks: u64,
     pub inflight: u32,
     /// Estimated occupancy over capacity, as `twoChoices` compares it (see the module docs).
@@ -81,6 +84,7 @@ impl Router {
                     cut: r.cut,
                     cold: r.cold,
                     breaker: r.breaker.state(),
+                    ramp: r.ramp,
                     picks: r.picks,
                     inflight: r.inflight,
                     load: r.load(),
