@@ -115,7 +115,9 @@ fn hot_reload_on(path: Path) {
     let pool = PodPool::start(2, 0.01).unwrap();
     let a = filter_with_status("/ai-lb/status-a");
     let b = filter_with_status("/ai-lb/status-b");
-    let drain = ["--drain-time-s".to_string(), "2".to_string()];
+    // Longer than any request here: a replaced listener closes its connections when its
+    // drain ends, with whatever is in flight on them.
+    let drain = ["--drain-time-s".to_string(), "10".to_string()];
     let mut x = XdsEnvoy::start(&path.opts(&a, &pool), &drain).unwrap();
     let steered = format!("{}ailb.steered", path.stat_prefix());
     let envoy_poll = |x: &XdsEnvoy, what: &str, f: &mut dyn FnMut() -> bool| {

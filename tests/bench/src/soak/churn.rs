@@ -39,6 +39,8 @@ const DNS_NAME: &str = "pool.ailb.soak";
 /// Between a pod's removal from EDS and its SIGTERM.
 const DRAIN: Duration = Duration::from_secs(3);
 const STATUS_PATH: &str = "/ai-lb/status";
+/// Envoy's `--drain-time-s`: how long connections of a listener replaced by a reload live on.
+const DRAIN_TIME_S: u64 = 15;
 /// The agents' `--peers-refresh`; a REMOVED peer is pruned after 12 of them.
 const PEERS_REFRESH_S: f64 = 1.0;
 
@@ -315,7 +317,10 @@ pub fn run(cli: &SoakCli, work: &Path) -> Result<Report, Error> {
     }
     opts.inference = c.serving();
     opts.agents = c.grpcs();
-    let mut x = XdsEnvoy::start(&opts, &["--drain-time-s".into(), "2".into()])?;
+    // A listener replaced by a reload keeps its connections this long, then closes them with
+    // whatever is in flight: longer than any request here (a 2 s drain lost 21 requests at one
+    // reload in a short run on a CPU-starved moment). Istio's default is 45 s.
+    let mut x = XdsEnvoy::start(&opts, &["--drain-time-s".into(), DRAIN_TIME_S.to_string()])?;
     let prefix = path.prefix();
     let steered = format!("{prefix}ailb.steered");
     x.envoy
@@ -607,7 +612,7 @@ pub fn run(cli: &SoakCli, work: &Path) -> Result<Report, Error> {
     let second_max = |k: &str| fmt(super::max_in(&series, k, half, total_s + 1.0));
     let mut body = format!(
         "Real Envoy 1.40 (`--concurrency 2`) with the {path:?} filter; listener from LDS, pods and agents \
-         from EDS (files, `watched_directory`, written by rename); {start_pods} pods at the start, \
+         from EDS (files, `watched_directory`, written by rename; `--drain-time-s {DRAIN_TIME_S}`); {start_pods} pods at the start, \
          between {min_pods} and {max_pods}, each a fake pod (`--time-scale 0.2`) with its agent on a \
          loopback IP of its own. Every {event_every} s a pod joins or leaves (a leaving pod is removed \
          from EDS and DNS and stopped {} s later), every {restart_every} s an agent restarts, every \
