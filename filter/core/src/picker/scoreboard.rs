@@ -84,7 +84,12 @@ impl Router {
                     cut: r.cut,
                     cold: r.cold,
                     breaker: r.breaker.state(),
-                    ramp: r.ramp,
+                    ramp: self
+                        .cfg
+                        .breaker
+                        .recovery_ramp
+                        .and_then(|ramp| ramp.at(&r.breaker, now_ms))
+                        .map_or(1.0, |s| s.share),
                     picks: r.picks,
                     inflight: r.inflight,
                     load: r.load(),
