@@ -14,7 +14,7 @@ use ai_lb_filter_core::admission::priority::PriorityClass;
 use ai_lb_filter_core::breaker::{Breaker, Transition};
 use ai_lb_filter_core::config::FilterConfig;
 use ai_lb_filter_core::lifecycle::admission::{
-    self, AdmissionGate, AdmissionParts, AdmissionRt, AdmissionStats, AdmissionWorker,
+    self, AdmissionGate, AdmissionParts, AdmissionRt, AdmissionStats, AdmissionWorker, Woken,
 };
 use ai_lb_filter_core::lifecycle::{
     BreakerStore, Exchange, Host, Next, Parts, Stats, Steered, Worker,
@@ -477,4 +477,52 @@ fn the_peer_principal_is_the_tenant_when_configured() {
     );
     let name = "ailb.admission.tenant.spiffe://cluster.local/ns/a/sa/b.standard.admitted";
     assert_eq!(w.adm_stats.get(name), 1, "{:?}", w.adm_stats.0);
+}
+
+/// The native module's way: each held request wakes on its own stream and asks the core what
+/// became of it; the worker's queue is ticked at most once per tick period.
+#[test]
+fn a_request_woken_on_its_own_stream_waits_is_released_or_answered_at_its_deadline() {
+    let mut w = worker(PRIORITY);
+    publish(&mut w.router, 1_000, true);
+    let hold = |w: &mut MockWorker, id: u32, now: u64| {
+        let mut h = post(now, "a", &[]);
+        let mut g = AdmissionGate::new(id);
+        let mut ex = Exchange::new();
+        assert_eq!(ex.on_request_headers(&mut h, w, &mut g, true), Next::Stop);
+        assert!(g.held());
+        (ex, g, h)
+    };
+    let (_ex, _g, mut h) = hold(&mut w, 1, 1_010);
+    assert_eq!(
+        admission::wake_held(&mut h, &mut w, 1, 1_020, 50),
+        Woken::Waiting
+    );
+    // A pod cools: within the same tick period nothing is judged again.
+    publish(&mut w.router, 1_030, false);
+    assert_eq!(
+        admission::wake_held(&mut h, &mut w, 1, 1_040, 50),
+        Woken::Waiting
+    );
+    assert_eq!(
+        admission::wake_held(&mut h, &mut w, 1, 1_070, 50),
+        Woken::Released
+    );
+    assert!(w.rt.released.is_empty() && h.replies.is_empty());
+    assert_eq!(w.adm_stats.get("ailb.admission.held_released"), 1);
+    // Saturated again: the next one waits out its 500 ms and is answered 503 on its stream.
+    publish(&mut w.router, 1_100, true);
+    let (mut ex, mut g, mut h) = hold(&mut w, 2, 1_100);
+    assert_eq!(
+        admission::wake_held(&mut h, &mut w, 2, 1_400, 50),
+        Woken::Waiting
+    );
+    assert_eq!(
+        admission::wake_held(&mut h, &mut w, 2, 1_650, 50),
+        Woken::Answered
+    );
+    assert_eq!(h.replies[0].0, 503);
+    ex.on_end(&mut h, &mut w, &mut g);
+    assert!(!g.held() && w.rt.expired.is_empty());
+    assert_eq!(w.adm_stats.get("ailb.admission.held_expired"), 1);
 }

@@ -123,6 +123,10 @@ pub type HttpFilterConfigModulePtr = *const c_void;
 pub type HttpFilterEnvoyPtr = *mut c_void;
 /// The module's per-stream object, returned from `on_http_filter_new`.
 pub type HttpFilterModulePtr = *const c_void;
+/// A stream's scheduler (C: `..._http_filter_scheduler_module_ptr`): Envoy's object that posts
+/// an event to the stream's worker thread, from any thread; it holds the stream weakly (an
+/// event for a stream that is gone is dropped). The module deletes it.
+pub type HttpFilterSchedulerPtr = *mut c_void;
 
 // ---------------------------------------------------------------------------------------------
 // Buffers and header pairs
@@ -533,6 +537,30 @@ unsafe extern "C" {
         host: ModuleBuffer,
         strict: bool,
     ) -> bool;
+
+    // ----- scheduler (wakes a stream on its worker thread) -----
+
+    /// Creates the stream's scheduler; delete it with `..._scheduler_delete`.
+    pub fn envoy_dynamic_module_callback_http_filter_scheduler_new(
+        filter_envoy: HttpFilterEnvoyPtr,
+    ) -> HttpFilterSchedulerPtr;
+
+    /// Posts `event_id` to the stream's worker thread: `on_http_filter_scheduled` runs there
+    /// (unless the stream is gone). Callable from any thread.
+    pub fn envoy_dynamic_module_callback_http_filter_scheduler_commit(
+        scheduler: HttpFilterSchedulerPtr,
+        event_id: u64,
+    );
+
+    /// Deletes a scheduler from `..._scheduler_new`.
+    pub fn envoy_dynamic_module_callback_http_filter_scheduler_delete(
+        scheduler: HttpFilterSchedulerPtr,
+    );
+
+    /// Resumes a request stopped in a request hook (headers, body or trailers).
+    pub fn envoy_dynamic_module_callback_http_filter_continue_decoding(
+        filter_envoy: HttpFilterEnvoyPtr,
+    );
 
     // ----- filter state -----
 

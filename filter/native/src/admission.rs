@@ -22,26 +22,6 @@ use crate::host::{ConfigHandle, LabeledCounter2, Stream};
 /// Label names of the per-tenant counters.
 pub const TENANT_LABELS: [&str; 2] = ["ailb_tenant", "ailb_class"];
 
-/// The stats of priority classes under saturation, which the module does not run yet: not
-/// defined (id 0, never counted), so Envoy shows none of them.
-const NOT_YET: [&str; 7] = [
-    "shed",
-    "held",
-    "held_rejected",
-    "held_released",
-    "held_expired",
-    "held_wait_ms",
-    "held_depth",
-];
-
-/// `name`'s id from `define`, or 0 for a stat the module does not move yet.
-fn defined(name: &str, define: impl FnOnce(&str) -> usize) -> usize {
-    if NOT_YET.contains(&name) {
-        return 0;
-    }
-    define(&format!("ailb.admission.{name}"))
-}
-
 /// The admission stats' ids, defined with the config.
 #[derive(Debug, Clone)]
 pub struct AdmissionIds {
@@ -54,12 +34,12 @@ pub struct AdmissionIds {
 impl AdmissionIds {
     pub fn define(handle: &ConfigHandle) -> Self {
         Self {
-            counters: COUNTERS.map(|n| defined(n, |s| handle.define_counter(s))),
+            counters: COUNTERS.map(|n| handle.define_counter(&format!("ailb.admission.{n}"))),
             tenant: TENANT_COUNTERS.map(|n| {
                 handle.define_labeled_counter2(&format!("ailb.admission.tenant.{n}"), TENANT_LABELS)
             }),
-            histograms: HISTOGRAMS.map(|n| defined(n, |s| handle.define_histogram(s))),
-            gauges: GAUGES.map(|n| defined(n, |s| handle.define_gauge(s))),
+            histograms: HISTOGRAMS.map(|n| handle.define_histogram(&format!("ailb.admission.{n}"))),
+            gauges: GAUGES.map(|n| handle.define_gauge(&format!("ailb.admission.{n}"))),
         }
     }
 }

@@ -74,22 +74,6 @@ pub fn parse(bytes: &[u8]) -> Result<NativeConfig, String> {
                 .into(),
         ));
     }
-    // The token limiter is here; holding and shedding by priority class is not yet.
-    for part in ["saturation", "priority"] {
-        if raw
-            .filter
-            .get("admission")
-            .and_then(|a| a.get(part))
-            .is_some()
-        {
-            return Err(err(
-                &format!("filter.admission.{part}"),
-                "priority classes (shed and hold under saturation) are not in the native \
-                 module yet; remove it (the token limiter works without) or use the wasm filter"
-                    .into(),
-            ));
-        }
-    }
     if filter.big_request_hold.is_some() {
         return Err(err(
             "filter.bigRequestHold",
@@ -213,12 +197,11 @@ mod tests {
         };
         let e = parse(with(r#""bigRequestHold":{}"#).as_bytes()).unwrap_err();
         assert!(e.contains("filter.bigRequestHold"), "{e}");
-        // The token limiter is accepted; priority classes are not yet.
+        // Admission is accepted (the limiter, priority classes and the held queue).
         let limiter = r#""admission":{"tenants":{"default":{"tokensPerSecond":10,"burst":20}}}"#;
         if let Err(e) = parse(with(limiter).as_bytes()) {
             panic!("{e}");
         }
-        let e = parse(with(r#""admission":{"saturation":{"maxHeld":4}}"#).as_bytes()).unwrap_err();
-        assert!(e.contains("filter.admission.saturation"), "{e}");
+        assert!(parse(with(r#""admission":{"saturation":{"maxHeld":4}}"#).as_bytes()).is_ok());
     }
 }

@@ -3,10 +3,10 @@
 //! router owned by the Envoy worker thread (no locks on the pick) and breakers shared by every
 //! worker ([`crate::breakers`]). The host calls are the module ABI's ([`NativeHost`]).
 //!
-//! Admission (the limiter) is the core's gate over buckets shared by every worker
-//! ([`crate::admission`]). Not here (refused at config time or stated in
-//! filter/native/README.md): priority holds, big request hold, the guard mode, the per-pod
-//! in-flight gauge.
+//! Admission (the limiter, priority classes and the held queue) is the core's gate over
+//! buckets shared by every worker ([`crate::admission`]); held requests wake on their own
+//! stream ([`crate::held`]). Not here (refused at config time or stated in
+//! filter/native/README.md): big request hold, the guard mode, the per-pod in-flight gauge.
 
 use std::borrow::Cow;
 use std::cell::RefCell;
@@ -17,12 +17,12 @@ use std::sync::Arc;
 use ai_lb_filter_core::admission::MemoryStore;
 use ai_lb_filter_core::breaker::{Breaker, BreakerState, Transition, TripReason};
 use ai_lb_filter_core::lifecycle::admission::{
-    AdmissionGate, AdmissionParts, AdmissionRt, AdmissionWorker,
+    self as admission, AdmissionGate, AdmissionParts, AdmissionRt, AdmissionWorker, Woken,
 };
 use ai_lb_filter_core::lifecycle::{
-    self, BreakerStore, Exchange, Gate, GateStep, Host, Next as LifeNext, Parts, Stats, Steered,
+    self, BreakerStore, Exchange, Host, Next as LifeNext, Parts, Stats,
 };
-use ai_lb_filter_core::picker::{RequestSize, Router};
+use ai_lb_filter_core::picker::Router;
 use ai_lb_filter_core::Counters as CoreCounters;
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
@@ -31,6 +31,7 @@ use crate::admission::{AdmTally, AdmissionIds};
 use crate::breakers::SharedBreakers;
 use crate::config::{NativeConfig, Steering};
 use crate::feed::{self, now_ms, Feed, Shared};
+use crate::held::HeldWake;
 use crate::host::{self, ConfigHandle, LabeledCounter, LabeledGauge, Level, Map, Stream};
 
 /// Counter ids (0 = not defined; never counted). The names are the wasm filter's, so one
@@ -75,6 +76,9 @@ pub struct ConfigRt {
     adm_ids: Option<AdmissionIds>,
     /// The tenants' token buckets, shared by every worker.
     buckets: Arc<MemoryStore>,
+    /// Wakes held requests (admission on only), every `tick_ms`.
+    held: Option<HeldWake>,
+    tick_ms: u64,
     /// When the per-pod gauges are next due (ms; [`export_gauges`]).
     gauges_due_ms: AtomicU64,
     /// Workers keep a weak handle: a worker of a config that is gone is dropped when its
@@ -125,6 +129,12 @@ impl ConfigRt {
         };
         let admission_on = cfg.filter.admission.as_ref().is_some_and(|a| a.enabled);
         let adm_ids = admission_on.then(|| AdmissionIds::define(handle));
+        // Held requests are judged as often as the wasm filter's root ticks while it holds.
+        let tick_ms = cfg.filter.watch.refresh_ms.clamp(10, 100);
+        let held = match admission_on {
+            true => Some(HeldWake::start(std::time::Duration::from_millis(tick_ms))?),
+            false => None,
+        };
         let feed = feed::start(&cfg.filter, &cfg.agents, Arc::clone(&shared))?;
         Ok(ConfigRt {
             id: NEXT.fetch_add(1, Ordering::Relaxed),
@@ -134,6 +144,8 @@ impl ConfigRt {
             counters,
             adm_ids,
             buckets: Arc::new(MemoryStore::new()),
+            held,
+            tick_ms,
             gauges_due_ms: AtomicU64::new(0),
             alive: Arc::new(()),
             _feed: feed,
@@ -470,65 +482,10 @@ fn export_gauges(rt: &ConfigRt, s: &Stream, now: u64) {
 pub struct Request {
     rt: *const ConfigRt,
     ex: Exchange,
-    gate: NativeGate,
-}
-
-/// Admission of one request: the core's gate. Priority holds are not in the native module yet
-/// (a request is never held: its class is counted, never shed).
-#[derive(Debug)]
-struct NativeGate {
-    adm: AdmissionGate,
-}
-
-impl Gate<Worker> for NativeGate {
-    fn begin<H: Host + ?Sized>(
-        &mut self,
-        h: &mut H,
-        w: &mut Worker,
-        eos: bool,
-        now: u64,
-    ) -> GateStep {
-        self.adm.begin(h, w, eos, now)
-    }
-    fn body<H: Host + ?Sized>(
-        &mut self,
-        h: &mut H,
-        w: &mut Worker,
-        body: &[u8],
-        complete: bool,
-        now: u64,
-    ) -> GateStep {
-        self.adm.body(h, w, body, complete, now)
-    }
-    fn before_route<H: Host + ?Sized>(
-        &mut self,
-        _h: &mut H,
-        _w: &mut Worker,
-        _pool: usize,
-        _model: Option<&str>,
-        _size: RequestSize,
-        _now: u64,
-    ) -> GateStep {
-        GateStep::Proceed
-    }
-    fn take_resumed(&mut self, w: &mut Worker) -> Option<Steered> {
-        self.adm.take_resumed(w)
-    }
-    fn on_response_headers<H: Host + ?Sized>(&mut self, h: &mut H, w: &mut Worker, eos: bool) {
-        self.adm.on_response_headers(h, w, eos);
-    }
-    fn on_response_body<H: Host + ?Sized>(
-        &mut self,
-        h: &mut H,
-        w: &mut Worker,
-        size: usize,
-        eos: bool,
-    ) {
-        self.adm.on_response_body(h, w, size, eos);
-    }
-    fn on_end<H: Host + ?Sized>(&mut self, h: &mut H, w: &mut Worker, now: u64) {
-        Gate::<Worker>::on_end(&mut self.adm, h, w, now);
-    }
+    /// Admission (the core's gate; lets everything through when admission is off).
+    gate: AdmissionGate,
+    /// Held, and woken every tick by the config's [`HeldWake`].
+    registered: bool,
 }
 
 /// Numbers requests for the workers' held queues (unique among those waiting at once).
@@ -636,9 +593,8 @@ impl Request {
         Request {
             rt,
             ex: Exchange::new(),
-            gate: NativeGate {
-                adm: AdmissionGate::new(id),
-            },
+            gate: AdmissionGate::new(id),
+            registered: false,
         }
     }
 
@@ -657,7 +613,7 @@ impl Request {
     fn event<R>(
         &mut self,
         s: &Stream,
-        f: impl FnOnce(&mut Exchange, &mut NativeHost<'_>, &mut Worker, &mut NativeGate) -> R,
+        f: impl FnOnce(&mut Exchange, &mut NativeHost<'_>, &mut Worker, &mut AdmissionGate) -> R,
     ) -> Option<R> {
         let rt = self.rt()?;
         let mut host = NativeHost {
@@ -689,6 +645,7 @@ impl Request {
             // After the pick, so this worker's router holds the pool state it just installed.
             export_gauges(rt, s, now_ms());
         }
+        self.wake_if_held(s);
         match next {
             LifeNext::Continue => Next::Continue,
             LifeNext::StopForBody => Next::StopAndBuffer,
@@ -726,10 +683,62 @@ impl Request {
         let mut body = s.request_body(in_hook);
         let complete = ended && body.len() <= cap;
         body.truncate(cap);
-        self.event(s, |ex, h, w, g| {
-            ex.on_request_body(h, w, g, &body, complete)
-        })
-        .unwrap_or(LifeNext::Continue)
+        let next = self
+            .event(s, |ex, h, w, g| {
+                ex.on_request_body(h, w, g, &body, complete)
+            })
+            .unwrap_or(LifeNext::Continue);
+        self.wake_if_held(s);
+        next
+    }
+
+    /// A request the gate just held is woken every tick from now on ([`crate::held`]).
+    fn wake_if_held(&mut self, s: &Stream) {
+        let Some(wake) = self.rt().and_then(|rt| rt.held.as_ref()) else {
+            return;
+        };
+        if !self.gate.held() || self.registered {
+            return;
+        }
+        if let Some(sched) = s.scheduler() {
+            wake.hold(self.gate.id, sched);
+            self.registered = true;
+        } else {
+            host::log(
+                Level::Warn,
+                "ai-lb native: no scheduler for a held request; it waits for its client",
+            );
+        }
+    }
+
+    /// A held request's tick: the core's `wake_held` on this stream (the worker's held queue
+    /// expires and releases; this request is answered 503, routed and resumed, or waits on).
+    pub fn on_scheduled(&mut self, s: &Stream) {
+        let Some(rt) = self.rt().filter(|_| self.registered) else {
+            return;
+        };
+        let (id, tick) = (self.gate.id, rt.tick_ms);
+        let woken = self
+            .event(s, |_, h, w, _| {
+                admission::wake_held(h, w, id, now_ms(), tick)
+            })
+            .unwrap_or(Woken::Waiting);
+        if woken == Woken::Waiting {
+            return;
+        }
+        self.forget_held();
+        if woken == Woken::Released {
+            s.continue_decoding();
+        }
+    }
+
+    /// Stops waking this request (deletes its scheduler).
+    fn forget_held(&mut self) {
+        if std::mem::take(&mut self.registered) {
+            if let Some(wake) = self.rt().and_then(|rt| rt.held.as_ref()) {
+                wake.forget(self.gate.id);
+            }
+        }
     }
 
     pub fn on_response_headers(&mut self, s: &Stream, end_of_stream: bool) {
@@ -754,6 +763,14 @@ impl Request {
 
     /// The request is over: close the pick and tell the breakers how it went.
     pub fn on_stream_complete(&mut self, s: &Stream) {
+        self.forget_held();
         self.event(s, |ex, h, w, g| ex.on_end(h, w, g));
+    }
+}
+
+impl Drop for Request {
+    /// A stream destroyed while held (no completion seen) leaves the registry too.
+    fn drop(&mut self) {
+        self.forget_held();
     }
 }

@@ -141,6 +141,19 @@ impl Stream {
         std::str::from_utf8(b).ok().filter(|s| !s.is_empty())
     }
 
+    /// Resumes the request after a request hook stopped it.
+    pub fn continue_decoding(&self) {
+        // SAFETY: live filter pointer.
+        unsafe { abi::envoy_dynamic_module_callback_http_filter_continue_decoding(self.0) }
+    }
+
+    /// The stream's scheduler (None when Envoy gave none).
+    pub fn scheduler(&self) -> Option<Scheduler> {
+        // SAFETY: live filter pointer.
+        let p = unsafe { abi::envoy_dynamic_module_callback_http_filter_scheduler_new(self.0) };
+        (!p.is_null()).then_some(Scheduler(p))
+    }
+
     /// Sets filter state `key` to `value` through Envoy's object factory for that key; false
     /// when Envoy refused.
     pub fn set_filter_state_typed(&self, key: &str, value: &str) -> bool {
@@ -327,6 +340,31 @@ impl Stream {
 /// [`Stream::inc_labeled`] takes it, with exactly one value. 0: never counted.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct LabeledCounter(usize);
+
+/// A stream's scheduler: wakes the stream on its worker thread (`on_http_filter_scheduled`)
+/// from any thread. Deleted when dropped; Envoy drops events for a stream that is gone.
+#[derive(Debug)]
+pub struct Scheduler(abi::HttpFilterSchedulerPtr);
+
+// SAFETY: Envoy's scheduler posts to the stream's dispatcher and may be committed from any
+// thread; the module deletes it once (Drop), after every committer let go of it (the held
+// registry removes it under its lock first).
+unsafe impl Send for Scheduler {}
+
+impl Scheduler {
+    /// Posts `event` to the stream's worker thread.
+    pub fn commit(&self, event: u64) {
+        // SAFETY: a live scheduler from `scheduler_new`, not deleted before Drop.
+        unsafe { abi::envoy_dynamic_module_callback_http_filter_scheduler_commit(self.0, event) }
+    }
+}
+
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        // SAFETY: created by `scheduler_new`, deleted once.
+        unsafe { abi::envoy_dynamic_module_callback_http_filter_scheduler_delete(self.0) }
+    }
+}
 
 /// The id of a counter with two labels ([`ConfigHandle::define_labeled_counter2`]); only
 /// [`Stream::inc_labeled2`] takes it, with exactly two values. 0: never counted.

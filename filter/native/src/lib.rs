@@ -18,6 +18,7 @@ pub mod breakers;
 pub mod config;
 pub mod feed;
 pub mod filter;
+pub mod held;
 pub mod host;
 
 #[allow(unsafe_code)]
@@ -221,15 +222,22 @@ mod exports {
         })
     }
 
-    // Hooks Envoy 1.40 requires but this module never asks for (no callouts, no scheduler,
-    // no flow control of its own).
+    // Hooks Envoy 1.40 requires but this module never asks for (no callouts, no flow control
+    // of its own).
 
+    /// A held request's tick (see `held`): released, answered, or still waiting.
     #[no_mangle]
     pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
-        _filter_envoy: abi::HttpFilterEnvoyPtr,
-        _filter_module: abi::HttpFilterModulePtr,
+        filter_envoy: abi::HttpFilterEnvoyPtr,
+        filter_module: abi::HttpFilterModulePtr,
         _event_id: u64,
     ) {
+        guard((), || {
+            // SAFETY: see `request`.
+            if let Some(r) = unsafe { request(filter_module) } {
+                r.on_scheduled(&Stream::new(filter_envoy));
+            }
+        })
     }
 
     #[no_mangle]

@@ -9,9 +9,11 @@
 //! with every worker (Envoy with 4 workers); closes a healed pod's breaker at its probes' first
 //! tokens. Large bodies: `filter_large_body.rs` (both paths). Rows for one path only: the
 //! native module refusing config it cannot honour, and its `overrideHost` steering mode.
-//! Admission: each tenant's token bucket answers 429 once its quota is spent (both paths).
-//! Priority classes, the big-request hold and guard mode are wasm-only so far (the native
-//! module refuses their config; their tests are `admission_*.rs`, `filter_big_hold.rs`).
+//! Admission: each tenant's token bucket answers 429 once its quota is spent; under
+//! saturation a sheddable request is shed, a standard one held until a pod cools or answered
+//! 503 at its deadline (both paths). The big-request hold and guard mode are wasm-only so far
+//! (the native module refuses their config; their tests are `filter_big_hold.rs`,
+//! `admission_guard.rs`).
 //! Needs both builds (scripts/test.sh builds them).
 
 mod filter_common;
@@ -305,10 +307,6 @@ fn envoy_refuses_a_native_config_the_module_cannot_honour() {
             config(json!({"bigRequestHold": {}})),
             "filter.bigRequestHold",
         ),
-        (
-            config(json!({"admission": {"saturation": {"maxHeld": 4}}})),
-            "filter.admission.saturation",
-        ),
         (config(json!({"minPods": 0})), "minPods"),
     ] {
         let opts = native_opts(&pool, &filter, &pool.agent_addrs);
@@ -435,6 +433,118 @@ fn each_tenants_bucket_answers_429_once_its_quota_is_spent_on(path: Path) {
     );
     // The fake pod reports usage: every reservation was settled against it.
     assert!(path.stat(&envoy, "ailb.admission.tokens_actual") > 0);
+    assert!(
+        !envoy.log_tail(200).contains("panicked"),
+        "a hook panicked:\n{}",
+        envoy.log_tail(40)
+    );
+}
+
+/// Priority classes under saturation (both pods over the GPU hard limit): a sheddable request
+/// is shed at once (429, `shed_under_saturation`), a standard one is held in the worker's queue
+/// and answered 503 (`saturated`, `retry-after`) once it waited `maxWaitStandardMs`, and a held
+/// standard request is released, and served by that pod, as soon as a pod cools. The wasm
+/// filter's root ticks release and expire it; the native module's held requests wake on their
+/// own stream through the ABI's scheduler. Counted under the same names on both paths.
+#[test]
+fn under_saturation_sheddable_is_shed_and_standard_held_until_capacity_or_its_deadline() {
+    for path in BOTH {
+        eprintln!("== {path:?}");
+        under_saturation_sheddable_is_shed_and_standard_held_on(path);
+    }
+}
+
+fn under_saturation_sheddable_is_shed_and_standard_held_on(path: Path) {
+    const MAX_WAIT_MS: u64 = 1_500;
+    let pool = PodPool::start(2, 0.01).unwrap();
+    for i in 0..2 {
+        pool.control(i, r#"{"sm_occupancy":0.97}"#).unwrap();
+    }
+    let filter = config(json!({
+        "admission": {
+            "trustedHeaders": ["x-ai-lb-priority"],
+            "tenants": {"default": {"tokensPerSecond": 1000000, "burst": 1000000}},
+            "saturation": {"softThreshold": 0.85, "maxWaitStandardMs": MAX_WAIT_MS, "retryAfterSeconds": 3}
+        }
+    }));
+    let envoy = Envoy::start(&path.opts(&pool, &filter, &pool.agent_addrs)).unwrap();
+    wait_scoreboard(&envoy, "both pods cut (saturated)", 30, |sb| {
+        all_fresh(sb, &pool)
+            && pool
+                .pod_addrs
+                .iter()
+                .all(|a| row(sb, &a.to_string()).is_some_and(|r| r["cut"] == "gpu_hard_limit"))
+    });
+    let send = |class: &str| {
+        let t = Instant::now();
+        let r = HttpClient::new(envoy.listener)
+            .post_json(
+                "/v1/completions",
+                &[("x-ai-lb-priority", class), ("connection", "close")],
+                &body(MODEL),
+            )
+            .unwrap();
+        (r, t.elapsed())
+    };
+    let (r, _) = send("sheddable");
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert!(r.text().contains("shed_under_saturation"), "{}", r.text());
+
+    let (r, took) = send("standard");
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.header("retry-after"), Some("3"));
+    assert!(r.text().contains("\"saturated\""), "{}", r.text());
+    assert!(
+        took >= Duration::from_millis(MAX_WAIT_MS - 100),
+        "503 after {took:?}, before the maximum wait"
+    );
+
+    let held_before = path.stat(&envoy, "ailb.admission.held");
+    let addr = envoy.listener;
+    let waiter = std::thread::spawn(move || {
+        let t = Instant::now();
+        let r = HttpClient::new(addr)
+            .post_json(
+                "/v1/completions",
+                &[("x-ai-lb-priority", "standard"), ("connection", "close")],
+                &body(MODEL),
+            )
+            .unwrap();
+        (r, t.elapsed())
+    });
+    envoy
+        .poll(Duration::from_secs(5), "the request is held", || {
+            (path.stat(&envoy, "ailb.admission.held") > held_before).then_some(())
+        })
+        .unwrap();
+    pool.control(1, r#"{"sm_occupancy":0.3}"#).unwrap();
+    let (r, took) = waiter.join().unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        r.header("x-fake-pod"),
+        Some("pod1"),
+        "steered to the cool pod"
+    );
+    assert!(
+        took < Duration::from_millis(MAX_WAIT_MS),
+        "released after {took:?}"
+    );
+    envoy
+        .poll(Duration::from_secs(5), "the priority stats", || {
+            (path.stat(&envoy, "ailb.admission.shed") == 1
+                && path.stat(&envoy, "ailb.admission.held_expired") == 1
+                && path.stat(&envoy, "ailb.admission.held_released") == 1
+                && tenant_stat(path, &envoy, "default", "sheddable", "shed") == 1)
+                .then_some(())
+        })
+        .unwrap_or_else(|e| {
+            let stats = envoy.stats().unwrap();
+            let adm: Vec<_> = stats
+                .iter()
+                .filter(|(k, _)| k.contains("admission"))
+                .collect();
+            panic!("{e}: {adm:#?}")
+        });
     assert!(
         !envoy.log_tail(200).contains("panicked"),
         "a hook panicked:\n{}",

@@ -12,7 +12,7 @@
 //! request until a pod cools; the wasm filter in guard mode rejects (queue full, GPU
 //! saturated), admits, and fails open (stale signals, and a guard with no agent at all); the
 //! native module steers, falls back, truncates, opens and closes a breaker, and runs the same
-//! admission traffic (its token limiter: 429, 400, settlement).
+//! admission and saturation traffic (429, 400, settlement; shed, held, released).
 //!
 //! Needs both builds and the binaries: `cargo build -p ai-lb-filter-wasm --target
 //! wasm32-wasip1 --release`, `cargo build -p ai-lb-filter-native`, `cargo build --bins`.
@@ -88,6 +88,9 @@ const MUST_MOVE_NATIVE: &[&str] = &[
     "ailb.endpoint.<ip:port>.failures",
     "ailb.admission.rate_limited",
     "ailb.admission.settled",
+    "ailb.admission.shed",
+    "ailb.admission.held_released",
+    "ailb.admission.held_wait_ms",
 ];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -563,9 +566,7 @@ fn routing(envoy: &Envoy, pool: &PodPool, path: DataPath) {
 /// (the priority header is read only when trusted), a tenant whose bucket admits nothing, one
 /// reserved output token by default, a held standard request waiting 1 s.
 fn route_config() -> String {
-    let mut admission = limiter();
-    admission["saturation"] =
-        json!({"softThreshold": 0.85, "maxWaitStandardMs": 1000, "retryAfterSeconds": 1});
+    let admission = route_admission();
     config(json!({
         "modelHeader": MODEL_HEADER,
         "maxBodyReadBytes": 65536,
@@ -574,6 +575,15 @@ fn route_config() -> String {
         "bigRequestHold": {"maxHoldMs": 1000, "maxHeld": 1},
         "admission": admission
     }))
+}
+
+/// Admission as both data paths run it here: [`limiter`], and a held standard request
+/// waiting 1 s.
+fn route_admission() -> Value {
+    let mut admission = limiter();
+    admission["saturation"] =
+        json!({"softThreshold": 0.85, "maxWaitStandardMs": 1000, "retryAfterSeconds": 1});
+    admission
 }
 
 /// Admission's token limiter: the tenant and the priority from trusted headers (the priority
@@ -654,8 +664,7 @@ fn big_hold(envoy: &Envoy, pool: &PodPool) {
 /// Both pods over the GPU hard limit (saturated): a sheddable request shed (429), a critical
 /// one let through (fail-open), a standard one held until its 503, another released when pod 1
 /// cools.
-fn saturation(envoy: &Envoy, pool: &PodPool) {
-    let w = DataPath::Wasm;
+fn saturation(envoy: &Envoy, pool: &PodPool, w: DataPath) {
     for i in 0..2 {
         pool.control(i, r#"{"sm_occupancy":0.97}"#).unwrap();
     }
@@ -765,7 +774,7 @@ fn every_exported_stat_is_documented_and_every_documented_stat_is_exported() {
     routing(&route, &pool, DataPath::Wasm);
     admission(&route);
     big_hold(&route, &pool);
-    saturation(&route, &pool);
+    saturation(&route, &pool, DataPath::Wasm);
     let (guard, lone) = guard(&mut pool);
     Expect::of(DataPath::Wasm).check(&docs, &[&route, &guard, &lone]);
     assert!(
@@ -775,13 +784,12 @@ fn every_exported_stat_is_documented_and_every_documented_stat_is_exported() {
     );
     drop((route, guard, lone));
 
-    // The native module: the token limiter (no priority classes, hold or guard: it refuses
-    // their config).
+    // The native module: admission (no hold or guard: it refuses their config).
     let filter = config(json!({
         "modelHeader": MODEL_HEADER,
         "maxBodyReadBytes": 65536,
         "breaker": {"consecutiveFailures": 3, "baseCooldownMs": 1000, "halfOpenProbes": 1, "agentErrorRate": 0},
-        "admission": limiter()
+        "admission": route_admission()
     }));
     let mut opts =
         EnvoyOptions::new(envoy::native_filter_config(&filter, &pool.agent_addrs).unwrap());
@@ -792,6 +800,7 @@ fn every_exported_stat_is_documented_and_every_documented_stat_is_exported() {
     wait_fresh(&native, &pool);
     routing(&native, &pool, DataPath::Native);
     admission(&native);
+    saturation(&native, &pool, DataPath::Native);
     // Per-pod picks and failures are added once a second per worker, on a request.
     native
         .poll(Duration::from_secs(5), "per-pod failures exported", || {

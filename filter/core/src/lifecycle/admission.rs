@@ -113,6 +113,11 @@ pub struct AdmissionRt {
     pub resumed: HashMap<u32, Steered>,
     /// Held requests answered 503 after their wait: their reservation is refunded.
     pub expired: HashSet<u32>,
+    /// Released requests not yet routed, for a glue whose held requests wake on their own
+    /// stream ([`wake_held`]).
+    pub released: HashMap<u32, HeldReq>,
+    /// When [`wake_held`] next runs the held queue's tick (ms).
+    pub next_tick_ms: u64,
 }
 
 impl AdmissionRt {
@@ -125,6 +130,8 @@ impl AdmissionRt {
             held_reqs: HashMap::new(),
             resumed: HashMap::new(),
             expired: HashSet::new(),
+            released: HashMap::new(),
+            next_tick_ms: 0,
         }
     }
 
@@ -617,6 +624,69 @@ pub fn held_tick(
     out
 }
 
+/// What became of a held request that woke on its own stream ([`wake_held`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Woken {
+    /// Still held.
+    Waiting,
+    /// Answered 503 (it waited the maximum): the stream goes no further.
+    Answered,
+    /// Routed ([`AdmissionRt::resumed`] has its pick, or Envoy's fallback takes it): resume
+    /// the stream.
+    Released,
+}
+
+/// For a glue whose held requests wake on their own stream from a timer (the native module:
+/// a scheduler event per held request every `tick_ms`): runs the worker's [`held_tick`] at
+/// most once per `tick_ms` (so one free pod takes one request before the next is judged),
+/// then says what became of request `id`: answered 503 here, or routed here on its own stream
+/// with the lifecycle's [`steer`](super::steer).
+pub fn wake_held<H, W>(host: &mut H, worker: &mut W, id: u32, now: u64, tick_ms: u64) -> Woken
+where
+    H: Host + ?Sized,
+    W: AdmissionWorker + ?Sized,
+{
+    let Some(p) = worker.admission() else {
+        return Woken::Released;
+    };
+    // The pools of the held requests, when the tick is due: judged on a fresh view (a worker
+    // installs the agents' latest pool state only when asked).
+    let due = (now >= p.rt.next_tick_ms).then(|| {
+        p.rt.next_tick_ms = now.saturating_add(tick_ms);
+        p.rt.held_reqs
+            .values()
+            .map(|h| h.pool)
+            .collect::<BTreeSet<usize>>()
+    });
+    if let Some(pools) = due {
+        for pool in pools {
+            worker.refresh(pool, now);
+        }
+        if let Some(AdmissionParts {
+            rt, router, stats, ..
+        }) = worker.admission()
+        {
+            let t = held_tick(rt, router, stats, now);
+            rt.released.extend(t.released);
+        }
+    }
+    let Some(AdmissionParts { rt, .. }) = worker.admission() else {
+        return Woken::Released;
+    };
+    if rt.expired.contains(&id) {
+        overloaded_reply(host, rt.cfg.saturation.retry_after_seconds);
+        return Woken::Answered;
+    }
+    let Some(h) = rt.released.remove(&id) else {
+        return Woken::Waiting;
+    };
+    let steered = super::steer(host, worker, h.pool, h.model.as_deref(), now, h.size, None);
+    if let (Some(st), Some(p)) = (steered, worker.admission()) {
+        p.rt.resumed.insert(id, st);
+    }
+    Woken::Released
+}
+
 fn released(stats: &mut dyn AdmissionStats, l: &Left) {
     stats.count("held_released", 1);
     stats.record("held_wait_ms", l.waited_ms);
@@ -627,11 +697,22 @@ fn released(stats: &mut dyn AdmissionStats, l: &Left) {
 pub struct AdmissionGate {
     pub id: u32,
     pub adm: Option<AdmReq>,
+    /// Held in the worker's priority queue, not yet taken back ([`Gate::take_resumed`]).
+    held: bool,
 }
 
 impl AdmissionGate {
     pub fn new(id: u32) -> Self {
-        Self { id, adm: None }
+        Self {
+            id,
+            adm: None,
+            held: false,
+        }
+    }
+
+    /// Whether the gate held this request (and it has not come back yet).
+    pub fn held(&self) -> bool {
+        self.held
     }
 
     /// Whether this request waits in the worker's held queue.
@@ -696,6 +777,7 @@ impl AdmissionGate {
                     size: p.size,
                 };
                 rt.held_reqs.insert(self.id, held);
+                self.held = true;
                 a.count(stats, "held", 1);
                 stats.count("held", 1);
                 stats.set("held_depth", rt.held.depth() as u64);
@@ -797,13 +879,15 @@ impl<W: AdmissionWorker + ?Sized> Gate<W> for AdmissionGate {
     /// What the glue's tick recorded when it released this request from the held queue (the
     /// ranked list it wrote), or that it answered it 503 (the charge is refunded).
     fn take_resumed(&mut self, worker: &mut W) -> Option<Steered> {
+        self.held = false;
         let AdmissionParts { rt, .. } = worker.admission()?;
         let resumed = rt.resumed.remove(&self.id);
         let expired = rt.expired.remove(&self.id);
-        // A client that left while held.
+        // A client that left while held (or released and not routed yet).
         if rt.held.remove(self.id) {
             rt.held_reqs.remove(&self.id);
         }
+        rt.released.remove(&self.id);
         if expired {
             if let Some(a) = self.adm.as_mut() {
                 a.refund_all = true;
