@@ -90,6 +90,27 @@ pub enum Fault {
     Slowdown5xSilent,
     Errors50,
     Sigstop,
+    /// Pod 0 fails every request for 8 s, then heals only partly (fails 30 % of requests for
+    /// 20 s), then heals for good: what a restarted server still warming up does. Shows what
+    /// a breaker that closes on its probes does next (`ai_lb_ramp` against `ai_lb`).
+    Flap,
+}
+
+/// Runs the rest of [`Fault::Flap`] on pod `addr` (its first phase already set): after 8 s it
+/// fails 30 % of requests, 20 s later none. A failed control request is reported, not fatal
+/// (the run's records show what the pod did).
+fn start_flap(addr: SocketAddr, name: String) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        for (after, json) in [
+            (Duration::from_secs(8), r#"{"error_rate":0.3}"#),
+            (Duration::from_secs(20), r#"{"error_rate":0.0}"#),
+        ] {
+            std::thread::sleep(after);
+            if let Err(e) = topology::control(addr, &name, json) {
+                eprintln!("[bench] fault-flap: {e}");
+            }
+        }
+    })
 }
 
 /// A load scenario.
@@ -105,12 +126,12 @@ pub struct Load {
 
 /// Parses `sharegpt-poisson-80`, `sharegpt-bursty-95`, `hol-poisson-80`, `prefix-poisson-80`,
 /// `prefix-bursty-80`, `multiturn-poisson-80`, `fault-slowdown`, `fault-slowdown-silent`,
-/// `fault-errors`, `fault-sigstop`.
+/// `fault-errors`, `fault-sigstop`, `fault-flap`.
 pub fn parse_load(name: &str) -> Result<Load, Error> {
     let bad = || {
         format!(
             "unknown scenario {name:?}: expected calibrate, overhead, freshness, \
-             <sharegpt|hol|prefix|multiturn>-<poisson|bursty>-<percent of capacity>, or fault-<slowdown|slowdown-silent|errors|sigstop>"
+             <sharegpt|hol|prefix|multiturn>-<poisson|bursty>-<percent of capacity>, or fault-<slowdown|slowdown-silent|errors|sigstop|flap>"
         )
     };
     let parts: Vec<&str> = name.split('-').collect();
@@ -125,6 +146,7 @@ pub fn parse_load(name: &str) -> Result<Load, Error> {
             "slowdown-silent" => Fault::Slowdown5xSilent,
             "errors" => Fault::Errors50,
             "sigstop" => Fault::Sigstop,
+            "flap" => Fault::Flap,
             _ => return Err(bad()),
         };
         return Ok(Load {
@@ -757,7 +779,7 @@ pub fn run_policy(
             1,
         )?);
     }
-    let ailb_ready = (policy == Policy::AiLb).then(|| {
+    let ailb_ready = policy.is_ailb().then(|| {
         sidecars
             .iter()
             .all(|s| topology::wait_ailb_ready(s, &pool.addrs(), Duration::from_secs(15)))
@@ -787,6 +809,7 @@ pub fn run_policy(
     });
     let mut fault_done = false;
     let mut cut_watch = None;
+    let mut flap = None;
     if let Some(f) = load.fault {
         std::thread::sleep(fault_at.saturating_sub(started.elapsed()));
         match f {
@@ -794,10 +817,15 @@ pub fn run_policy(
             Fault::Slowdown5xSilent => pool.control(0, r#"{"slowdown":5,"throttle":false}"#)?,
             Fault::Errors50 => pool.control(0, r#"{"error_rate":0.5}"#)?,
             Fault::Sigstop => pool.pods[0].proc.sigstop()?,
+            Fault::Flap => {
+                pool.control(0, r#"{"error_rate":1.0}"#)?;
+                let pod = &pool.pods[0];
+                flap = Some(start_flap(pod.addr, pod.name.clone()));
+            }
         }
         fault_done = true;
         // When each sidecar's routing cut the pod (a slowed pod is penalised, not cut).
-        if policy == Policy::AiLb && matches!(f, Fault::Errors50 | Fault::Sigstop) {
+        if policy.is_ailb() && matches!(f, Fault::Errors50 | Fault::Sigstop | Fault::Flap) {
             cut_watch = Some(crate::attempts::CutWatch::start(
                 urls.clone(),
                 pool.addrs()[0].to_string(),
@@ -825,7 +853,10 @@ pub fn run_policy(
         }
     }
     let cut_ms = cut_watch.map(crate::attempts::CutWatch::finish);
-    let filter_counters = (policy == Policy::AiLb).then(|| filter_counters(&sidecars));
+    if let Some(h) = flap {
+        let _ = h.join();
+    }
+    let filter_counters = policy.is_ailb().then(|| filter_counters(&sidecars));
     let cpu_s = json!({
         "wall_s": started.elapsed().as_secs_f64(),
         "sidecars": cpu_of(&sidecar_pids) - cpu_before.0,

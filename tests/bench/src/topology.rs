@@ -35,17 +35,21 @@ pub enum Policy {
     AiLb,
     /// The llm-d endpoint picker's default scheduling (`ai-lb-epp`) behind Envoy's ext_proc.
     Epp,
+    /// ai-lb with ramped recovery on (`breaker.recoveryRamp: {}` added to its config): to set
+    /// against `ai_lb` in one run (`fault-flap`).
+    AiLbRamp,
 }
 
 impl Policy {
     /// The policies compared by default (the report's tables and ratios).
     pub const ALL: [Policy; 3] = [Policy::RoundRobin, Policy::LeastRequest, Policy::AiLb];
     /// Every policy `--policies` may name: the default three and the llm-d baseline.
-    pub const SELECTABLE: [Policy; 4] = [
+    pub const SELECTABLE: [Policy; 5] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::AiLb,
         Policy::Epp,
+        Policy::AiLbRamp,
     ];
 
     /// Parses a policy name as [`Policy::name`] writes it.
@@ -54,7 +58,7 @@ impl Policy {
             .into_iter()
             .find(|p| p.name() == s)
             .ok_or_else(|| {
-                format!("invalid value '{s}' for '--policies': expected round_robin, least_request, ai_lb or epp")
+                format!("invalid value '{s}' for '--policies': expected round_robin, least_request, ai_lb, epp or ai_lb_ramp")
             })
     }
 
@@ -64,7 +68,13 @@ impl Policy {
             Policy::LeastRequest => "least_request",
             Policy::AiLb => "ai_lb",
             Policy::Epp => "epp",
+            Policy::AiLbRamp => "ai_lb_ramp",
         }
+    }
+
+    /// Whether the sidecar runs the ai-lb filter (its readiness, counters and cut watch apply).
+    pub fn is_ailb(self) -> bool {
+        matches!(self, Policy::AiLb | Policy::AiLbRamp)
     }
 }
 
@@ -510,7 +520,7 @@ pub fn plain_template(policy: Policy) -> Result<String, Error> {
     let lb = match policy {
         Policy::RoundRobin => "ROUND_ROBIN",
         Policy::LeastRequest => "LEAST_REQUEST",
-        Policy::AiLb => return Err("ai_lb uses envoy-config/envoy.yaml".into()),
+        Policy::AiLb | Policy::AiLbRamp => return Err("ai_lb uses envoy-config/envoy.yaml".into()),
         Policy::Epp => return Err("epp uses envoy-config/envoy-epp.yaml".into()),
     };
     Ok(t.replace("${LB_POLICY}", lb))
@@ -525,6 +535,26 @@ pub fn ailb_filter_config() -> Result<String, Error> {
         None => ai_lb_e2e::process::workspace_root().join("envoy-config/filter-config.json"),
     };
     std::fs::read_to_string(&p).map_err(|e| format!("reading {}: {e}", p.display()))
+}
+
+/// `config` with `breaker.recoveryRamp` on at its defaults (kept as it is where it names one).
+pub fn with_recovery_ramp(config: &str) -> Result<String, Error> {
+    let mut v: serde_json::Value =
+        serde_json::from_str(config).map_err(|e| format!("the ai-lb filter config: {e}"))?;
+    let Some(top) = v.as_object_mut() else {
+        return Err("the ai-lb filter config is not a JSON object".into());
+    };
+    let breaker = top
+        .entry("breaker")
+        .or_insert_with(|| serde_json::json!({}));
+    match breaker.as_object_mut() {
+        Some(b) => {
+            b.entry("recoveryRamp")
+                .or_insert_with(|| serde_json::json!({}));
+        }
+        None => return Err("the ai-lb filter config's `breaker` is not an object".into()),
+    }
+    Ok(v.to_string())
 }
 
 /// Starts Envoy with `opts` in front of `upstreams`, its agents and worker count filled in.
@@ -549,6 +579,7 @@ pub fn start_sidecar(
 ) -> Result<Envoy, Error> {
     let opts = match policy {
         Policy::AiLb => EnvoyOptions::new(ailb_filter_config()?),
+        Policy::AiLbRamp => EnvoyOptions::new(with_recovery_ramp(&ailb_filter_config()?)?),
         Policy::Epp => return start_epp_sidecar(upstreams, concurrency),
         p => {
             let mut o = EnvoyOptions::new("{}");
