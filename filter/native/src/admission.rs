@@ -16,6 +16,7 @@ use ai_lb_filter_core::admission::priority::PriorityClass;
 use ai_lb_filter_core::lifecycle::admission::{
     AdmissionStats, COUNTERS, GAUGES, HISTOGRAMS, TENANT_COUNTERS,
 };
+use ai_lb_filter_core::lifecycle::hold::{self, HoldStats};
 
 use crate::host::{ConfigHandle, LabeledCounter2, Stream};
 
@@ -110,6 +111,64 @@ impl AdmTally {
             if let Some(v) = g.take() {
                 s.set_gauge(id, v);
             }
+        }
+    }
+}
+
+/// The big-request hold's stats (`ailb.big_hold.*`, the wasm filter's names), defined with
+/// the config when `bigRequestHold` is on.
+#[derive(Debug, Clone)]
+pub struct HoldIds {
+    counters: [usize; hold::COUNTERS.len()],
+    depth: usize,
+    wait_ms: usize,
+}
+
+impl HoldIds {
+    pub fn define(handle: &ConfigHandle) -> Self {
+        Self {
+            counters: hold::COUNTERS.map(|n| handle.define_counter(&format!("ailb.big_hold.{n}"))),
+            depth: handle.define_gauge("ailb.big_hold.depth"),
+            wait_ms: handle.define_histogram("ailb.big_hold.wait_ms"),
+        }
+    }
+}
+
+/// What a worker's big-request hold counted and Envoy's stats do not have yet.
+#[derive(Debug, Default)]
+pub struct HoldTally {
+    counts: [u64; hold::COUNTERS.len()],
+    depth: Option<u64>,
+    waits: Vec<u64>,
+}
+
+impl HoldStats for HoldTally {
+    fn count(&mut self, what: &str) {
+        if let Some(c) = index(&hold::COUNTERS, what).and_then(|i| self.counts.get_mut(i)) {
+            *c += 1;
+        }
+    }
+    fn depth(&mut self, depth: u64) {
+        self.depth = Some(depth);
+    }
+    fn waited(&mut self, ms: u64) {
+        self.waits.push(ms);
+    }
+}
+
+impl HoldTally {
+    /// Adds everything tallied to Envoy's stats, through the stream of the current hook.
+    pub fn flush(&mut self, ids: &HoldIds, s: &Stream) {
+        for (c, id) in self.counts.iter_mut().zip(ids.counters) {
+            if *c > 0 {
+                s.inc(id, std::mem::take(c));
+            }
+        }
+        if let Some(d) = self.depth.take() {
+            s.set_gauge(ids.depth, d);
+        }
+        for ms in self.waits.drain(..) {
+            s.record(ids.wait_ms, ms);
         }
     }
 }

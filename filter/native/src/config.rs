@@ -74,13 +74,6 @@ pub fn parse(bytes: &[u8]) -> Result<NativeConfig, String> {
                 .into(),
         ));
     }
-    if filter.big_request_hold.is_some() {
-        return Err(err(
-            "filter.bigRequestHold",
-            "holding big requests is not in the native module; remove it or use the wasm filter"
-                .into(),
-        ));
-    }
     for name in raw.agents.keys() {
         if filter.pool_by_name(name).is_none() {
             return Err(err(
@@ -195,8 +188,7 @@ mod tests {
                 r#"{{"filter":{{"pools":[{{"name":"default","cluster":"inference"}}],{extra}}},"agents":{{"default":["127.0.0.1:1"]}}}}"#
             )
         };
-        let e = parse(with(r#""bigRequestHold":{}"#).as_bytes()).unwrap_err();
-        assert!(e.contains("filter.bigRequestHold"), "{e}");
+        assert!(parse(with(r#""bigRequestHold":{}"#).as_bytes()).is_ok());
         // Admission is accepted (the limiter, priority classes and the held queue).
         let limiter = r#""admission":{"tenants":{"default":{"tokensPerSecond":10,"burst":20}}}"#;
         if let Err(e) = parse(with(limiter).as_bytes()) {

@@ -3,10 +3,11 @@
 //! router owned by the Envoy worker thread (no locks on the pick) and breakers shared by every
 //! worker ([`crate::breakers`]). The host calls are the module ABI's ([`NativeHost`]).
 //!
-//! Admission (the limiter, priority classes and the held queue) is the core's gate over
-//! buckets shared by every worker ([`crate::admission`]); held requests wake on their own
-//! stream ([`crate::held`]). Not here (refused at config time or stated in
-//! filter/native/README.md): big request hold, the guard mode, the per-pod in-flight gauge.
+//! Admission (the limiter, priority classes and the held queue) and the big-request hold are
+//! the core's gate (`lifecycle::hold::FilterGate`) over buckets shared by every worker
+//! ([`crate::admission`]); held requests wake on their own stream ([`crate::held`]). Not here
+//! (refused at config time or stated in filter/native/README.md): the guard mode, the per-pod
+//! in-flight gauge.
 
 use std::borrow::Cow;
 use std::cell::RefCell;
@@ -17,8 +18,9 @@ use std::sync::Arc;
 use ai_lb_filter_core::admission::MemoryStore;
 use ai_lb_filter_core::breaker::{Breaker, BreakerState, Transition, TripReason};
 use ai_lb_filter_core::lifecycle::admission::{
-    self as admission, AdmissionGate, AdmissionParts, AdmissionRt, AdmissionWorker, Woken,
+    self as admission, AdmissionParts, AdmissionRt, AdmissionWorker, Woken,
 };
+use ai_lb_filter_core::lifecycle::hold::{self, BigHold, FilterGate, HoldParts, HoldWorker};
 use ai_lb_filter_core::lifecycle::{
     self, BreakerStore, Exchange, Host, Next as LifeNext, Parts, Stats,
 };
@@ -27,7 +29,7 @@ use ai_lb_filter_core::Counters as CoreCounters;
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
 
-use crate::admission::{AdmTally, AdmissionIds};
+use crate::admission::{AdmTally, AdmissionIds, HoldIds, HoldTally};
 use crate::breakers::SharedBreakers;
 use crate::config::{NativeConfig, Steering};
 use crate::feed::{self, now_ms, Feed, Shared};
@@ -74,6 +76,8 @@ pub struct ConfigRt {
     pub counters: Counters,
     /// Admission's stats (None: admission is off).
     adm_ids: Option<AdmissionIds>,
+    /// The big-request hold's stats (None: `bigRequestHold` is off).
+    hold_ids: Option<HoldIds>,
     /// The tenants' token buckets, shared by every worker.
     buckets: Arc<MemoryStore>,
     /// Wakes held requests (admission on only), every `tick_ms`.
@@ -131,7 +135,9 @@ impl ConfigRt {
         let adm_ids = admission_on.then(|| AdmissionIds::define(handle));
         // Held requests are judged as often as the wasm filter's root ticks while it holds.
         let tick_ms = cfg.filter.watch.refresh_ms.clamp(10, 100);
-        let held = match admission_on {
+        let hold_on = cfg.filter.big_request_hold.is_some();
+        let hold_ids = hold_on.then(|| HoldIds::define(handle));
+        let held = match admission_on || hold_on {
             true => Some(HeldWake::start(std::time::Duration::from_millis(tick_ms))?),
             false => None,
         };
@@ -143,6 +149,7 @@ impl ConfigRt {
             shared,
             counters,
             adm_ids,
+            hold_ids,
             buckets: Arc::new(MemoryStore::new()),
             held,
             tick_ms,
@@ -180,6 +187,9 @@ struct Worker {
     admission: Option<AdmissionRt>,
     adm_stats: AdmTally,
     buckets: Arc<MemoryStore>,
+    /// Big requests waiting in this worker (`bigRequestHold`).
+    big_hold: BigHold,
+    hold_stats: HoldTally,
 }
 
 /// The number of the core's counters ([`ai_lb_filter_core::Counters::iter`]).
@@ -301,6 +311,16 @@ impl lifecycle::Worker for Worker {
     }
 }
 
+impl HoldWorker for Worker {
+    fn hold_parts(&mut self) -> HoldParts<'_> {
+        HoldParts {
+            hold: &mut self.big_hold,
+            router: &mut self.router,
+            stats: &mut self.hold_stats,
+        }
+    }
+}
+
 impl AdmissionWorker for Worker {
     fn admission(&mut self) -> Option<AdmissionParts<'_>> {
         let rt = self.admission.as_mut()?;
@@ -321,6 +341,9 @@ impl Worker {
         let c = &rt.counters;
         if let Some(ids) = &rt.adm_ids {
             self.adm_stats.flush(ids, s);
+        }
+        if let Some(ids) = &rt.hold_ids {
+            self.hold_stats.flush(ids, s);
         }
         for (i, (_, v)) in self.router.counters().iter().iter().enumerate() {
             let (Some(seen), Some(id)) = (self.core_seen.get_mut(i), c.core.get(i)) else {
@@ -429,6 +452,8 @@ fn with_worker<R>(rt: &ConfigRt, f: impl FnOnce(&mut Worker) -> R) -> Option<R> 
                         .map(AdmissionRt::new),
                     adm_stats: AdmTally::default(),
                     buckets: Arc::clone(&rt.buckets),
+                    big_hold: BigHold::default(),
+                    hold_stats: HoldTally::default(),
                 });
                 ws.len() - 1
             }
@@ -482,8 +507,9 @@ fn export_gauges(rt: &ConfigRt, s: &Stream, now: u64) {
 pub struct Request {
     rt: *const ConfigRt,
     ex: Exchange,
-    /// Admission (the core's gate; lets everything through when admission is off).
-    gate: AdmissionGate,
+    /// Admission and the big-request hold (the core's gate; lets everything through when
+    /// both are off).
+    gate: FilterGate,
     /// Held, and woken every tick by the config's [`HeldWake`].
     registered: bool,
 }
@@ -593,7 +619,7 @@ impl Request {
         Request {
             rt,
             ex: Exchange::new(),
-            gate: AdmissionGate::new(id),
+            gate: FilterGate::new(id),
             registered: false,
         }
     }
@@ -613,7 +639,7 @@ impl Request {
     fn event<R>(
         &mut self,
         s: &Stream,
-        f: impl FnOnce(&mut Exchange, &mut NativeHost<'_>, &mut Worker, &mut AdmissionGate) -> R,
+        f: impl FnOnce(&mut Exchange, &mut NativeHost<'_>, &mut Worker, &mut FilterGate) -> R,
     ) -> Option<R> {
         let rt = self.rt()?;
         let mut host = NativeHost {
@@ -697,11 +723,12 @@ impl Request {
         let Some(wake) = self.rt().and_then(|rt| rt.held.as_ref()) else {
             return;
         };
-        if !self.gate.held() || self.registered {
+        let held = self.gate.adm.held() || self.gate.hold.held();
+        if !held || self.registered {
             return;
         }
         if let Some(sched) = s.scheduler() {
-            wake.hold(self.gate.id, sched);
+            wake.hold(self.gate.id(), sched);
             self.registered = true;
         } else {
             host::log(
@@ -717,10 +744,12 @@ impl Request {
         let Some(rt) = self.rt().filter(|_| self.registered) else {
             return;
         };
-        let (id, tick) = (self.gate.id, rt.tick_ms);
+        let (id, tick) = (self.gate.id(), rt.tick_ms);
+        let by_priority = self.gate.adm.held();
         let woken = self
-            .event(s, |_, h, w, _| {
-                admission::wake_held(h, w, id, now_ms(), tick)
+            .event(s, |_, h, w, _| match by_priority {
+                true => admission::wake_held(h, w, id, now_ms(), tick),
+                false => hold::wake_big_held(h, w, id, now_ms(), tick),
             })
             .unwrap_or(Woken::Waiting);
         if woken == Woken::Waiting {
@@ -736,7 +765,7 @@ impl Request {
     fn forget_held(&mut self) {
         if std::mem::take(&mut self.registered) {
             if let Some(wake) = self.rt().and_then(|rt| rt.held.as_ref()) {
-                wake.forget(self.gate.id);
+                wake.forget(self.gate.id());
             }
         }
     }

@@ -1,6 +1,6 @@
 //! One HTTP request: translates the proxy-wasm callbacks into the core's request lifecycle
 //! ([`Exchange`], the same one the native module drives), with this VM's [`State`] as the
-//! worker and [`WasmGate`] as the admission gate (the token limiter, priority classes, the
+//! worker and [`FilterGate`] as the admission gate (the token limiter, priority classes, the
 //! held queue, from the core) and the big-request hold.
 //!
 //! Each callback borrows the VM's state once; a borrow that fails (a re-entered callback) is
@@ -15,11 +15,9 @@ use std::rc::Rc;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 
-use ai_lb_filter_core::lifecycle::admission::AdmissionGate;
-use ai_lb_filter_core::lifecycle::{Exchange, Gate, GateStep, Host, Next, Steered};
-use ai_lb_filter_core::picker::RequestSize;
+use ai_lb_filter_core::lifecycle::hold::FilterGate;
+use ai_lb_filter_core::lifecycle::{Exchange, Next};
 
-use crate::hold::{self, Held};
 use crate::host::{self, WasmHost};
 use crate::state::{self, State};
 
@@ -31,7 +29,7 @@ impl HttpContext for PassThrough {}
 
 thread_local! {
     /// Requests whose end found the state borrowed: finished at the next chance.
-    static DEFERRED: RefCell<Vec<(Exchange, WasmGate)>> = const { RefCell::new(Vec::new()) };
+    static DEFERRED: RefCell<Vec<(Exchange, FilterGate)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Finishes the requests whose end found the state busy (called with the state borrowed).
@@ -45,7 +43,7 @@ pub fn finish_deferred(s: &mut State) {
 pub struct Request {
     state: Rc<RefCell<State>>,
     ex: Exchange,
-    gate: WasmGate,
+    gate: FilterGate,
 }
 
 impl Request {
@@ -53,14 +51,14 @@ impl Request {
         Self {
             state,
             ex: Exchange::new(),
-            gate: WasmGate::new(id),
+            gate: FilterGate::new(id),
         }
     }
 
     /// Runs one lifecycle event with the VM's state; None (counted) when it is busy.
     fn event<R>(
         &mut self,
-        f: impl FnOnce(&mut Exchange, &mut State, &mut WasmGate) -> R,
+        f: impl FnOnce(&mut Exchange, &mut State, &mut FilterGate) -> R,
     ) -> Option<R> {
         let Ok(mut s) = state::lock(&self.state) else {
             return None;
@@ -144,119 +142,13 @@ impl HttpContext for Request {
             // The end must run: its in-flight count and the admission charge are settled at
             // the next callback or tick that gets the state.
             let ex = std::mem::take(&mut self.ex);
-            let id = self.gate.id;
-            let gate = std::mem::replace(&mut self.gate, WasmGate::new(id));
+            let id = self.gate.id();
+            let gate = std::mem::replace(&mut self.gate, FilterGate::new(id));
             DEFERRED.with(|d| {
                 if let Ok(mut d) = d.try_borrow_mut() {
                     d.push((ex, gate));
                 }
             });
         }
-    }
-}
-
-/// Admission control and holds of one request: the core's admission gate (when the plugin
-/// config enables it), then the worker's big-request hold.
-pub struct WasmGate {
-    /// The proxy-wasm context id (the held queues' handle).
-    id: u32,
-    adm: AdmissionGate,
-    /// Queued in the worker's big-request hold.
-    big_held: bool,
-}
-
-impl WasmGate {
-    fn new(id: u32) -> Self {
-        Self {
-            id,
-            adm: AdmissionGate::new(id),
-            big_held: false,
-        }
-    }
-}
-
-impl Gate<State> for WasmGate {
-    fn begin<H: Host + ?Sized>(
-        &mut self,
-        host: &mut H,
-        s: &mut State,
-        end_of_stream: bool,
-        now: u64,
-    ) -> GateStep {
-        self.adm.begin(host, s, end_of_stream, now)
-    }
-
-    fn body<H: Host + ?Sized>(
-        &mut self,
-        host: &mut H,
-        s: &mut State,
-        body: &[u8],
-        complete: bool,
-        now: u64,
-    ) -> GateStep {
-        self.adm.body(host, s, body, complete, now)
-    }
-
-    /// Sheds, holds or lets through by class when the pool is saturated (the core's gate);
-    /// then a big request no pod has room for waits in the worker's hold (`bigRequestHold`).
-    fn before_route<H: Host + ?Sized>(
-        &mut self,
-        host: &mut H,
-        s: &mut State,
-        pool: usize,
-        model: Option<&str>,
-        size: RequestSize,
-        now: u64,
-    ) -> GateStep {
-        match self.adm.before_route(host, s, pool, model, size, now) {
-            GateStep::Proceed => {}
-            other => return other,
-        }
-        if !s.router.should_hold(pool, model, size, now) {
-            return GateStep::Proceed;
-        }
-        let held = Held {
-            id: self.id,
-            pool,
-            model: model.map(str::to_string),
-            size,
-            since_ms: now,
-        };
-        let max = s.router.config().big_request_hold.map_or(0, |c| c.max_held);
-        self.big_held = hold::hold(&mut s.big_hold, &mut s.metrics, held, max);
-        if self.big_held {
-            GateStep::Held
-        } else {
-            GateStep::Proceed
-        }
-    }
-
-    /// What the root recorded when it released this request from a held queue (the ranked
-    /// list it wrote), or that it answered it 503 (the charge is refunded).
-    fn take_resumed(&mut self, s: &mut State) -> Option<Steered> {
-        let big = if std::mem::take(&mut self.big_held) {
-            hold::take(&mut s.big_hold, &mut s.metrics, self.id)
-        } else {
-            None
-        };
-        self.adm.take_resumed(s).or(big)
-    }
-
-    fn on_response_headers<H: Host + ?Sized>(&mut self, host: &mut H, s: &mut State, eos: bool) {
-        self.adm.on_response_headers(host, s, eos);
-    }
-
-    fn on_response_body<H: Host + ?Sized>(
-        &mut self,
-        host: &mut H,
-        s: &mut State,
-        size: usize,
-        end_of_stream: bool,
-    ) {
-        self.adm.on_response_body(host, s, size, end_of_stream);
-    }
-
-    fn on_end<H: Host + ?Sized>(&mut self, host: &mut H, s: &mut State, now: u64) {
-        Gate::<State>::on_end(&mut self.adm, host, s, now);
     }
 }

@@ -7,7 +7,6 @@ pub mod admission;
 pub mod breakers;
 pub mod grpc_service;
 pub mod guard;
-pub mod hold;
 pub mod host;
 pub mod http;
 pub mod lease;

@@ -208,6 +208,19 @@ fn vm_memory_bytes() -> Option<u64> {
     None
 }
 
+/// The big-request hold's stats (`ailb.big_hold.*`).
+impl ai_lb_filter_core::lifecycle::hold::HoldStats for Metrics {
+    fn count(&mut self, what: &str) {
+        self.inc(&format!("ailb.big_hold.{what}"), 1);
+    }
+    fn depth(&mut self, depth: u64) {
+        self.set("ailb.big_hold.depth", depth);
+    }
+    fn waited(&mut self, ms: u64) {
+        self.record("ailb.big_hold.wait_ms", ms);
+    }
+}
+
 impl ai_lb_filter_core::lifecycle::Stats for Metrics {
     fn picked(&mut self, pod: &str) {
         self.pick(pod);

@@ -26,13 +26,13 @@ use ai_lb_proto::WatchPoolRequest;
 use crate::admission::AdmissionSection;
 use crate::breakers::Breakers;
 use crate::guard::{self, Guard};
-use crate::hold::{self, BigHold};
 use crate::http::{PassThrough, Request};
 use crate::metrics::Metrics;
 use crate::state::{self, refresh_view, PoolView, State};
 use crate::{grpc_service, host, shared};
 use ai_lb_filter_core::feed::{Backoff, Subscription};
 use ai_lb_filter_core::lifecycle::admission::AdmissionRt;
+use ai_lb_filter_core::lifecycle::hold::{self, BigHold};
 use ai_lb_filter_core::GpuSignal;
 
 const SERVICE: &str = "ai_lb.v1.MetricsService";

@@ -12,10 +12,10 @@ use ai_lb_filter_core::picker::Router;
 use proxy_wasm::types::LogLevel;
 
 use ai_lb_filter_core::lifecycle::admission::{AdmissionParts, AdmissionRt, AdmissionWorker};
+use ai_lb_filter_core::lifecycle::hold::{BigHold, HoldParts, HoldWorker};
 
 use crate::admission::HostStore;
 use crate::breakers::Breakers;
-use crate::hold::BigHold;
 use crate::metrics::Metrics;
 use crate::{host, shared};
 
@@ -79,6 +79,16 @@ impl lifecycle::Worker for State {
 
     fn ordinal(&self) -> u64 {
         self.vm
+    }
+}
+
+impl HoldWorker for State {
+    fn hold_parts(&mut self) -> HoldParts<'_> {
+        HoldParts {
+            hold: &mut self.big_hold,
+            router: &mut self.router,
+            stats: &mut self.metrics,
+        }
     }
 }
 

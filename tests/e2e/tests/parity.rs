@@ -11,9 +11,9 @@
 //! native module refusing config it cannot honour, and its `overrideHost` steering mode.
 //! Admission: each tenant's token bucket answers 429 once its quota is spent; under
 //! saturation a sheddable request is shed, a standard one held until a pod cools or answered
-//! 503 at its deadline (both paths). The big-request hold and guard mode are wasm-only so far
-//! (the native module refuses their config; their tests are `filter_big_hold.rs`,
-//! `admission_guard.rs`).
+//! 503 at its deadline; a big request waits in the sidecar until a pod has room, goes after
+//! `maxHoldMs`, and is forgotten when its client leaves (both paths). Guard mode is wasm-only
+//! so far (the native module refuses it; its test is `admission_guard.rs`).
 //! Needs both builds (scripts/test.sh builds them).
 
 mod filter_common;
@@ -303,10 +303,7 @@ fn with_no_agent_answering_every_request_still_succeeds_by_least_request_and_is_
 fn envoy_refuses_a_native_config_the_module_cannot_honour() {
     let pool = PodPool::start(1, 0.01).unwrap();
     for (filter, field) in [
-        (
-            config(json!({"bigRequestHold": {}})),
-            "filter.bigRequestHold",
-        ),
+        (config(json!({"mode": "guard"})), "filter.mode"),
         (config(json!({"minPods": 0})), "minPods"),
     ] {
         let opts = native_opts(&pool, &filter, &pool.agent_addrs);
@@ -550,6 +547,152 @@ fn under_saturation_sheddable_is_shed_and_standard_held_on(path: Path) {
         "a hook panicked:\n{}",
         envoy.log_tail(40)
     );
+}
+
+/// The big-request hold (`bigRequestHold`), through the real agents: two pods with a 10 000
+/// token KV cache each half filled by a direct 5 000-token prompt; a 4 000-token prompt (big
+/// next to the warm-up's short ones) waits in the sidecar while no pod has room for it with
+/// the KV headroom to spare, and is routed once a pod has room (`released`); a held request is
+/// routed anyway after `maxHoldMs` (`expired`) and forgotten when its client leaves (`left`).
+/// The wasm filter's root tick releases them; the native module's held requests wake on their
+/// own stream. One Envoy worker: each worker learns the mean request from its own traffic.
+#[test]
+fn a_big_request_waits_for_room_goes_after_max_hold_ms_and_is_forgotten_when_its_client_leaves() {
+    for path in BOTH {
+        eprintln!("== {path:?}");
+        big_requests_wait_for_room_on(path);
+        big_requests_expire_or_leave_on(path);
+    }
+}
+
+/// Two pods (10 000 KV tokens, 8 seats) behind `path` with the hold `hold`, fresh KV readings
+/// and a trained mean request.
+fn big_hold_setup(path: Path, hold: serde_json::Value) -> (PodPool, Envoy) {
+    let pool = kv_pool(|_| 10_000);
+    let filter = config(json!({
+        "cutoffs": {"stalenessMs": 5000, "maxQueue": 8},
+        "modelHeader": "x-ai-lb-model",
+        "bigRequestHold": hold,
+    }));
+    let mut opts = path.opts(&pool, &filter, &pool.agent_addrs);
+    opts.concurrency = 1;
+    let envoy = Envoy::start(&opts).unwrap();
+    let addrs: Vec<String> = pool.pod_addrs.iter().map(|a| a.to_string()).collect();
+    wait_scoreboard(&envoy, "every pod fresh with a KV reading", 30, |sb| {
+        all_fresh(sb, &pool)
+            && addrs
+                .iter()
+                .all(|a| row(sb, a).is_some_and(|r| r["kv"].is_number()))
+    });
+    short_requests(&envoy, 30);
+    (pool, envoy)
+}
+
+/// A direct 5 000-token prompt answering `tokens` on each pod, once both show KV use ≥ 0.5.
+fn half_fill(
+    pool: &PodPool,
+    envoy: &Envoy,
+    tokens: u32,
+) -> Vec<std::thread::JoinHandle<(u16, Instant)>> {
+    let bg: Vec<_> = pool
+        .pod_addrs
+        .iter()
+        .map(|a| direct(*a, filter_common::body(5000, tokens)))
+        .collect();
+    let addrs: Vec<String> = pool.pod_addrs.iter().map(|a| a.to_string()).collect();
+    wait_scoreboard(envoy, "both pods half full of KV", 20, |sb| {
+        addrs.iter().all(|a| {
+            row(sb, a)
+                .and_then(|r| r["kv"].as_f64())
+                .is_some_and(|kv| kv >= 0.5)
+        })
+    });
+    bg
+}
+
+/// A big request through Envoy on a thread, the client giving up after `timeout`: its
+/// status (0: gave up).
+fn big_via(envoy: &Envoy, timeout: Duration) -> std::thread::JoinHandle<u16> {
+    let listener = envoy.listener;
+    std::thread::spawn(move || {
+        HttpClient::new(listener)
+            .with_timeout(timeout)
+            .post_json(
+                "/v1/completions",
+                &[("connection", "close")],
+                &filter_common::body(4000, 10),
+            )
+            .map_or(0, |r| r.status)
+    })
+}
+
+fn big_requests_wait_for_room_on(path: Path) {
+    let (pool, envoy) = big_hold_setup(path, json!({"maxHoldMs": 30000}));
+    let hold = |what: &str| path.stat(&envoy, &format!("ailb.big_hold.{what}"));
+    // ~1 000 output tokens at ~5 ms: each direct request runs about 5 s.
+    let bg = half_fill(&pool, &envoy, 1000);
+    let big = big_via(&envoy, Duration::from_secs(40));
+    envoy
+        .poll(Duration::from_secs(5), "the big request held", || {
+            (hold("held") == 1).then_some(())
+        })
+        .unwrap_or_else(|e| panic!("{e}\n{}", decision_stats(&envoy)));
+    // Short requests pass meanwhile.
+    short_requests(&envoy, 10);
+    assert!(
+        bg.iter().all(|h| !h.is_finished()) && !big.is_finished(),
+        "the direct requests ended before the checks; the run is inconclusive"
+    );
+    for h in bg {
+        assert_eq!(h.join().unwrap().0, 200);
+    }
+    assert_eq!(big.join().unwrap(), 200, "{}", decision_stats(&envoy));
+    envoy
+        .poll(Duration::from_secs(5), "released, none expired", || {
+            (hold("released") == 1 && hold("expired") == 0 && hold("depth") == 0).then_some(())
+        })
+        .unwrap_or_else(|e| panic!("{e}\n{}", decision_stats(&envoy)));
+}
+
+fn big_requests_expire_or_leave_on(path: Path) {
+    let (pool, envoy) = big_hold_setup(path, json!({"maxHoldMs": 1500}));
+    let hold = |what: &str| path.stat(&envoy, &format!("ailb.big_hold.{what}"));
+    // ~3 000 output tokens: the pods stay full for the whole test.
+    let bg = half_fill(&pool, &envoy, 3000);
+    // Gives up after 500 ms, while held.
+    assert_eq!(
+        big_via(&envoy, Duration::from_millis(500)).join().unwrap(),
+        0
+    );
+    envoy
+        .poll(
+            Duration::from_secs(5),
+            "the one that left forgotten",
+            || (hold("left") == 1 && hold("depth") == 0).then_some(()),
+        )
+        .unwrap_or_else(|e| panic!("{e}\n{}", decision_stats(&envoy)));
+    // Waits 1.5 s in the sidecar, then goes to a pod as if the hold were off.
+    let sent = Instant::now();
+    let expired = big_via(&envoy, Duration::from_secs(4));
+    envoy
+        .poll(Duration::from_secs(5), "the held one expired", || {
+            (hold("expired") == 1).then_some(())
+        })
+        .unwrap_or_else(|e| panic!("{e}\n{}", decision_stats(&envoy)));
+    assert!(sent.elapsed() >= Duration::from_millis(1500));
+    let _ = expired.join();
+    assert_eq!(hold("released"), 0, "{}", decision_stats(&envoy));
+    assert!(bg.iter().all(|h| !h.is_finished()), "inconclusive");
+    assert!(
+        !envoy.log_tail(200).contains("panicked"),
+        "a hook panicked:\n{}",
+        envoy.log_tail(40)
+    );
+    drop(envoy);
+    drop(pool);
+    for h in bg {
+        let _ = h.join();
+    }
 }
 
 const OPENED: &str = "ailb.breaker_opened.server_errors";

@@ -784,11 +784,12 @@ fn every_exported_stat_is_documented_and_every_documented_stat_is_exported() {
     );
     drop((route, guard, lone));
 
-    // The native module: admission (no hold or guard: it refuses their config).
+    // The native module: admission and the big-request hold (no guard: it refuses it).
     let filter = config(json!({
         "modelHeader": MODEL_HEADER,
         "maxBodyReadBytes": 65536,
         "breaker": {"consecutiveFailures": 3, "baseCooldownMs": 1000, "halfOpenProbes": 1, "agentErrorRate": 0},
+        "bigRequestHold": {"maxHoldMs": 1000, "maxHeld": 1},
         "admission": route_admission()
     }));
     let mut opts =

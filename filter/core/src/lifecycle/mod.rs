@@ -22,6 +22,7 @@
 
 pub mod admission;
 mod feedback;
+pub mod hold;
 mod steer;
 
 use std::borrow::Cow;
