@@ -90,20 +90,21 @@ pub enum Fault {
     Slowdown5xSilent,
     Errors50,
     Sigstop,
-    /// Pod 0 fails every request for 8 s, then heals only partly (fails 30 % of requests for
-    /// 20 s), then heals for good: what a restarted server still warming up does. Shows what
+    /// Pod 0 fails every request for 8 s, then heals only partly (fails 15 % of requests for
+    /// 15 s), then heals for good: what a restarted server still warming up does. Shows what
     /// a breaker that closes on its probes does next (`ai_lb_ramp` against `ai_lb`).
     Flap,
 }
 
 /// Runs the rest of [`Fault::Flap`] on pod `addr` (its first phase already set): after 8 s it
-/// fails 30 % of requests, 20 s later none. A failed control request is reported, not fatal
+/// fails 15 % of requests (under the agents' error-rate trip of 25 %, so its breaker closes on
+/// passing probes), 15 s later none. A failed control request is reported, not fatal
 /// (the run's records show what the pod did).
 fn start_flap(addr: SocketAddr, name: String) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         for (after, json) in [
-            (Duration::from_secs(8), r#"{"error_rate":0.3}"#),
-            (Duration::from_secs(20), r#"{"error_rate":0.0}"#),
+            (Duration::from_secs(8), r#"{"error_rate":0.15}"#),
+            (Duration::from_secs(15), r#"{"error_rate":0.0}"#),
         ] {
             std::thread::sleep(after);
             if let Err(e) = topology::control(addr, &name, json) {
