@@ -63,9 +63,9 @@ fn wasmplugin_route_config_is_accepted_and_header_only() {
 }
 
 /// The native router's `filter` section (istio/native/envoyfilter.yaml) is accepted in route
-/// mode, holds nothing the native module refuses (admission, bigRequestHold: Envoy would
-/// reject the whole config), and routes as the wasm router does: switching data path changes
-/// nothing else. The module's own parser (agents, steering) runs in deploy_envoy_validate's
+/// mode and routes as the wasm router does (istio/envoyfilter.yaml): the same pools, cut-offs,
+/// routing header, fallbacks, model header, admission and big-request hold (off in both), so
+/// switching data path changes nothing else. The module's own parser (agents, steering) runs in deploy_envoy_validate's
 /// native_module_loads_the_istio_config_by_name.
 #[test]
 fn native_envoyfilter_filter_config_is_accepted_and_routes_like_the_wasm_one() {
@@ -73,14 +73,6 @@ fn native_envoyfilter_filter_config_is_accepted_and_routes_like_the_wasm_one() {
     let json = serde_json::to_string(&module["filter"]).unwrap_or_default();
     let cfg = parse("istio/native/envoyfilter.yaml (filter)", &json);
     assert_eq!(cfg.mode, Mode::Route);
-    assert!(
-        cfg.admission.is_none(),
-        "the native module refuses `admission`"
-    );
-    assert!(
-        cfg.big_request_hold.is_none(),
-        "the native module refuses `bigRequestHold`"
-    );
     let wasm = parse(
         "istio/envoyfilter.yaml",
         &wasm_configuration_json(&route_extension_config()["typed_config"]),
@@ -96,6 +88,8 @@ fn native_envoyfilter_filter_config_is_accepted_and_routes_like_the_wasm_one() {
     assert_eq!(cfg.routing_header, wasm.routing_header);
     assert_eq!(cfg.fallback_endpoints, wasm.fallback_endpoints);
     assert_eq!(cfg.model_header, wasm.model_header);
+    assert_eq!(cfg.admission, wasm.admission);
+    assert_eq!(cfg.big_request_hold, wasm.big_request_hold);
 }
 
 #[test]
