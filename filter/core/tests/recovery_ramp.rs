@@ -60,10 +60,11 @@ fn event(seq: u64) -> PoolEvent {
     }
 }
 
-fn router(extra: &str) -> Router {
+/// Four pods under `strategy`, with `extra` members appended to the breaker section.
+fn router_with(strategy: &str, extra: &str) -> Router {
     let cfg = FilterConfig::from_json(
         format!(
-            r#"{{"pools":[{{"name":"p","cluster":"c"}}],"minPods":1,
+            r#"{{"pools":[{{"name":"p","cluster":"c"}}],"minPods":1,"pickStrategy":"{strategy}",
             "breaker":{{"consecutiveFailures":3,"baseCooldownMs":1000,"halfOpenProbes":1{extra}}}}}"#
         )
         .as_bytes(),
@@ -72,6 +73,10 @@ fn router(extra: &str) -> Router {
     let mut r = Router::new(cfg);
     r.apply_pool_event(0, &event(1), CLOSED_AT - 5_000);
     r
+}
+
+fn router(extra: &str) -> Router {
+    router_with("twoChoices", extra)
 }
 
 /// Pod 0's breaker: opened at 1 s, half-open after its cooldown, its one probe passed at
@@ -119,18 +124,7 @@ fn expected(f: f64) -> f64 {
 #[test]
 fn proportional_shares_follow_each_step_then_return_whole() {
     let mut r = router(r#","recoveryRamp":{}"#);
-    // Proportional draws.
-    let mut r2 = {
-        let cfg = FilterConfig::from_json(
-            br#"{"pools":[{"name":"p","cluster":"c"}],"minPods":1,"pickStrategy":"proportional",
-                "breaker":{"consecutiveFailures":3,"baseCooldownMs":1000,"halfOpenProbes":1,
-                           "recoveryRamp":{}}}"#,
-        )
-        .unwrap();
-        let mut r = Router::new(cfg);
-        r.apply_pool_event(0, &event(1), CLOSED_AT - 5_000);
-        r
-    };
+    let mut r2 = router_with("proportional", r#","recoveryRamp":{}"#);
     close_pod0(&mut r2);
     for (i, (at, f)) in [
         (CLOSED_AT + 100, 0.1),
@@ -161,13 +155,7 @@ fn proportional_shares_follow_each_step_then_return_whole() {
 
 #[test]
 fn without_the_ramp_the_whole_share_returns_at_once() {
-    let cfg = FilterConfig::from_json(
-        br#"{"pools":[{"name":"p","cluster":"c"}],"minPods":1,"pickStrategy":"proportional",
-            "breaker":{"consecutiveFailures":3,"baseCooldownMs":1000,"halfOpenProbes":1}}"#,
-    )
-    .unwrap();
-    let mut r = Router::new(cfg);
-    r.apply_pool_event(0, &event(1), CLOSED_AT - 5_000);
+    let mut r = router_with("proportional", "");
     close_pod0(&mut r);
     let got = share_of_pod0(&mut r, CLOSED_AT + 100, 8_000, 3);
     assert!((got - expected(1.0)).abs() < 0.02, "{got:.3}");
