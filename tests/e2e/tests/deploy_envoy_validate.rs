@@ -535,10 +535,10 @@ fn native_module_loads_the_istio_config_by_name() {
         assert!(v.output.contains(&want), "no {want:?} in:\n{}", v.output);
     }
 
-    // Control: the same load with a setting the module refuses (guard mode) fails validation,
-    // so the module's parser did run on the manifest's config above.
+    // Control: the same load with a value the module refuses (an unknown steering mode) fails
+    // validation, so the module's parser did run on the manifest's config above.
     let mut config = native_module_config();
-    config["filter"]["mode"] = serde_json::json!("guard");
+    config["steering"] = serde_json::json!("lb");
     let mut typed = ext["typed_config"].clone();
     typed["filter_config"]["value"] = Value::String(config.to_string());
     let v = envoy_validate_with(
@@ -548,8 +548,8 @@ fn native_module_loads_the_istio_config_by_name() {
         &search,
     );
     assert!(
-        !v.ok && v.output.contains("filter.mode"),
-        "expected the module to refuse filter.mode \"guard\":\n{}",
+        !v.ok && v.output.contains("`steering`") && v.output.contains("\"lb\""),
+        "expected the module to refuse steering \"lb\":\n{}",
         v.output
     );
 }
