@@ -9,8 +9,8 @@
 //! steers, falls back on an unknown model, reads and truncates bodies, opens and closes a
 //! failing pod's breaker, holds big requests (held, left, full, expired, released), answers
 //! 429 (a tenant's bucket, and shedding under saturation), 400 and 503, and holds a standard
-//! request until a pod cools; the wasm filter in guard mode rejects (queue full, GPU
-//! saturated), admits, and fails open (stale signals, and a guard with no agent at all); the
+//! request until a pod cools; both data paths in guard mode reject (queue full, GPU
+//! saturated), admit, and fail open (stale signals, and a guard with no agent at all); the
 //! native module steers, falls back, truncates, opens and closes a breaker, and runs the same
 //! admission and saturation traffic (429, 400, settlement; shed, held, released).
 //!
@@ -21,6 +21,7 @@
 mod filter_common;
 
 use std::collections::BTreeSet;
+use std::net::SocketAddr;
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -91,6 +92,8 @@ const MUST_MOVE_NATIVE: &[&str] = &[
     "ailb.admission.shed",
     "ailb.admission.held_released",
     "ailb.admission.held_wait_ms",
+    "ailb.guard.rejected.queue_full",
+    "ailb.guard.fail_open.stale",
 ];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -690,25 +693,32 @@ fn saturation(envoy: &Envoy, pool: &PodPool, w: DataPath) {
     pool.control(0, r#"{"sm_occupancy":0.3}"#).unwrap();
 }
 
-/// Guard mode, signals older than 1 s stale.
-fn guard_opts() -> EnvoyOptions {
+/// Guard mode on `w` in front of `inference`, watching `agents`; signals older than 1 s stale.
+fn guard_opts(w: DataPath, inference: SocketAddr, agents: &[SocketAddr]) -> EnvoyOptions {
     let cfg = json!({
         "mode": "guard",
         "pools": [{"name": "local", "cluster": "inference", "agentCluster": "ai_lb_agents"}],
         "watch": {"refreshMs": 20, "minIntervalMs": 50, "heartbeatMs": 300, "reconnectBaseMs": 100, "reconnectMaxMs": 1000},
         "admission": {"guard": {"gpuUtilCutoff": 0.9, "maxStalenessMs": 1000}}
-    });
-    EnvoyOptions::new(cfg.to_string())
+    })
+    .to_string();
+    let mut opts = match w {
+        DataPath::Wasm => EnvoyOptions::new(cfg),
+        DataPath::Native => {
+            let mut o = EnvoyOptions::new(envoy::native_filter_config(&cfg, agents).unwrap());
+            o.template = Some(envoy::native_template().unwrap());
+            o
+        }
+    };
+    opts.inference = vec![inference];
+    opts.agents = agents.to_vec();
+    opts
 }
 
 /// The guard of one pod: queue full, GPU saturated, admitted, then its agent stopped (stale
 /// signals admit); and a guard with no agent at all (missing signals admit).
-fn guard(pool: &mut PodPool) -> (Envoy, Envoy) {
-    let w = DataPath::Wasm;
-    let mut opts = guard_opts();
-    opts.inference = vec![pool.pod_addrs[0]];
-    opts.agents = vec![pool.agent_addrs[0]];
-    let g = Envoy::start(&opts).unwrap();
+fn run_guard(pool: &mut PodPool, w: DataPath) -> (Envoy, Envoy) {
+    let g = Envoy::start(&guard_opts(w, pool.pod_addrs[0], &[pool.agent_addrs[0]])).unwrap();
     let until = |status: u16, what: &str| {
         g.poll(Duration::from_secs(15), what, || {
             (post(&g, &[], &body(2, 4)) == status).then_some(())
@@ -740,9 +750,13 @@ fn guard(pool: &mut PodPool) -> (Envoy, Envoy) {
     agent.signal("CONT").unwrap();
     stale.unwrap();
 
-    let mut opts = guard_opts();
-    opts.inference = vec![pool.pod_addrs[0]];
-    let lone = Envoy::start(&opts).unwrap();
+    // No agent: the wasm filter's agent cluster has no endpoint; the native module's agent
+    // address has nothing listening (it needs one address per pool).
+    let nobody: Vec<SocketAddr> = match w {
+        DataPath::Wasm => Vec::new(),
+        DataPath::Native => vec![closed_port()],
+    };
+    let lone = Envoy::start(&guard_opts(w, pool.pod_addrs[0], &nobody)).unwrap();
     assert_eq!(post(&lone, &[], &body(2, 4)), 200);
     wait_for(&lone, w, "ailb.guard.fail_open.missing", 1);
     (g, lone)
@@ -775,7 +789,7 @@ fn every_exported_stat_is_documented_and_every_documented_stat_is_exported() {
     admission(&route);
     big_hold(&route, &pool);
     saturation(&route, &pool, DataPath::Wasm);
-    let (guard, lone) = guard(&mut pool);
+    let (guard, lone) = run_guard(&mut pool, DataPath::Wasm);
     Expect::of(DataPath::Wasm).check(&docs, &[&route, &guard, &lone]);
     assert!(
         !route.wasm_failed() && !guard.wasm_failed() && !lone.wasm_failed(),
@@ -784,7 +798,7 @@ fn every_exported_stat_is_documented_and_every_documented_stat_is_exported() {
     );
     drop((route, guard, lone));
 
-    // The native module: admission and the big-request hold (no guard: it refuses it).
+    // The native module: admission and the big-request hold, then guard mode.
     let filter = config(json!({
         "modelHeader": MODEL_HEADER,
         "maxBodyReadBytes": 65536,
@@ -812,7 +826,8 @@ fn every_exported_stat_is_documented_and_every_documented_stat_is_exported() {
                 .then_some(())
         })
         .unwrap();
-    Expect::of(DataPath::Native).check(&docs, &[&native]);
+    let (native_guard, native_lone) = run_guard(&mut pool, DataPath::Native);
+    Expect::of(DataPath::Native).check(&docs, &[&native, &native_guard, &native_lone]);
 }
 
 #[test]
@@ -852,4 +867,10 @@ fn patterns_expand_and_match() {
         normalise(DataPath::Wasm, "cluster.inference.upstream_rq"),
         None
     );
+}
+
+/// An address on this host where nothing listens (a port bound, then released).
+fn closed_port() -> SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap()
 }
