@@ -37,8 +37,10 @@
 pub mod bucket;
 pub mod config;
 pub mod cost;
+pub mod derived;
 pub mod guard;
 pub mod priority;
+pub mod quota;
 pub mod response;
 pub mod stats;
 pub mod tenant;
