@@ -31,7 +31,7 @@ use crate::score::CutReason;
 use super::{Gate, GateStep, Host, Steered, Worker};
 
 /// The admission counters `ailb.admission.<name>` (each glue defines or names them so).
-pub const COUNTERS: [&str; 35] = [
+pub const COUNTERS: [&str; 37] = [
     "invalid_priority_header",
     "malformed_bodies",
     "costed_by_length",
@@ -67,6 +67,8 @@ pub const COUNTERS: [&str; 35] = [
     "quota.clamped_min",
     "quota.clamped_max",
     "quota.no_prediction",
+    "quota.tokens_base",
+    "quota.tokens_quota",
 ];
 
 /// The per-tenant counters `ailb.admission.tenant.<tenant>.<class>.<name>`.
@@ -555,6 +557,8 @@ impl AdmReq {
                 (Some(q), Some(scale)) => {
                     let (charged, effect) = q.quota(plain, scale);
                     stats.count(effect.stat(), 1);
+                    stats.count("quota.tokens_base", plain);
+                    stats.count("quota.tokens_quota", charged);
                     charged
                 }
                 _ => plain,
@@ -566,7 +570,7 @@ impl AdmReq {
                 stats.count("cas_retries", u64::from(s.cas_retries));
                 stats.count("tokens_charged", s.charged);
                 stats.count("tokens_refunded", s.refunded);
-                stats.count("tokens_actual", actual);
+                stats.count("tokens_actual", plain);
                 stats.count("settled", 1);
                 self.count(stats, "tokens_charged", s.charged);
                 self.count(stats, "tokens_refunded", s.refunded);
