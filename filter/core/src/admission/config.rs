@@ -1024,8 +1024,8 @@ impl From<&AdmissionConfig> for RawAdmission {
                 retry_after_seconds: Some(c.guard.retry_after_seconds),
                 max_staleness_ms: Some(c.guard.max_staleness_ms),
             }),
-            derived_priority: c.derived_priority.as_ref().map(DerivedPriority::to_raw),
-            latency_aware_quota: c.latency_quota.as_ref().map(LatencyQuota::to_raw),
+            derived_priority: c.derived_priority.map(DerivedPriority::to_raw),
+            latency_aware_quota: c.latency_quota.map(LatencyQuota::to_raw),
         }
     }
 }

@@ -273,7 +273,7 @@ impl DerivedPriority {
         })
     }
 
-    pub(crate) fn to_raw(&self) -> RawDerivedPriority {
+    pub(crate) fn to_raw(self) -> RawDerivedPriority {
         let rule = |r: TierRule| RawTierRule {
             min_score: Some(r.min_score),
             max_held_ms: Some(r.max_held_ms),

@@ -152,7 +152,7 @@ impl LatencyQuota {
         })
     }
 
-    pub(crate) fn to_raw(&self) -> RawLatencyQuota {
+    pub(crate) fn to_raw(self) -> RawLatencyQuota {
         RawLatencyQuota {
             slo_ms: Some(self.slo_ms as u64),
             exponent: Some(self.exponent),
