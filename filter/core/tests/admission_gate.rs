@@ -770,4 +770,19 @@ fn the_latency_aware_quota_scales_the_settled_cost_by_the_chosen_pods_prediction
     assert_eq!(s.get("ailb.admission.quota.tokens_quota"), quota_before);
     let level = bucket::peek(&w.store, "a", &p, 2_200).remaining();
     assert_eq!(level_before - level, 503, "the plain cost");
+    // Not picked by the filter (two pods under the default minPods of 3: Envoy's fallback):
+    // no prediction either, counted.
+    let mut fb = worker(cfg);
+    publish_latency(&mut fb.router, 1_900, 400.0, 40.0);
+    settle_one(
+        &mut fb,
+        1,
+        2_000,
+        r#"{"prompt":"hi","max_tokens":90}"#,
+        3,
+        500,
+    );
+    assert_eq!(fb.router.counters().fallback_too_few_pods, 1);
+    assert_eq!(fb.adm_stats.get("ailb.admission.quota.no_prediction"), 1);
+    assert_eq!(fb.adm_stats.get("ailb.admission.quota.tokens_quota"), 0);
 }

@@ -396,8 +396,8 @@ impl AdmReq {
     }
 
     /// Records the scale `latencyAwareQuota` gives this request on the pod it was routed to
-    /// (`ttft_ms`, `decode_ms` its readings then); no prediction is counted and leaves the
-    /// plain cost.
+    /// (`ttft_ms`, `decode_ms` its readings then); no prediction leaves the plain cost, counted
+    /// at settlement (with the requests the filter did not route: Envoy's fallback).
     pub fn routed(
         &mut self,
         stats: &mut dyn AdmissionStats,
@@ -416,12 +416,9 @@ impl AdmReq {
             self.output_tokens,
         )
         .and_then(|p| q.scale(p));
-        match scale {
-            Some(s) => {
-                stats.record("quota_scale_pct", (s * 100.0).round().min(1e9) as u64);
-                self.quota_scale = Some(s);
-            }
-            None => stats.count("quota.no_prediction", 1),
+        if let Some(s) = scale {
+            stats.record("quota_scale_pct", (s * 100.0).round().min(1e9) as u64);
+            self.quota_scale = Some(s);
         }
     }
 
@@ -561,7 +558,11 @@ impl AdmReq {
                     stats.count("quota.tokens_quota", charged);
                     charged
                 }
-                _ => plain,
+                (Some(_), None) => {
+                    stats.count("quota.no_prediction", 1);
+                    plain
+                }
+                (None, _) => plain,
             }
         };
         let t = &grant.tenant;
