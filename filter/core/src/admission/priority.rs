@@ -345,12 +345,12 @@ impl HeldQueue {
     }
 
     /// Removes every request whose deadline has passed (`deadline_ms <= now_ms`): the caller
-    /// answers them 503.
+    /// answers them 503. A bounded hold is never expired ([`HeldQueue::due`] takes it).
     pub fn expire(&mut self, now_ms: u64) -> Vec<Left> {
         let mut out = Vec::new();
         for q in self.queues.iter_mut() {
             q.retain(|h| {
-                if h.deadline_ms <= now_ms {
+                if !h.proceed_at_deadline && h.deadline_ms <= now_ms {
                     out.push(Left {
                         id: h.id,
                         class: h.class,
@@ -500,6 +500,50 @@ mod tests {
             }]
         );
         assert_eq!(q.depth(), 0);
+    }
+
+    #[test]
+    fn bounded_holds_go_first_by_lane_and_are_due_not_expired_at_their_deadline() {
+        assert_eq!(
+            decide_bounded(false, true, 150, 0),
+            PriorityDecision::Proceed
+        );
+        assert_eq!(
+            decide_bounded(true, false, 150, 0),
+            PriorityDecision::Proceed
+        );
+        assert_eq!(decide_bounded(true, true, 0, 0), PriorityDecision::Proceed);
+        assert_eq!(
+            decide_bounded(true, true, 150, 1000),
+            PriorityDecision::Hold { deadline_ms: 1150 }
+        );
+        let mut q = HeldQueue::new(10);
+        q.push(1, PriorityClass::Standard, 0, 2000).unwrap();
+        q.push_bounded(2, PriorityClass::Standard, Lane::High, 1, 600)
+            .unwrap();
+        q.push_bounded(3, PriorityClass::Critical, Lane::Ultra, 2, 150)
+            .unwrap();
+        assert_eq!(q.depth_of(PriorityClass::Standard), 2);
+        assert_eq!(q.depth_of(PriorityClass::Critical), 1);
+        let ids: Vec<u32> = q.release(2, 10).iter().map(|l| l.id).collect();
+        assert_eq!(ids, vec![3, 2], "Ultra, then High, then standard");
+        q.push_bounded(4, PriorityClass::Critical, Lane::Ultra, 20, 170)
+            .unwrap();
+        assert!(q.due(169).is_empty());
+        // At its deadline a bounded hold is due (routed), never expired (answered).
+        assert!(q.expire(170).is_empty());
+        let due = q.due(170);
+        assert_eq!(
+            due,
+            vec![Left {
+                id: 4,
+                class: PriorityClass::Critical,
+                waited_ms: 150
+            }]
+        );
+        assert_eq!(q.depth(), 1);
+        assert!(q.due(5000).is_empty(), "a standard request is never due");
+        assert_eq!(q.expire(2000).len(), 1);
     }
 
     #[test]
