@@ -4,6 +4,8 @@
 //! read from the body, the ranked list reaches the host, the in-flight count is closed exactly
 //! once however the request ends (answered, failed, held then released, refused by the gate,
 //! ended twice), failures feed the shared breaker, a half-open probe passes at its first byte.
+//! Guard mode: a hot local pod is answered 503 marked for the client sidecar, stale or missing
+//! signals admit, each counted.
 
 use std::borrow::Cow;
 use std::cell::Cell;
@@ -36,6 +38,8 @@ struct MockHost {
     details: Option<String>,
     steered: Vec<String>,
     replies: Vec<(u16, String)>,
+    /// The headers of the last local reply.
+    reply_headers: HashMap<String, String>,
     warnings: Vec<String>,
     refuse_steer: bool,
     /// Envoy's own balancer serves retries (the native module's `steering: overrideHost`).
@@ -65,7 +69,11 @@ impl Host for MockHost {
     fn set_response_header(&mut self, name: &str, value: &str) {
         self.resp.insert(name.into(), value.into());
     }
-    fn send_local_reply(&mut self, status: u16, _headers: &[(&str, &str)], body: &[u8]) {
+    fn send_local_reply(&mut self, status: u16, headers: &[(&str, &str)], body: &[u8]) {
+        self.reply_headers = headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         self.replies
             .push((status, String::from_utf8_lossy(body).into_owned()));
     }
@@ -802,4 +810,88 @@ fn where_retries_leave_the_list_the_attempt_count_header_says_how_many() {
     let ex = served_by(&mut w, &mut h, 2, 200, true);
     let ranked: Vec<&str> = ex.ranked().split(',').collect();
     assert_eq!(w.stats.failed, vec![ranked[0].to_string()]);
+}
+
+#[test]
+fn the_guard_rejects_a_hot_pod_marked_for_retry_and_admits_on_stale_or_missing_signals() {
+    use ai_lb_filter_core::admission::config::GuardConfig;
+    use ai_lb_filter_core::admission::guard::LocalSignals;
+    use ai_lb_filter_core::lifecycle::guard::{guard_request, GuardCount};
+
+    let cfg = GuardConfig {
+        retry_after_seconds: 2,
+        ..GuardConfig::default()
+    };
+    let hot = LocalSignals {
+        gpu_util: Some(0.97),
+        waiting: Some(4),
+        capacity: Some(64),
+        sampled_at_ms: Some(1_000),
+    };
+    let mut counted = Vec::new();
+    let mut h = host(1_500);
+    let next = guard_request(&mut h, &cfg, Some(hot), 1_500, &mut |c| counted.push(c));
+    assert_eq!(next, Next::Stop);
+    assert_eq!(h.replies.len(), 1);
+    assert_eq!(h.replies[0].0, 503);
+    assert!(h.replies[0].1.contains("overloaded"), "{}", h.replies[0].1);
+    assert_eq!(
+        h.reply_headers.get("x-ai-lb-guard").map(String::as_str),
+        Some("rejected")
+    );
+    assert_eq!(
+        h.reply_headers
+            .get("x-ai-lb-guard-reason")
+            .map(String::as_str),
+        Some("gpu_saturated")
+    );
+    assert_eq!(
+        h.reply_headers.get("retry-after").map(String::as_str),
+        Some("2")
+    );
+    assert_eq!(
+        counted,
+        vec![GuardCount::Rejected(
+            ai_lb_filter_core::admission::guard::GuardReason::GpuSaturated
+        )]
+    );
+
+    // The same signals, older than maxStalenessMs: admitted and counted as fail-open.
+    counted.clear();
+    let mut h = host(1_000 + cfg.max_staleness_ms + 1);
+    let now = h.now;
+    assert_eq!(
+        guard_request(&mut h, &cfg, Some(hot), now, &mut |c| counted.push(c)),
+        Next::Continue
+    );
+    assert!(h.replies.is_empty());
+    assert_eq!(
+        counted,
+        vec![GuardCount::Admitted, GuardCount::FailOpenStale]
+    );
+
+    // Nothing received yet: admitted, counted as missing.
+    counted.clear();
+    let mut h = host(10);
+    assert_eq!(
+        guard_request(&mut h, &cfg, None, 10, &mut |c| counted.push(c)),
+        Next::Continue
+    );
+    assert_eq!(
+        counted,
+        vec![GuardCount::Admitted, GuardCount::FailOpenMissing]
+    );
+
+    // A cool pod: admitted, nothing else counted.
+    counted.clear();
+    let cool = LocalSignals {
+        gpu_util: Some(0.3),
+        ..hot
+    };
+    let mut h = host(1_500);
+    assert_eq!(
+        guard_request(&mut h, &cfg, Some(cool), 1_500, &mut |c| counted.push(c)),
+        Next::Continue
+    );
+    assert_eq!(counted, vec![GuardCount::Admitted]);
 }

@@ -14,13 +14,14 @@
 //! Envoy as the stream's upstream override host, so the cluster can keep a built-in policy
 //! (least_request), whose own choice then serves retries; `"both"` does both.
 //!
-//! What the native module does not do is refused, naming the field, so Envoy rejects the
-//! config instead of running a filter that silently ignores part of it.
+//! Every mode and section of the wasm filter's config is run (routing, admission, the
+//! big-request hold, guard mode); a config that fails validation is refused naming the field,
+//! so Envoy rejects it instead of running a filter that silently ignores part of it.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
-use ai_lb_filter_core::config::{FilterConfig, Mode};
+use ai_lb_filter_core::config::FilterConfig;
 use serde::Deserialize;
 
 #[derive(Deserialize)]
@@ -67,13 +68,6 @@ pub fn parse(bytes: &[u8]) -> Result<NativeConfig, String> {
     let text = serde_json::to_vec(&raw.filter).map_err(|e| err("filter", e.to_string()))?;
     let filter = FilterConfig::from_json(&text)
         .map_err(|e| format!("ai-lb native config: in `filter`: {e}"))?;
-    if filter.mode == Mode::Guard {
-        return Err(err(
-            "filter.mode",
-            "value \"guard\": the native module only routes; use the wasm filter for the guard"
-                .into(),
-        ));
-    }
     for name in raw.agents.keys() {
         if filter.pool_by_name(name).is_none() {
             return Err(err(
@@ -182,7 +176,7 @@ mod tests {
     }
 
     #[test]
-    fn features_the_module_lacks_are_refused_not_ignored() {
+    fn every_mode_and_section_is_accepted_and_a_bad_mode_named() {
         let with = |extra: &str| {
             format!(
                 r#"{{"filter":{{"pools":[{{"name":"default","cluster":"inference"}}],{extra}}},"agents":{{"default":["127.0.0.1:1"]}}}}"#
@@ -195,5 +189,10 @@ mod tests {
             panic!("{e}");
         }
         assert!(parse(with(r#""admission":{"saturation":{"maxHeld":4}}"#).as_bytes()).is_ok());
+        // Guard mode (the inference pod's inbound sidecar) is run too.
+        let guard = parse(with(r#""mode":"guard""#).as_bytes()).unwrap();
+        assert_eq!(guard.filter.mode, ai_lb_filter_core::config::Mode::Guard);
+        let e = parse(with(r#""mode":"gaurd""#).as_bytes()).unwrap_err();
+        assert!(e.contains("mode") && e.contains("gaurd"), "{e}");
     }
 }

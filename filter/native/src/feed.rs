@@ -3,18 +3,23 @@
 //! router of its own and publishes the encoded pool state; workers install a new state when
 //! its version moved (one atomic load per pick otherwise). The same split as the wasm filter's
 //! subscriber VM and shared data, with a thread and a mutex instead of shared data.
+//!
+//! Guard mode (the inference pod's own inbound sidecar) holds one `Watch` stream to the local
+//! agent instead (the first pool's agents: that pod only) and keeps the pod's signals for the
+//! request hooks ([`Shared::local`]), as the core's [`LocalSignals::after_event`] reads them.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ai_lb_filter_core::config::FilterConfig;
+use ai_lb_filter_core::admission::guard::LocalSignals;
+use ai_lb_filter_core::config::{FilterConfig, Mode};
 use ai_lb_filter_core::feed::{Backoff, Subscription};
 use ai_lb_filter_core::picker::Router;
 use ai_lb_filter_core::Counters as CoreCounters;
 use ai_lb_proto::v1::metrics_service_client::MetricsServiceClient;
-use ai_lb_proto::v1::WatchPoolRequest;
+use ai_lb_proto::v1::{WatchPoolRequest, WatchRequest};
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -75,6 +80,16 @@ pub struct Shared {
     /// Hooks that found their worker's routing state in use (a re-entered hook) and left
     /// the request to Envoy's balancing (`ailb.state_busy`).
     pub busy: Tally,
+    /// Guard mode: the local pod's signals as last received (None: nothing yet).
+    pub local: Mutex<Option<LocalSignals>>,
+}
+
+impl Shared {
+    /// Guard mode: the local pod's signals for a request hook (None: nothing received yet, or
+    /// the lock poisoned, which the guard treats as missing signals: it admits, counted).
+    pub fn local_signals(&self) -> Option<LocalSignals> {
+        self.local.lock().ok().and_then(|l| *l)
+    }
 }
 
 /// A count the feed thread or any worker adds to, and the part of it already added to Envoy's
@@ -144,6 +159,13 @@ pub fn start(
             };
             rt.block_on(async move {
                 let mut tasks = Vec::new();
+                if cfg.mode == Mode::Guard {
+                    // One pod: the first pool's agents (the config's only pool in guard mode).
+                    if let Some(addrs) = agents.into_iter().next() {
+                        watch(0, cfg, addrs, shared, rx).await;
+                    }
+                    return;
+                }
                 for (i, addrs) in agents.into_iter().enumerate() {
                     tasks.push(tokio::spawn(watch(
                         i,
@@ -177,6 +199,8 @@ async fn watch(
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     let w = cfg.watch;
+    let guard = cfg.mode == Mode::Guard;
+    let gpu_signal = cfg.cutoffs.gpu_signal;
     let name = cfg.pools.get(i).map(|p| p.name.clone()).unwrap_or_default();
     let mut sub = Subscription::new(Backoff::from_watch(&w));
     let idle = Duration::from_millis(sub.idle_timeout_ms());
@@ -203,21 +227,38 @@ async fn watch(
         turn += 1;
         token = token.wrapping_add(1);
         sub.opened(token, now_ms());
-        let run = stream_once(
-            i,
-            &mut router,
-            addr,
-            &shared,
-            &mut seen,
-            idle,
-            WatchPoolRequest {
-                min_interval_ms: w.min_interval_ms,
-                heartbeat_ms: w.heartbeat_ms,
-            },
-        );
-        let ended = tokio::select! {
-            r = run => r,
-            _ = stop.changed() => return,
+        let ended = if guard {
+            let run = guard_stream_once(
+                addr,
+                &shared,
+                idle,
+                gpu_signal,
+                WatchRequest {
+                    min_interval_ms: w.min_interval_ms,
+                    heartbeat_ms: w.heartbeat_ms,
+                },
+            );
+            tokio::select! {
+                r = run => r,
+                _ = stop.changed() => return,
+            }
+        } else {
+            let run = stream_once(
+                i,
+                &mut router,
+                addr,
+                &shared,
+                &mut seen,
+                idle,
+                WatchPoolRequest {
+                    min_interval_ms: w.min_interval_ms,
+                    heartbeat_ms: w.heartbeat_ms,
+                },
+            );
+            tokio::select! {
+                r = run => r,
+                _ = stop.changed() => return,
+            }
         };
         let now = now_ms();
         match ended {
@@ -295,6 +336,40 @@ async fn stream_once(
         };
         if let Some(slot) = shared.pools.get(i) {
             slot.publish(bytes);
+        }
+    }
+}
+
+/// Guard mode: one `Watch` stream's life. Each event updates the local pod's signals (a
+/// snapshot replaces them, a heartbeat confirms them as of now); an event that does not apply
+/// leaves them as they were, to go stale if nothing better comes.
+async fn guard_stream_once(
+    addr: SocketAddr,
+    shared: &Shared,
+    idle: Duration,
+    gpu_signal: ai_lb_filter_core::GpuSignal,
+    req: WatchRequest,
+) -> Ended {
+    let Ok(mut client) = MetricsServiceClient::connect(format!("http://{addr}")).await else {
+        return Ended::NotOpened;
+    };
+    let Ok(resp) = client.watch(req).await else {
+        return Ended::NotOpened;
+    };
+    shared.stream_opens.add(1);
+    let mut s = resp.into_inner();
+    let mut any = false;
+    loop {
+        let ev = match tokio::time::timeout(idle, s.message()).await {
+            Ok(Ok(Some(ev))) => ev,
+            _ => return Ended::Closed { events: any },
+        };
+        any = true;
+        let Ok(mut local) = shared.local.lock() else {
+            return Ended::Closed { events: any };
+        };
+        if let Some(next) = LocalSignals::after_event(&ev, *local, now_ms(), gpu_signal) {
+            *local = Some(next);
         }
     }
 }

@@ -5,8 +5,10 @@
 //!
 //! Admission (the limiter, priority classes and the held queue) and the big-request hold are
 //! the core's gate (`lifecycle::hold::FilterGate`) over buckets shared by every worker
-//! ([`crate::admission`]); held requests wake on their own stream ([`crate::held`]). Not here
-//! (refused at config time or stated in filter/native/README.md): the guard mode, the per-pod
+//! ([`crate::admission`]); held requests wake on their own stream ([`crate::held`]). Guard mode
+//! (`filter.mode: "guard"`, the inference pod's inbound sidecar) runs the core's
+//! `lifecycle::guard::guard_request` on the local pod's signals the feed keeps
+//! ([`crate::feed`]) and nothing else. Not here (stated in filter/native/README.md): the per-pod
 //! in-flight gauge.
 
 use std::borrow::Cow;
@@ -15,11 +17,14 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use ai_lb_filter_core::admission::config::GuardConfig;
 use ai_lb_filter_core::admission::MemoryStore;
 use ai_lb_filter_core::breaker::{Breaker, BreakerState, Transition, TripReason};
+use ai_lb_filter_core::config::Mode;
 use ai_lb_filter_core::lifecycle::admission::{
     self as admission, AdmissionParts, AdmissionRt, AdmissionWorker, Woken,
 };
+use ai_lb_filter_core::lifecycle::guard::{guard_request, GuardCount};
 use ai_lb_filter_core::lifecycle::hold::{self, BigHold, FilterGate, HoldParts, HoldWorker};
 use ai_lb_filter_core::lifecycle::{
     self, BreakerStore, Exchange, Host, Next as LifeNext, Parts, Stats,
@@ -62,6 +67,8 @@ pub struct Counters {
     breaker_state: LabeledGauge,
     gpu_signal: LabeledGauge,
     metrics_age_ms: LabeledGauge,
+    /// Guard mode only (0 otherwise), in [`GuardCount::ALL`] order (`ailb.guard.*`).
+    guard: [usize; GuardCount::ALL.len()],
 }
 
 /// One filter config: what Envoy's config object points to. Lives until every stream of it
@@ -78,6 +85,9 @@ pub struct ConfigRt {
     adm_ids: Option<AdmissionIds>,
     /// The big-request hold's stats (None: `bigRequestHold` is off).
     hold_ids: Option<HoldIds>,
+    /// Guard mode: the guard's settings (`admission.guard`, defaults without it). None: route
+    /// mode.
+    guard: Option<GuardConfig>,
     /// The tenants' token buckets, shared by every worker.
     buckets: Arc<MemoryStore>,
     /// Wakes held requests (admission on only), every `tick_ms`.
@@ -130,12 +140,26 @@ impl ConfigRt {
             gpu_signal: handle.define_labeled_gauge("ailb.endpoint.gpu_signal", "ailb_endpoint"),
             metrics_age_ms: handle
                 .define_labeled_gauge("ailb.endpoint.metrics_age_ms", "ailb_endpoint"),
+            guard: match cfg.filter.mode {
+                Mode::Guard => GuardCount::ALL.map(|c| handle.define_counter(c.name())),
+                Mode::Route => [0; GuardCount::ALL.len()],
+            },
         };
-        let admission_on = cfg.filter.admission.as_ref().is_some_and(|a| a.enabled);
+        // Guard mode judges requests against the local pod and does nothing else (the wasm
+        // filter's guard neither routes nor admits by tenant).
+        let guard = (cfg.filter.mode == Mode::Guard).then(|| {
+            cfg.filter
+                .admission
+                .as_ref()
+                .map(|a| a.guard)
+                .unwrap_or_default()
+        });
+        let routes = guard.is_none();
+        let admission_on = routes && cfg.filter.admission.as_ref().is_some_and(|a| a.enabled);
         let adm_ids = admission_on.then(|| AdmissionIds::define(handle));
         // Held requests are judged as often as the wasm filter's root ticks while it holds.
         let tick_ms = cfg.filter.watch.refresh_ms.clamp(10, 100);
-        let hold_on = cfg.filter.big_request_hold.is_some();
+        let hold_on = routes && cfg.filter.big_request_hold.is_some();
         let hold_ids = hold_on.then(|| HoldIds::define(handle));
         let held = match admission_on || hold_on {
             true => Some(HeldWake::start(std::time::Duration::from_millis(tick_ms))?),
@@ -150,6 +174,7 @@ impl ConfigRt {
             counters,
             adm_ids,
             hold_ids,
+            guard,
             buckets: Arc::new(MemoryStore::new()),
             held,
             tick_ms,
@@ -662,6 +687,11 @@ impl Request {
     }
 
     pub fn on_request_headers(&mut self, s: &Stream, end_of_stream: bool) -> Next {
+        if let Some(rt) = self.rt() {
+            if let Some(cfg) = &rt.guard {
+                return guard_headers(rt, cfg, s);
+            }
+        }
         let next = self
             .event(s, |ex, h, w, g| {
                 ex.on_request_headers(h, w, g, end_of_stream)
@@ -793,7 +823,40 @@ impl Request {
     /// The request is over: close the pick and tell the breakers how it went.
     pub fn on_stream_complete(&mut self, s: &Stream) {
         self.forget_held();
+        if self.rt().is_some_and(|rt| rt.guard.is_some()) {
+            return;
+        }
         self.event(s, |ex, h, w, g| ex.on_end(h, w, g));
+    }
+}
+
+/// Guard mode: one request judged against the local pod's signals (the core decides, counts
+/// and answers the 503); the feed's stream counters are exported here, since no worker runs.
+fn guard_headers(rt: &ConfigRt, cfg: &GuardConfig, s: &Stream) -> Next {
+    let mut host = NativeHost {
+        s,
+        steering: rt.cfg.steering,
+    };
+    let signals = rt.shared.local_signals();
+    let next = guard_request(&mut host, cfg, signals, now_ms(), &mut |c| {
+        if let Some(id) = rt.counters.guard.get(c.index()) {
+            s.inc(*id, 1);
+        }
+    });
+    let (sh, c) = (&rt.shared, &rt.counters);
+    for (tally, id) in [
+        (&sh.stream_opens, c.stream_opens),
+        (&sh.stream_failures, c.stream_failures),
+        (&sh.stream_closes, c.stream_closes),
+    ] {
+        let n = tally.take_new();
+        if n > 0 {
+            s.inc(id, n);
+        }
+    }
+    match next {
+        LifeNext::Continue | LifeNext::StopForBody => Next::Continue,
+        LifeNext::Stop => Next::Replied,
     }
 }
 

@@ -2,8 +2,9 @@
 //! as the wasm filter, run in-process with no V8 entry per callback: the data path for
 //! operators who want the lowest overhead. It drives the core's request lifecycle like the
 //! wasm filter (pool by cluster, model by header or body, pick, override_host header, breakers
-//! shared by the workers, debug header, status page); filter/native/README.md says what it
-//! does not do yet (admission, the big-request hold, guard mode).
+//! shared by the workers, debug header, status page), admission and the big-request hold, and
+//! guard mode (the inference pod's inbound sidecar); filter/native/README.md says where it
+//! differs.
 //!
 //! Layout: [`abi`] declares Envoy's C ABI, [`host`] wraps the callbacks safely, [`config`]
 //! validates, [`feed`] subscribes to the agents on a thread of its own, [`breakers`] shares

@@ -3,7 +3,9 @@
 //! `retry-after` and `x-ai-lb-guard: rejected` once the pod is forced to 97% GPU with a queue,
 //! before the model server sees the request; the client-side ai-lb Envoy (whose pool is the
 //! guard plus a cool pod) retries the other pod and the client sees only 200s; when the pod
-//! cools down the guard admits again.
+//! cools down the guard admits again; once its agent hangs, stale signals admit (counted).
+//! Runs against both data paths' guard (the proxy-wasm filter and the native module: the same
+//! core, the same stat names); the client Envoy is the wasm filter without agents in both.
 
 mod filter_common;
 
@@ -41,23 +43,27 @@ fn client_template() -> String {
     )
 }
 
-fn guard_stat(envoy: &Envoy, name: &str) -> u64 {
-    envoy
-        .stat(&format!("wasmcustom.ailb.guard.{name}"))
-        .unwrap_or(0)
-}
-
 #[test]
 fn a_hot_pod_is_guarded_and_the_client_retries_elsewhere() {
+    for path in BOTH {
+        eprintln!("== {path:?}");
+        a_hot_pod_is_guarded_and_the_client_retries_elsewhere_on(path);
+    }
+}
+
+fn a_hot_pod_is_guarded_and_the_client_retries_elsewhere_on(path: Path) {
+    let guard_stat = |envoy: &Envoy, name: &str| path.stat(envoy, &format!("ailb.guard.{name}"));
     let mut pool = PodPool::start(2, 0.01).unwrap();
     pool.control(1, r#"{"sm_occupancy":0.3}"#).unwrap();
     pool.control(0, r#"{"sm_occupancy":0.97,"queue":8}"#)
         .unwrap();
 
     // The guard of pod0: its only upstream is pod0, its only agent pod0's.
-    let mut gopts = EnvoyOptions::new(guard_config());
-    gopts.inference = vec![pool.pod_addrs[0]];
-    gopts.agents = vec![pool.agent_addrs[0]];
+    let gopts = path.opts_for(
+        &guard_config(),
+        &[pool.pod_addrs[0]],
+        &[pool.agent_addrs[0]],
+    );
     let guard = Envoy::start(&gopts).unwrap();
 
     // Directly at the guard: 503 with the marker once the local signals arrive.
@@ -148,6 +154,10 @@ fn a_hot_pod_is_guarded_and_the_client_retries_elsewhere() {
     agent0.signal("CONT").unwrap();
     stale.unwrap();
     assert!(guard_stat(&guard, "fail_open.stale") >= 1);
+    assert!(
+        path.stat(&guard, "ailb.stream.opens") >= 1,
+        "the guard's Watch stream to its agent is counted"
+    );
     for e in [&guard, &client_envoy] {
         assert!(!e.wasm_failed(), "wasm trapped:\n{}", e.log_tail(40));
     }

@@ -309,9 +309,26 @@ fn guard_wasmplugin_renders_to_a_valid_filter() {
     let filter = guard_filter(&guard, &stub);
     let v = envoy_validate(
         &envoy,
-        &bootstrap(vec![filter], vec![istio_shaped_cluster("inbound|8000||")]),
+        &bootstrap(
+            vec![filter],
+            vec![
+                istio_shaped_cluster("inbound|8000||"),
+                guard_agent_cluster(),
+            ],
+        ),
     );
-    assert!(v.ok, "Envoy rejected the guard filter:\n{}", v.output);
+    assert!(
+        v.ok,
+        "Envoy rejected the guard filter or its agent cluster:\n{}",
+        v.output
+    );
+}
+
+/// The cluster to the pod's own agent that istio/guard-agent-cluster.yaml adds to the guard's
+/// sidecars (the guard's agentCluster).
+fn guard_agent_cluster() -> Value {
+    let ef = istio_named("EnvoyFilter", "ai-lb-guard-agent");
+    config_patch(&ef, "CLUSTER")["patch"]["value"].clone()
 }
 
 fn guard_filter(guard: &Value, module: &std::path::Path) -> Value {
@@ -373,7 +390,10 @@ fn real_module_accepts_istio_configs() {
     );
 
     let guard = istio_named("WasmPlugin", "ai-lb-guard");
-    let b = bootstrap(vec![guard_filter(&guard, &module)], vec![cluster, agents]);
+    let b = bootstrap(
+        vec![guard_filter(&guard, &module)],
+        vec![cluster, agents, guard_agent_cluster()],
+    );
     let v = envoy_validate(&envoy, &b);
     assert!(
         v.ok,
@@ -535,10 +555,10 @@ fn native_module_loads_the_istio_config_by_name() {
         assert!(v.output.contains(&want), "no {want:?} in:\n{}", v.output);
     }
 
-    // Control: the same load with a setting the module refuses (guard mode) fails validation,
-    // so the module's parser did run on the manifest's config above.
+    // Control: the same load with a value the module refuses (an unknown steering mode) fails
+    // validation, so the module's parser did run on the manifest's config above.
     let mut config = native_module_config();
-    config["filter"]["mode"] = serde_json::json!("guard");
+    config["steering"] = serde_json::json!("lb");
     let mut typed = ext["typed_config"].clone();
     typed["filter_config"]["value"] = Value::String(config.to_string());
     let v = envoy_validate_with(
@@ -548,8 +568,8 @@ fn native_module_loads_the_istio_config_by_name() {
         &search,
     );
     assert!(
-        !v.ok && v.output.contains("filter.mode"),
-        "expected the module to refuse filter.mode \"guard\":\n{}",
+        !v.ok && v.output.contains("`steering`") && v.output.contains("\"lb\""),
+        "expected the module to refuse steering \"lb\":\n{}",
         v.output
     );
 }

@@ -570,6 +570,11 @@ fn filter_config_names_the_clusters_istio_builds_for_the_services() {
     );
     for wp in istio_kind("WasmPlugin") {
         let p = &wp["spec"]["pluginConfig"]["pools"][0];
+        // The guard watches its own pod's agent (guard_watches_its_own_pods_agent); a router
+        // watches the pool through any agent of the Service.
+        if wp["spec"]["pluginConfig"]["mode"].as_str() == Some("guard") {
+            continue;
+        }
         assert_eq!(
             p["agentCluster"],
             serde_yaml::to_value(outbound(&agents, agent_port_n)).unwrap_or_default(),
@@ -1136,5 +1141,52 @@ fn native_client_patch_delivers_the_module_where_envoy_looks() {
     assert!(
         init["resources"]["requests"].is_mapping(),
         "resource requests"
+    );
+}
+
+/// The guard judges its pod by that pod's own agent: its `Watch` stream carries the answering
+/// agent's pod, so through the agents' Service it would read any pod's signals. Its
+/// agentCluster is the cluster guard-agent-cluster.yaml adds to the same pods' sidecars, whose
+/// one endpoint is 127.0.0.1 at the agent container's gRPC port.
+#[test]
+fn guard_watches_its_own_pods_agent() {
+    let guard = istio_named("WasmPlugin", "ai-lb-guard");
+    let cluster_ef = istio_named("EnvoyFilter", "ai-lb-guard-agent");
+    assert_eq!(
+        cluster_ef["spec"]["workloadSelector"]["labels"], guard["spec"]["selector"]["matchLabels"],
+        "the cluster goes to the guard's pods"
+    );
+    let patch = config_patch(&cluster_ef, "CLUSTER");
+    assert_eq!(s(&patch, "patch.operation"), "ADD");
+    let cluster = &patch["patch"]["value"];
+    let pool = &guard["spec"]["pluginConfig"]["pools"][0];
+    assert_eq!(
+        pool["agentCluster"], cluster["name"],
+        "the guard's agentCluster is the added cluster"
+    );
+    let ep = at(
+        cluster,
+        "load_assignment.endpoints.0.lb_endpoints.0.endpoint.address.socket_address",
+    );
+    assert_eq!(
+        s(ep, "address"),
+        "127.0.0.1",
+        "the pod's own agent, on loopback"
+    );
+    let deploy = istio_named("Deployment", "vllm-llama-8b");
+    let agent = seq(&deploy, "spec.template.spec.containers")
+        .iter()
+        .find(|c| c["name"].as_str() == Some("ai-lb-agent"))
+        .unwrap_or_else(|| panic!("no ai-lb-agent container"));
+    let grpc = seq(agent, "ports")
+        .iter()
+        .find(|p| p["name"].as_str() == Some("grpc-agent"))
+        .unwrap_or_else(|| panic!("no grpc-agent port"));
+    assert_eq!(ep["port_value"], grpc["containerPort"]);
+    let options = &cluster["typed_extension_protocol_options"]
+        ["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"];
+    assert!(
+        at(options, "explicit_http_config.http2_protocol_options").is_mapping(),
+        "gRPC needs HTTP/2"
     );
 }

@@ -16,44 +16,11 @@ use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
-use ai_lb_e2e::envoy::{self, EnvoyOptions, HttpClient, PodPool};
+use ai_lb_e2e::envoy::{self, HttpClient, PodPool};
 use ai_lb_e2e::require::or_skip;
 use ai_lb_e2e::xds_files::{Applied, XdsEnvoy};
-use filter_common::config;
+use filter_common::{config, Path, BOTH};
 use serde_json::{json, Value};
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Path {
-    Wasm,
-    Native,
-}
-
-impl Path {
-    fn stat_prefix(self) -> &'static str {
-        match self {
-            Path::Wasm => "wasmcustom.",
-            Path::Native => "dynamicmodulescustom.",
-        }
-    }
-
-    /// The string the listener carries for the plugin config `filter`.
-    fn carried(self, filter: &str, pool: &PodPool) -> String {
-        match self {
-            Path::Wasm => filter.to_string(),
-            Path::Native => envoy::native_filter_config(filter, &pool.agent_addrs).unwrap(),
-        }
-    }
-
-    fn opts(self, filter: &str, pool: &PodPool) -> EnvoyOptions {
-        let mut o = EnvoyOptions::new(self.carried(filter, pool));
-        if self == Path::Native {
-            o.template = Some(envoy::native_template().unwrap());
-        }
-        o.inference = pool.pod_addrs.clone();
-        o.agents = pool.agent_addrs.clone();
-        o
-    }
-}
 
 /// The plugin config with its status page at `path`.
 fn filter_with_status(path: &str) -> String {
@@ -105,7 +72,7 @@ fn a_config_change_through_lds_takes_effect_without_losing_a_request_on_both_pat
     {
         return;
     }
-    for path in [Path::Wasm, Path::Native] {
+    for path in BOTH {
         eprintln!("== {path:?}");
         hot_reload_on(path);
     }
@@ -118,8 +85,8 @@ fn hot_reload_on(path: Path) {
     // Longer than any request here: a replaced listener closes its connections when its
     // drain ends, with whatever is in flight on them.
     let drain = ["--drain-time-s".to_string(), "10".to_string()];
-    let mut x = XdsEnvoy::start(&path.opts(&a, &pool), &drain).unwrap();
-    let steered = format!("{}ailb.steered", path.stat_prefix());
+    let mut x = XdsEnvoy::start(&path.opts(&pool, &a, &pool.agent_addrs), &drain).unwrap();
+    let steered = format!("{}ailb.steered", path.prefix());
     let envoy_poll = |x: &XdsEnvoy, what: &str, f: &mut dyn FnMut() -> bool| {
         x.envoy
             .poll(Duration::from_secs(30), what, || f().then_some(()))
@@ -137,7 +104,8 @@ fn hot_reload_on(path: Path) {
 
     // Config B through LDS.
     assert_eq!(
-        x.set_filter_config(&path.carried(&b, &pool)).unwrap(),
+        x.set_filter_config(&path.carried(&b, &pool.agent_addrs))
+            .unwrap(),
         Applied::Accepted,
         "config B: {}",
         x.envoy.log_tail(30)
@@ -158,7 +126,7 @@ fn hot_reload_on(path: Path) {
     bad["noSuchField"] = json!(1);
     let (_, rejected_before) = x.lds_counts().unwrap();
     assert_eq!(
-        x.set_filter_config(&path.carried(&bad.to_string(), &pool))
+        x.set_filter_config(&path.carried(&bad.to_string(), &pool.agent_addrs))
             .unwrap(),
         Applied::Rejected,
         "a config with an unknown field was accepted"

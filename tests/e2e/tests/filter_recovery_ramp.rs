@@ -9,41 +9,9 @@ mod filter_common;
 
 use std::time::{Duration, Instant};
 
-use ai_lb_e2e::envoy::{self, Envoy, EnvoyOptions, HttpClient, PodPool};
+use ai_lb_e2e::envoy::{Envoy, HttpClient, PodPool};
 use filter_common::*;
 use serde_json::json;
-
-#[derive(Debug, Clone, Copy)]
-enum Path {
-    Wasm,
-    Native,
-}
-
-impl Path {
-    fn start(self, pool: &PodPool, filter: &str) -> Envoy {
-        let mut o = match self {
-            Path::Wasm => EnvoyOptions::new(filter.to_string()),
-            Path::Native => {
-                let mut o = EnvoyOptions::new(
-                    envoy::native_filter_config(filter, &pool.agent_addrs).unwrap(),
-                );
-                o.template = Some(envoy::native_template().unwrap());
-                o
-            }
-        };
-        o.inference = pool.pod_addrs.clone();
-        o.agents = pool.agent_addrs.clone();
-        Envoy::start(&o).unwrap()
-    }
-
-    fn stat(self, envoy: &Envoy, name: &str) -> u64 {
-        let prefix = match self {
-            Path::Wasm => "wasmcustom.",
-            Path::Native => "dynamicmodulescustom.",
-        };
-        envoy.stat(&format!("{prefix}{name}")).unwrap_or(0)
-    }
-}
 
 const OPENED: &str = "ailb.breaker_opened.server_errors";
 const CLOSED: &str = "ailb.breaker_closed";
@@ -142,7 +110,7 @@ fn wait_for(envoy: &Envoy, ok: impl Fn(&Envoy) -> bool) -> bool {
 
 #[test]
 fn a_healed_pod_ramps_back_and_one_failure_while_it_ramps_cuts_it() {
-    for path in [Path::Wasm, Path::Native] {
+    for path in BOTH {
         a_healed_pod_ramps_back_and_one_failure_while_it_ramps_cuts_it_on(path);
     }
 }

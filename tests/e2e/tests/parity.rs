@@ -8,104 +8,23 @@
 //! back to least_request when no agent answers (counted); shares a breaker one worker opened
 //! with every worker (Envoy with 4 workers); closes a healed pod's breaker at its probes' first
 //! tokens. Large bodies: `filter_large_body.rs` (both paths). Rows for one path only: the
-//! native module refusing config it cannot honour, and its `overrideHost` steering mode.
+//! native module refusing a config that fails validation, and its `overrideHost` steering mode.
 //! Admission: each tenant's token bucket answers 429 once its quota is spent; under
 //! saturation a sheddable request is shed, a standard one held until a pod cools or answered
 //! 503 at its deadline; a big request waits in the sidecar until a pod has room, goes after
-//! `maxHoldMs`, and is forgotten when its client leaves (both paths). Guard mode is wasm-only
-//! so far (the native module refuses it; its test is `admission_guard.rs`).
+//! `maxHoldMs`, and is forgotten when its client leaves (both paths). Guard mode runs on both
+//! paths in `admission_guard.rs`.
 //! Needs both builds (scripts/test.sh builds them).
 
 mod filter_common;
 
 use std::time::{Duration, Instant};
 
-use ai_lb_e2e::envoy::{self, Envoy, EnvoyOptions, HttpClient, PodPool};
+use ai_lb_e2e::envoy::{self, Envoy, HttpClient, PodPool};
 use filter_common::*;
 use serde_json::json;
 
 const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
-
-/// One data path: how its Envoy starts and how Envoy names its stats (the names are the same;
-/// Envoy prefixes them `wasmcustom.` or `dynamicmodulescustom.`, and per-pod stats carry the
-/// pod in the name (wasm, turned into the `ailb_endpoint` tag by envoy.yaml) or as the
-/// `ailb_endpoint` label (native)).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Path {
-    Wasm,
-    Native,
-}
-
-const BOTH: [Path; 2] = [Path::Wasm, Path::Native];
-
-impl Path {
-    fn prefix(self) -> &'static str {
-        match self {
-            Path::Wasm => "wasmcustom.",
-            Path::Native => "dynamicmodulescustom.",
-        }
-    }
-
-    /// Envoy options for `filter` in front of `pool`, reading the agents at `agents`.
-    fn opts(self, pool: &PodPool, filter: &str, agents: &[std::net::SocketAddr]) -> EnvoyOptions {
-        match self {
-            Path::Wasm => {
-                let mut o = EnvoyOptions::new(filter.to_string());
-                o.inference = pool.pod_addrs.clone();
-                o.agents = agents.to_vec();
-                o
-            }
-            Path::Native => native_opts(pool, filter, agents),
-        }
-    }
-
-    /// A counter or gauge by its name without the prefix (`ailb.steered`).
-    fn stat(self, envoy: &Envoy, name: &str) -> u64 {
-        envoy.stat(&format!("{}{name}", self.prefix())).unwrap_or(0)
-    }
-
-    /// The per-pod stat `metric` (`picks`, `score`, ...) of `addr` as `/stats` names it.
-    fn pod_stat_name(self, metric: &str, addr: &str) -> String {
-        match self {
-            Path::Wasm => format!("wasmcustom.ailb.endpoint.{addr}.{metric}"),
-            Path::Native => {
-                format!("dynamicmodulescustom.ailb.endpoint.{metric}.ailb_endpoint.{addr}")
-            }
-        }
-    }
-
-    /// The per-pod stat `metric` of every pod of `pool`, in pod order.
-    fn per_pod(self, envoy: &Envoy, pool: &PodPool, metric: &str) -> Vec<u64> {
-        pool.pod_addrs
-            .iter()
-            .map(|a| {
-                envoy
-                    .stat(&self.pod_stat_name(metric, &a.to_string()))
-                    .unwrap_or(0)
-            })
-            .collect()
-    }
-
-    /// The per-pod picks line of `addr` in `/stats/prometheus`.
-    fn prometheus_picks(self, addr: &str) -> String {
-        match self {
-            Path::Wasm => format!("ailb_endpoint_picks{{ailb_endpoint=\"{addr}\"}}"),
-            Path::Native => {
-                format!(
-                    "envoy_dynamicmodulescustom_ailb_endpoint_picks{{ailb_endpoint=\"{addr}\"}}"
-                )
-            }
-        }
-    }
-}
-
-fn native_opts(pool: &PodPool, filter: &str, agents: &[std::net::SocketAddr]) -> EnvoyOptions {
-    let mut opts = EnvoyOptions::new(envoy::native_filter_config(filter, agents).unwrap());
-    opts.template = Some(envoy::native_template().unwrap());
-    opts.inference = pool.pod_addrs.clone();
-    opts.agents = agents.to_vec();
-    opts
-}
 
 fn body(model: &str) -> String {
     json!({"model": model, "prompt": "hello there", "max_tokens": 4}).to_string()
@@ -298,15 +217,16 @@ fn with_no_agent_answering_every_request_still_succeeds_by_least_request_and_is_
     assert_eq!(path.stat(&envoy, "ailb.steered"), 0);
 }
 
-/// Native only: the module refuses config it cannot honour yet (the wasm filter takes it).
+/// Native only: Envoy refuses a module config that fails validation, and its log names the
+/// field (the wasm filter's row is in filter_config.rs).
 #[test]
-fn envoy_refuses_a_native_config_the_module_cannot_honour() {
+fn envoy_refuses_a_native_config_that_fails_validation() {
     let pool = PodPool::start(1, 0.01).unwrap();
     for (filter, field) in [
-        (config(json!({"mode": "guard"})), "filter.mode"),
+        (config(json!({"mode": "gaurd"})), "mode"),
         (config(json!({"minPods": 0})), "minPods"),
     ] {
-        let opts = native_opts(&pool, &filter, &pool.agent_addrs);
+        let opts = Path::Native.opts(&pool, &filter, &pool.agent_addrs);
         let out = envoy::run_until_exit(&opts, Duration::from_secs(30)).unwrap();
         assert!(!out.status.success(), "Envoy accepted a bad config");
         assert!(
@@ -1008,7 +928,7 @@ fn steering_by_upstream_override_host_keeps_the_hot_pod_out_on_a_least_request_c
     }
     pool.control(0, r#"{"sm_occupancy":0.97}"#).unwrap();
     let filter = config(json!({}));
-    let mut opts = native_opts(&pool, &filter, &pool.agent_addrs);
+    let mut opts = Path::Native.opts(&pool, &filter, &pool.agent_addrs);
     opts.filter_config = envoy::native_with_steering(&opts.filter_config, "overrideHost").unwrap();
     opts.template = Some(envoy::native_template_least_request().unwrap());
     assert!(

@@ -13,7 +13,10 @@
     clippy::indexing_slicing
 )]
 
+use ai_lb_proto::{watch_event, WatchEvent};
+
 use super::config::GuardConfig;
+use crate::signals::{GpuSignal, PodSignals};
 
 /// Response header marking a guard rejection; the client sidecar's retry policy retries on it
 /// (`retry_on: retriable-headers`) or on the 503 (`retriable-status-codes`).
@@ -32,6 +35,37 @@ pub struct LocalSignals {
     pub capacity: Option<u32>,
     /// When the signals were sampled.
     pub sampled_at_ms: Option<u64>,
+}
+
+impl LocalSignals {
+    /// The local signals after a `Watch` event received at `now_ms`: a snapshot replaces them
+    /// (validated like any pod's; sampled `age_ms` before now; the GPU reading is the one
+    /// `cutoffs.gpuSignal` chooses, by default SM occupancy, never a saturating time fraction),
+    /// a heartbeat confirms the previous ones as of now. None: nothing new (a snapshot without
+    /// metrics, or a heartbeat before any snapshot).
+    pub fn after_event(
+        ev: &WatchEvent,
+        previous: Option<LocalSignals>,
+        now_ms: u64,
+        gpu_signal: GpuSignal,
+    ) -> Option<LocalSignals> {
+        match ev.event.as_ref()? {
+            watch_event::Event::Snapshot(snap) => {
+                let (sig, _issues) = PodSignals::from_proto(snap, now_ms);
+                let sig = sig.filter(|s| s.has_metrics)?;
+                Some(LocalSignals {
+                    gpu_util: sig.gpu_load(gpu_signal).map(|(_, v)| v),
+                    waiting: sig.waiting,
+                    capacity: sig.queue_capacity,
+                    sampled_at_ms: Some(now_ms.saturating_sub(snap.age_ms).max(1)),
+                })
+            }
+            watch_event::Event::Heartbeat(_) => previous.map(|p| LocalSignals {
+                sampled_at_ms: Some(now_ms.max(1)),
+                ..p
+            }),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -242,5 +276,61 @@ mod tests {
         assert!(GuardDecision::Admit { fail_open: None }
             .headers()
             .is_empty());
+    }
+
+    #[test]
+    fn a_snapshot_sets_the_signals_and_a_heartbeat_confirms_them() {
+        use ai_lb_proto::{GpuStats, Heartbeat, InferenceStats, PodIdentity, PodSnapshot};
+        let snap = PodSnapshot {
+            identity: Some(PodIdentity {
+                address: "127.0.0.1:8000".into(),
+                ..Default::default()
+            }),
+            gpus: vec![GpuStats {
+                utilization: Some(1.0),
+                sm_occupancy: Some(0.95),
+                ..Default::default()
+            }],
+            inference: Some(InferenceStats {
+                waiting: Some(3),
+                queue_capacity: Some(16),
+                ..Default::default()
+            }),
+            age_ms: 100,
+            ..Default::default()
+        };
+        let ev = WatchEvent {
+            event: Some(watch_event::Event::Snapshot(snap)),
+        };
+        let s = LocalSignals::after_event(&ev, None, 10_000, GpuSignal::Auto).unwrap();
+        assert_eq!(
+            s.gpu_util,
+            Some(0.95),
+            "SM occupancy, not the saturated time fraction"
+        );
+        let util = GpuSignal::Only(crate::GpuReading::Utilization);
+        assert_eq!(
+            LocalSignals::after_event(&ev, None, 10_000, util)
+                .unwrap()
+                .gpu_util,
+            Some(1.0)
+        );
+        assert_eq!(s.waiting, Some(3));
+        assert_eq!(s.capacity, Some(16));
+        assert_eq!(s.sampled_at_ms, Some(9_900));
+        let hb = WatchEvent {
+            event: Some(watch_event::Event::Heartbeat(Heartbeat::default())),
+        };
+        let s2 = LocalSignals::after_event(&hb, Some(s), 12_000, GpuSignal::Auto).unwrap();
+        assert_eq!(s2.sampled_at_ms, Some(12_000));
+        assert_eq!(s2.gpu_util, Some(0.95));
+        assert!(LocalSignals::after_event(&hb, None, 12_000, GpuSignal::Auto).is_none());
+        assert!(LocalSignals::after_event(
+            &WatchEvent { event: None },
+            Some(s),
+            1,
+            GpuSignal::Auto
+        )
+        .is_none());
     }
 }

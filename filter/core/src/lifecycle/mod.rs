@@ -22,6 +22,7 @@
 
 pub mod admission;
 mod feedback;
+pub mod guard;
 pub mod hold;
 mod steer;
 

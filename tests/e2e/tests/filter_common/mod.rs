@@ -8,6 +8,10 @@ use std::time::Duration;
 use ai_lb_e2e::envoy::{Envoy, EnvoyOptions, HttpClient, PodPool};
 use serde_json::Value;
 
+mod path;
+#[allow(unused_imports)]
+pub use path::{Path, BOTH};
+
 pub const STATUS_PATH: &str = "/ai-lb/status";
 
 /// The plugin config: one pool on the `inference` cluster, GPU-only weights unless `extra`
