@@ -919,6 +919,11 @@ impl AdmissionGate {
                     }
                     None => rt.held.push(self.id, a.class, p.now, deadline_ms),
                 };
+                if pushed.is_err() && a.bounded_hold_ms.is_some() {
+                    // A bounded hold is never answered 503: no room, it goes now.
+                    a.count(stats, "saturated_proceed", 1);
+                    return GateStep::Proceed;
+                }
                 if pushed.is_err() {
                     reject(a, stats, "held_rejected");
                     overloaded_reply(host, sat.retry_after_seconds);
