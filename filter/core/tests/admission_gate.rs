@@ -245,9 +245,14 @@ fn publish(router: &mut Router, now: u64, hot: bool) {
 }
 
 fn worker(admission: &str) -> MockWorker {
+    worker_with(admission, "")
+}
+
+/// A worker with `extra` top-level plugin fields (each followed by a comma).
+fn worker_with(admission: &str, extra: &str) -> MockWorker {
     let cfg = FilterConfig::from_json(
         format!(
-            r#"{{"pools":[{{"name":"default","cluster":"inference"}}],"admission":{admission}}}"#
+            r#"{{{extra}"pools":[{{"name":"default","cluster":"inference"}}],"admission":{admission}}}"#
         )
         .as_bytes(),
     )
@@ -525,4 +530,259 @@ fn a_request_woken_on_its_own_stream_waits_is_released_or_answered_at_its_deadli
     ex.on_end(&mut h, &mut w, &mut g);
     assert!(!g.held() && w.rt.expired.is_empty());
     assert_eq!(w.adm_stats.get("ailb.admission.held_expired"), 1);
+}
+
+const DERIVED: &str = r#"{"tenantKey":["header:x-tenant"],
+    "priority":{"header":"x-prio"},"trustedHeaders":["x-prio"],
+    "saturation":{"softThreshold":0.5,"maxWaitStandardMs":500,"maxHeld":8},
+    "tenants":{"default":{"tokensPerSecond":1000,"burst":1000000}},
+    "derivedPriority":{}}"#;
+
+/// A body with a prompt of about `words` tokens, `max_tokens` and maybe a temperature.
+fn body(words: usize, max_tokens: u64, temperature: Option<f64>) -> String {
+    let prompt = "hello world ".repeat(words / 2);
+    let t = temperature.map_or(String::new(), |t| format!(",\"temperature\":{t}"));
+    format!(r#"{{"prompt":"{prompt}","max_tokens":{max_tokens}{t}}}"#)
+}
+
+/// Derived priority (issue 30 part 5): a long, long-output, cold request is Ultra (counted
+/// `critical`), the same at the default temperature High; under saturation both are held in
+/// lanes released before an earlier standard request, and a bounded hold is routed at its
+/// deadline (never 503) while the standard one is answered 503 at its own. A request whose
+/// header names a class keeps it.
+#[test]
+fn derived_tiers_are_released_before_standard_and_routed_at_their_deadline() {
+    let mut w = worker(DERIVED);
+    publish(&mut w.router, 1_000, true);
+    let ultra = body(40_000, 4_096, Some(0.0));
+    let high = body(40_000, 4_096, None);
+    let short = body(20, 64, Some(0.9));
+    let mut held = Vec::new();
+    for (id, b) in [(1, &short), (2, &high), (3, &ultra)] {
+        let mut h = post(1_010, "a", &[]);
+        let mut g = AdmissionGate::new(id);
+        assert_eq!(send(&mut w, &mut g, &mut h, b), Next::Stop);
+        assert!(h.replies.is_empty() && g.is_held(&mut w), "{id} held");
+        held.push((g, h));
+    }
+    // Named by its header: stays standard, whatever its body.
+    let mut named = post(1_010, "a", &[("x-prio", "standard")]);
+    let mut g = AdmissionGate::new(4);
+    assert_eq!(send(&mut w, &mut g, &mut named, &ultra), Next::Stop);
+    let s = &w.adm_stats;
+    assert_eq!(s.get("ailb.admission.derived.ultra"), 1);
+    assert_eq!(s.get("ailb.admission.derived.high"), 1);
+    assert_eq!(s.get("ailb.admission.derived.standard"), 1);
+    assert_eq!(s.get("ailb.admission.tenant.a.critical.admitted"), 1);
+    assert_eq!(s.get("ailb.admission.tenant.a.standard.admitted"), 3);
+    assert_eq!(s.get("ailb.admission.held"), 4);
+    // Capacity for two: Ultra, then High, before the standard request held first.
+    publish(&mut w.router, 1_050, false);
+    let t = admission::held_tick(&mut w.rt, &w.router, &mut w.adm_stats, 1_100);
+    let ids: Vec<u32> = t.released.iter().map(|(id, _)| *id).collect();
+    assert_eq!(ids, vec![3, 2]);
+    // Saturated again; a new Ultra request is held at most 150 ms, then routed anyway; the
+    // standard ones are answered 503 at 500 ms.
+    publish(&mut w.router, 1_150, true);
+    let mut h = post(1_200, "a", &[]);
+    let mut g = AdmissionGate::new(5);
+    assert_eq!(send(&mut w, &mut g, &mut h, &ultra), Next::Stop);
+    let t = admission::held_tick(&mut w.rt, &w.router, &mut w.adm_stats, 1_349);
+    assert!(t.released.is_empty() && t.expired.is_empty());
+    let t = admission::held_tick(&mut w.rt, &w.router, &mut w.adm_stats, 1_350);
+    assert_eq!(
+        t.released.iter().map(|(id, _)| *id).collect::<Vec<_>>(),
+        vec![5]
+    );
+    assert!(t.expired.is_empty());
+    let t = admission::held_tick(&mut w.rt, &w.router, &mut w.adm_stats, 1_510);
+    assert_eq!(t.expired, vec![1, 4]);
+    let s = &w.adm_stats;
+    assert_eq!(s.get("ailb.admission.derived.deadline_proceed"), 1);
+    assert_eq!(s.get("ailb.admission.held_released"), 2);
+    assert_eq!(s.get("ailb.admission.held_expired"), 2);
+}
+
+/// Off, the same bodies are all the default class and nothing is derived; a body costed by its
+/// length (not parsed) is counted `derived.unparsed` and keeps the default class.
+#[test]
+fn derived_priority_is_off_unless_configured_and_unparsed_bodies_stay_default() {
+    let mut w = worker(PRIORITY);
+    let mut h = post(2_000, "a", &[]);
+    let mut g = AdmissionGate::new(1);
+    assert_eq!(
+        send(&mut w, &mut g, &mut h, &body(40_000, 4_096, Some(0.0))),
+        Next::Continue
+    );
+    assert_eq!(
+        w.adm_stats.get("ailb.admission.tenant.a.standard.admitted"),
+        1
+    );
+    assert_eq!(w.adm_stats.get("ailb.admission.derived.ultra"), 0);
+
+    let mut w = worker(DERIVED);
+    let mut h = post(
+        2_000,
+        "a",
+        &[("content-type", "text/plain"), ("content-length", "100")],
+    );
+    let mut g = AdmissionGate::new(1);
+    let mut ex = Exchange::new();
+    ex.on_request_headers(&mut h, &mut w, &mut g, false);
+    assert_eq!(w.adm_stats.get("ailb.admission.derived.unparsed"), 1);
+    assert_eq!(
+        w.adm_stats.get("ailb.admission.tenant.a.standard.admitted"),
+        1
+    );
+}
+
+/// Both pods idle, with a TTFT p99 and an inter-token latency.
+fn publish_latency(router: &mut Router, now: u64, ttft_ms: f64, itl_ms: f64) {
+    use ai_lb_proto::LatencyQuantiles;
+    let q = |p50: f64, p99: f64| LatencyQuantiles {
+        p50_ms: Some(p50),
+        p99_ms: Some(p99),
+        samples: 100,
+        mean_ms: Some(p50),
+    };
+    let peers = PODS
+        .iter()
+        .enumerate()
+        .map(|(i, a)| PeerState {
+            peer: format!("agent-{i}:9090"),
+            status: PeerStatus::Live as i32,
+            snapshot: Some(PodSnapshot {
+                identity: Some(PodIdentity {
+                    address: a.to_string(),
+                    ..Default::default()
+                }),
+                gpus: vec![GpuStats {
+                    utilization: Some(0.1),
+                    sm_occupancy: Some(0.1),
+                    ..Default::default()
+                }],
+                inference: Some(InferenceStats {
+                    waiting: Some(0),
+                    running: Some(1),
+                    queue_capacity: Some(8),
+                    ttft: Some(q(ttft_ms, ttft_ms)),
+                    inter_token_recent: Some(q(itl_ms, itl_ms)),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            reason: String::new(),
+        })
+        .collect();
+    let ev = PoolEvent {
+        full: true,
+        peers,
+        ..Default::default()
+    };
+    router.apply_pool_event(0, &ev, now);
+}
+
+/// One request through the whole lifecycle with usage `prompt`/`completion` in its answer.
+fn settle_one(w: &mut MockWorker, id: u32, now: u64, b: &str, prompt: u64, completion: u64) {
+    let mut h = post(now, "a", &[]);
+    let mut g = AdmissionGate::new(id);
+    let mut ex = Exchange::new();
+    ex.on_request_headers(&mut h, w, &mut g, false);
+    assert_eq!(
+        ex.on_request_body(&mut h, w, &mut g, b.as_bytes(), true),
+        Next::Continue
+    );
+    ex.on_response_headers(&mut h, w, &mut g, false);
+    h.chunk = format!(
+        r#"{{"usage":{{"prompt_tokens":{prompt},"completion_tokens":{completion},"total_tokens":{}}}}}"#,
+        prompt + completion
+    )
+    .into_bytes();
+    let n = h.chunk.len();
+    ex.on_response_body(&mut h, w, &mut g, n, true);
+    ex.on_end(&mut h, w, &mut g);
+}
+
+/// Latency-aware quota: the settled cost is scaled by (τ / predicted)^0.8 with the prediction
+/// from the chosen pod's TTFT and decode speed (2× the SLO: 0.574×), clamped to 64..=2048; a
+/// pod with no latency readings leaves the plain cost (counted).
+#[test]
+fn the_latency_aware_quota_scales_the_settled_cost_by_the_chosen_pods_prediction() {
+    let cfg = r#"{"tenantKey":["header:x-tenant"],
+        "tenants":{"default":{"tokensPerSecond":1,"burst":100000}},
+        "latencyAwareQuota":{"sloMs":2000}}"#;
+    // Two pods are enough to steer (the default minPods is 3).
+    let mut w = worker_with(cfg, r#""minPods":1,"#);
+    // Predicted 400 + 90 × 40 = 4000 ms: twice τ.
+    publish_latency(&mut w.router, 1_900, 400.0, 40.0);
+    settle_one(
+        &mut w,
+        1,
+        2_000,
+        r#"{"prompt":"hi","max_tokens":90}"#,
+        3,
+        500,
+    );
+    let s = &w.adm_stats;
+    assert_eq!(s.get("ailb.admission.tokens_actual"), 503);
+    assert_eq!(s.get("ailb.admission.quota.scaled_down"), 1);
+    assert_eq!(s.get("ailb.admission.quota.tokens_base"), 503);
+    let q = (503.0 * 0.5f64.powf(0.8)).round() as u64;
+    assert_eq!(s.get("ailb.admission.quota.tokens_quota"), q);
+    let p = w.rt.cfg.tenants.params_for("a");
+    let level = bucket::peek(&w.store, "a", &p, 2_000).remaining();
+    assert_eq!(level, 100_000 - q, "the bucket is charged the quota");
+    // A small answer is charged the minimum, a huge one the maximum.
+    settle_one(
+        &mut w,
+        2,
+        2_000,
+        r#"{"prompt":"hi","max_tokens":90}"#,
+        3,
+        10,
+    );
+    settle_one(
+        &mut w,
+        3,
+        2_000,
+        r#"{"prompt":"hi","max_tokens":90}"#,
+        3,
+        9_000,
+    );
+    let s = &w.adm_stats;
+    assert_eq!(s.get("ailb.admission.quota.clamped_min"), 1);
+    assert_eq!(s.get("ailb.admission.quota.clamped_max"), 1);
+    assert_eq!(s.get("ailb.admission.quota.tokens_quota"), q + 64 + 2_048);
+    // No latency readings (the harness's plain publish): the plain cost.
+    publish(&mut w.router, 2_100, false);
+    let quota_before = w.adm_stats.get("ailb.admission.quota.tokens_quota");
+    let level_before = bucket::peek(&w.store, "a", &p, 2_200).remaining();
+    settle_one(
+        &mut w,
+        4,
+        2_200,
+        r#"{"prompt":"hi","max_tokens":90}"#,
+        3,
+        500,
+    );
+    let s = &w.adm_stats;
+    assert_eq!(s.get("ailb.admission.quota.no_prediction"), 1);
+    assert_eq!(s.get("ailb.admission.quota.tokens_quota"), quota_before);
+    let level = bucket::peek(&w.store, "a", &p, 2_200).remaining();
+    assert_eq!(level_before - level, 503, "the plain cost");
+    // Not picked by the filter (two pods under the default minPods of 3: Envoy's fallback):
+    // no prediction either, counted.
+    let mut fb = worker(cfg);
+    publish_latency(&mut fb.router, 1_900, 400.0, 40.0);
+    settle_one(
+        &mut fb,
+        1,
+        2_000,
+        r#"{"prompt":"hi","max_tokens":90}"#,
+        3,
+        500,
+    );
+    assert_eq!(fb.router.counters().fallback_too_few_pods, 1);
+    assert_eq!(fb.adm_stats.get("ailb.admission.quota.no_prediction"), 1);
+    assert_eq!(fb.adm_stats.get("ailb.admission.quota.tokens_quota"), 0);
 }

@@ -46,13 +46,25 @@ impl AdmissionIds {
 }
 
 /// What a worker's admission counted and Envoy's stats do not have yet.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct AdmTally {
     counts: [u64; COUNTERS.len()],
     /// (tenant, class, index in TENANT_COUNTERS) -> count.
     tenant: HashMap<(String, PriorityClass, usize), u64>,
     recorded: Vec<(usize, u64)>,
     gauges: [Option<u64>; GAUGES.len()],
+}
+
+// By hand: `Default` is not derived for arrays longer than 32.
+impl Default for AdmTally {
+    fn default() -> Self {
+        Self {
+            counts: [0; COUNTERS.len()],
+            tenant: HashMap::new(),
+            recorded: Vec::new(),
+            gauges: [None; GAUGES.len()],
+        }
+    }
 }
 
 fn index(names: &[&str], what: &str) -> Option<usize> {

@@ -469,6 +469,98 @@ fn under_saturation_sheddable_is_shed_and_standard_held_on(path: Path) {
     );
 }
 
+/// Derived priority (`admission.derivedPriority`, issue 30 part 5) through a real Envoy, no
+/// priority header: with only the temperature term weighted, a request at temperature 0 scores
+/// 0.9 and is Ultra (counted `critical`), one without a temperature scores 0 and is Standard.
+/// Both pods saturated: the Ultra request is held at most its `maxHeldMs` and then routed
+/// anyway (200), the Standard one is answered 503 after `maxWaitStandardMs`. Counted under the
+/// same names on both paths.
+#[test]
+fn a_derived_ultra_request_is_held_at_most_its_bound_while_a_standard_one_times_out() {
+    for path in BOTH {
+        eprintln!("== {path:?}");
+        a_derived_ultra_request_is_held_at_most_its_bound_on(path);
+    }
+}
+
+fn a_derived_ultra_request_is_held_at_most_its_bound_on(path: Path) {
+    const ULTRA_HOLD_MS: u64 = 400;
+    const MAX_WAIT_MS: u64 = 1_500;
+    let pool = PodPool::start(2, 0.01).unwrap();
+    for i in 0..2 {
+        pool.control(i, r#"{"sm_occupancy":0.97}"#).unwrap();
+    }
+    let filter = config(json!({
+        "admission": {
+            "tenants": {"default": {"tokensPerSecond": 1000000, "burst": 1000000}},
+            "saturation": {"softThreshold": 0.85, "maxWaitStandardMs": MAX_WAIT_MS},
+            "derivedPriority": {
+                "weights": {"complexity": 0.0, "outputLength": 0.0, "temperature": 1.0},
+                "ultra": {"minScore": 0.85, "maxHeldMs": ULTRA_HOLD_MS}
+            }
+        }
+    }));
+    let envoy = Envoy::start(&path.opts(&pool, &filter, &pool.agent_addrs)).unwrap();
+    wait_scoreboard(&envoy, "both pods cut (saturated)", 30, |sb| {
+        all_fresh(sb, &pool)
+            && pool
+                .pod_addrs
+                .iter()
+                .all(|a| row(sb, &a.to_string()).is_some_and(|r| r["cut"] == "gpu_hard_limit"))
+    });
+    let send = |temperature: Option<f64>| {
+        let mut b = json!({"model": MODEL, "prompt": "hello there", "max_tokens": 4});
+        if let Some(t) = temperature {
+            b["temperature"] = json!(t);
+        }
+        let t = Instant::now();
+        let r = HttpClient::new(envoy.listener)
+            .post_json(
+                "/v1/completions",
+                &[("connection", "close")],
+                &b.to_string(),
+            )
+            .unwrap();
+        (r, t.elapsed())
+    };
+    let (r, took) = send(Some(0.0));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(
+        took >= Duration::from_millis(ULTRA_HOLD_MS - 100)
+            && took < Duration::from_millis(MAX_WAIT_MS),
+        "the Ultra request was held {took:?}, not about {ULTRA_HOLD_MS} ms"
+    );
+    let (r, took) = send(None);
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert!(
+        took >= Duration::from_millis(MAX_WAIT_MS - 100),
+        "503 after {took:?}, before the maximum wait"
+    );
+    envoy
+        .poll(Duration::from_secs(5), "the derived priority stats", || {
+            (path.stat(&envoy, "ailb.admission.derived.ultra") == 1
+                && path.stat(&envoy, "ailb.admission.derived.standard") == 1
+                && path.stat(&envoy, "ailb.admission.derived.deadline_proceed") == 1
+                && path.stat(&envoy, "ailb.admission.held_expired") == 1
+                && tenant_stat(path, &envoy, "default", "critical", "admitted") == 1
+                && tenant_stat(path, &envoy, "default", "standard", "held_rejected") == 1)
+                .then_some(())
+        })
+        .unwrap_or_else(|e| {
+            let stats = envoy.stats().unwrap();
+            let adm: Vec<_> = stats
+                .iter()
+                .filter(|(k, _)| k.contains("admission"))
+                .collect();
+            panic!("{e}: {adm:#?}")
+        });
+    assert!(
+        !envoy.log_tail(200).contains("panicked"),
+        "a hook panicked:\n{}",
+        envoy.log_tail(40)
+    );
+}
+
 /// The big-request hold (`bigRequestHold`), through the real agents: two pods with a 10 000
 /// token KV cache each half filled by a direct 5 000-token prompt; a 4 000-token prompt (big
 /// next to the warm-up's short ones) waits in the sidecar while no pod has room for it with

@@ -55,6 +55,62 @@ const NOT_EXERCISED_WASM: &[(&str, &str)] = &[
         "ailb.admission.hits_addend_errors",
         "moves only on a proxy that refuses the `envoy.ratelimit.hits_addend` filter state; this Envoy takes it",
     ),
+    (
+        "ailb.admission.derived.ultra",
+        "needs `admission.derivedPriority`, off here (parity.rs's derived-priority row moves it on both paths)",
+    ),
+    (
+        "ailb.admission.derived.high",
+        "needs `admission.derivedPriority`, off here (parity.rs's derived-priority row moves it on both paths)",
+    ),
+    (
+        "ailb.admission.derived.standard",
+        "needs `admission.derivedPriority`, off here (parity.rs's derived-priority row moves it on both paths)",
+    ),
+    (
+        "ailb.admission.derived.unparsed",
+        "needs `admission.derivedPriority`, off here",
+    ),
+    (
+        "ailb.admission.derived.deadline_proceed",
+        "needs `admission.derivedPriority`, off here (parity.rs's derived-priority row moves it on both paths)",
+    ),
+    (
+        "ailb.admission.quota.scaled_up",
+        "needs `admission.latencyAwareQuota`, off here (bench_derived_priority moves it)",
+    ),
+    (
+        "ailb.admission.quota.scaled_down",
+        "needs `admission.latencyAwareQuota`, off here (bench_derived_priority moves it)",
+    ),
+    (
+        "ailb.admission.quota.unchanged",
+        "needs `admission.latencyAwareQuota`, off here (bench_derived_priority moves it)",
+    ),
+    (
+        "ailb.admission.quota.clamped_min",
+        "needs `admission.latencyAwareQuota`, off here (bench_derived_priority moves it)",
+    ),
+    (
+        "ailb.admission.quota.clamped_max",
+        "needs `admission.latencyAwareQuota`, off here (bench_derived_priority moves it)",
+    ),
+    (
+        "ailb.admission.quota.tokens_base",
+        "needs `admission.latencyAwareQuota`, off here (bench_derived_priority moves it)",
+    ),
+    (
+        "ailb.admission.quota.tokens_quota",
+        "needs `admission.latencyAwareQuota`, off here (bench_derived_priority moves it)",
+    ),
+    (
+        "ailb.admission.quota.no_prediction",
+        "needs `admission.latencyAwareQuota`, off here",
+    ),
+    (
+        "ailb.admission.quota_scale_pct",
+        "needs `admission.latencyAwareQuota`, off here",
+    ),
 ];
 /// None: the native module defines every stat without a label (admission's among them) with
 /// its config, so each shows up at 0 before it moves.

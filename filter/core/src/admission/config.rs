@@ -12,7 +12,9 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use super::derived::{DerivedPriority, RawDerivedPriority};
 use super::priority::PriorityClass;
+use super::quota::{LatencyQuota, RawLatencyQuota};
 use crate::error::ConfigError;
 
 const PREFIX: &str = "admission";
@@ -244,6 +246,10 @@ pub struct AdmissionConfig {
     pub priority: PriorityConfig,
     pub saturation: SaturationConfig,
     pub guard: GuardConfig,
+    /// Priority derived from the body for requests that name no class (None: off).
+    pub derived_priority: Option<DerivedPriority>,
+    /// Latency-aware quota at settlement (None: off).
+    pub latency_quota: Option<LatencyQuota>,
 }
 
 impl Default for AdmissionConfig {
@@ -259,6 +265,8 @@ impl Default for AdmissionConfig {
             priority: PriorityConfig::default(),
             saturation: SaturationConfig::default(),
             guard: GuardConfig::default(),
+            derived_priority: None,
+            latency_quota: None,
         }
     }
 }
@@ -394,6 +402,13 @@ pub(crate) struct RawAdmission {
     #[cfg_attr(feature = "schema", schemars(extend("default" = {})))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     guard: Option<RawGuard>,
+    /// Priority derived from the request body for a request that names no class (issue 30).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    derived_priority: Option<RawDerivedPriority>,
+    /// Latency-aware quota: the settled cost scaled by the chosen pod's predicted latency
+    /// against an SLO.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    latency_aware_quota: Option<RawLatencyQuota>,
 }
 
 /// How a request body is turned into a weighted cost (in weighted tokens).
@@ -925,6 +940,16 @@ impl TryFrom<RawAdmission> for AdmissionConfig {
             priority,
             saturation,
             guard,
+            derived_priority: raw
+                .derived_priority
+                .as_ref()
+                .map(DerivedPriority::from_raw)
+                .transpose()?,
+            latency_quota: raw
+                .latency_aware_quota
+                .as_ref()
+                .map(LatencyQuota::from_raw)
+                .transpose()?,
         })
     }
 }
@@ -999,6 +1024,8 @@ impl From<&AdmissionConfig> for RawAdmission {
                 retry_after_seconds: Some(c.guard.retry_after_seconds),
                 max_staleness_ms: Some(c.guard.max_staleness_ms),
             }),
+            derived_priority: c.derived_priority.map(DerivedPriority::to_raw),
+            latency_aware_quota: c.latency_quota.map(LatencyQuota::to_raw),
         }
     }
 }

@@ -216,8 +216,18 @@ pub fn cost_from_body(
     endpoint: Endpoint,
     body: &[u8],
 ) -> Result<RequestCost, MalformedBody> {
+    cost_and_temperature(cfg, endpoint, body).map(|(c, _)| c)
+}
+
+/// [`cost_from_body`] and, from the same parse, the body's top-level `temperature` (None when
+/// absent, not a finite number, or the body was not parsed).
+pub fn cost_and_temperature(
+    cfg: &CostConfig,
+    endpoint: Endpoint,
+    body: &[u8],
+) -> Result<(RequestCost, Option<f64>), MalformedBody> {
     if body.len() as u64 > cfg.max_body_bytes {
-        return Ok(cost_from_length(cfg, endpoint, body.len() as u64));
+        return Ok((cost_from_length(cfg, endpoint, body.len() as u64), None));
     }
     let parsed: Result<Value, MalformedBody> = serde_json::from_slice::<Value>(body)
         .map_err(|e| MalformedBody {
@@ -233,10 +243,16 @@ pub fn cost_from_body(
             }
         });
     match parsed {
-        Ok(v) => Ok(cost_from_json(cfg, endpoint, &v)),
+        Ok(v) => {
+            let t = v
+                .get("temperature")
+                .and_then(Value::as_f64)
+                .filter(|t| t.is_finite());
+            Ok((cost_from_json(cfg, endpoint, &v), t))
+        }
         Err(e) => match cfg.malformed_json {
             MalformedJsonPolicy::Reject => Err(e),
-            MalformedJsonPolicy::PassUncosted => Ok(uncosted()),
+            MalformedJsonPolicy::PassUncosted => Ok((uncosted(), None)),
         },
     }
 }

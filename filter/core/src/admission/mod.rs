@@ -27,6 +27,11 @@
 //! 7. Inbound guard (pod sidecar): [`guard::decide`] with the local pod's signals; `Reject` ->
 //!    503 with `GuardDecision::headers()` (`x-ai-lb-guard: rejected`, `retry-after`).
 //! 8. Everything counted in [`stats::Stats`] for the glue to publish.
+//!
+//! Two optional parts (issue 30 part 5): [`derived`] gives a request that names no class a
+//! tier from its parsed body (Ultra / High are bounded holds in the held queue's first lanes,
+//! routed at their deadline), and [`quota`] scales the settled cost by the chosen pod's
+//! predicted latency against an SLO.
 #![deny(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -37,8 +42,10 @@
 pub mod bucket;
 pub mod config;
 pub mod cost;
+pub mod derived;
 pub mod guard;
 pub mod priority;
+pub mod quota;
 pub mod response;
 pub mod stats;
 pub mod tenant;

@@ -149,6 +149,23 @@ pub fn decide(
     }
 }
 
+/// The policy of a derived Ultra or High request (a bounded hold): proceed when the pool is
+/// not saturated, when its hold is 0 or the queue is full (a bounded hold is never answered
+/// 503), else hold it until `now + max_held_ms`, when it is routed anyway.
+pub fn decide_bounded(
+    saturated: bool,
+    queue_has_room: bool,
+    max_held_ms: u64,
+    now_ms: u64,
+) -> PriorityDecision {
+    if !saturated || !queue_has_room || max_held_ms == 0 {
+        return PriorityDecision::Proceed;
+    }
+    PriorityDecision::Hold {
+        deadline_ms: now_ms.saturating_add(max_held_ms),
+    }
+}
+
 /// A request waiting in the held queue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Held {
@@ -157,6 +174,31 @@ pub struct Held {
     pub class: PriorityClass,
     pub enqueued_ms: u64,
     pub deadline_ms: u64,
+    /// A bounded hold (a derived Ultra or High request): at its deadline it is routed, not
+    /// answered 503 ([`HeldQueue::due`]).
+    pub proceed_at_deadline: bool,
+}
+
+/// The held queue's lanes, released in this order: a derived Ultra request, a derived High
+/// one, then the classes' own (a `critical` request is never held; `sheddable` only if a
+/// future policy holds it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Lane {
+    Ultra = 0,
+    High = 1,
+    Standard = 2,
+    Sheddable = 3,
+}
+
+impl Lane {
+    /// The lane of a class's own (not derived) requests.
+    pub fn of_class(class: PriorityClass) -> Self {
+        match class {
+            PriorityClass::Critical => Self::Ultra,
+            PriorityClass::Standard => Self::Standard,
+            PriorityClass::Sheddable => Self::Sheddable,
+        }
+    }
 }
 
 /// A request leaving the queue, released or expired, with how long it waited.
@@ -171,17 +213,23 @@ pub struct Left {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QueueFull;
 
-/// Per-worker queue of held requests: one FIFO per class, released most important class first.
+/// Per-worker queue of held requests: one FIFO per [`Lane`], released most important lane
+/// first.
 #[derive(Debug, Clone)]
 pub struct HeldQueue {
-    queues: [VecDeque<Held>; 3],
+    queues: [VecDeque<Held>; 4],
     max_held: usize,
 }
 
 impl HeldQueue {
     pub fn new(max_held: usize) -> Self {
         Self {
-            queues: [VecDeque::new(), VecDeque::new(), VecDeque::new()],
+            queues: [
+                VecDeque::new(),
+                VecDeque::new(),
+                VecDeque::new(),
+                VecDeque::new(),
+            ],
             max_held,
         }
     }
@@ -191,7 +239,11 @@ impl HeldQueue {
     }
 
     pub fn depth_of(&self, class: PriorityClass) -> usize {
-        self.queues.get(class.index()).map_or(0, VecDeque::len)
+        self.queues
+            .iter()
+            .flat_map(|q| q.iter())
+            .filter(|h| h.class == class)
+            .count()
     }
 
     pub fn has_room(&self) -> bool {
@@ -205,21 +257,68 @@ impl HeldQueue {
         now_ms: u64,
         deadline_ms: u64,
     ) -> Result<(), QueueFull> {
+        self.push_in(id, class, Lane::of_class(class), now_ms, deadline_ms, false)
+    }
+
+    /// Holds a derived Ultra / High request in `lane` until `deadline_ms`, when it is routed
+    /// anyway ([`HeldQueue::due`]); `class` is what its stats count it as.
+    pub fn push_bounded(
+        &mut self,
+        id: u32,
+        class: PriorityClass,
+        lane: Lane,
+        now_ms: u64,
+        deadline_ms: u64,
+    ) -> Result<(), QueueFull> {
+        self.push_in(id, class, lane, now_ms, deadline_ms, true)
+    }
+
+    fn push_in(
+        &mut self,
+        id: u32,
+        class: PriorityClass,
+        lane: Lane,
+        now_ms: u64,
+        deadline_ms: u64,
+        proceed_at_deadline: bool,
+    ) -> Result<(), QueueFull> {
         if !self.has_room() {
             return Err(QueueFull);
         }
-        match self.queues.get_mut(class.index()) {
+        match self.queues.get_mut(lane as usize) {
             Some(q) => {
                 q.push_back(Held {
                     id,
                     class,
                     enqueued_ms: now_ms,
                     deadline_ms,
+                    proceed_at_deadline,
                 });
                 Ok(())
             }
             None => Err(QueueFull),
         }
+    }
+
+    /// Removes every bounded hold whose deadline has passed (`deadline_ms <= now_ms`): the
+    /// caller routes them now. Call it before [`HeldQueue::expire`], which would answer them.
+    pub fn due(&mut self, now_ms: u64) -> Vec<Left> {
+        let mut out = Vec::new();
+        for q in self.queues.iter_mut() {
+            q.retain(|h| {
+                if h.proceed_at_deadline && h.deadline_ms <= now_ms {
+                    out.push(Left {
+                        id: h.id,
+                        class: h.class,
+                        waited_ms: now_ms.saturating_sub(h.enqueued_ms),
+                    });
+                    false
+                } else {
+                    true
+                }
+            });
+        }
+        out
     }
 
     /// Releases up to `free` requests, most important class first, oldest first within a
@@ -246,12 +345,12 @@ impl HeldQueue {
     }
 
     /// Removes every request whose deadline has passed (`deadline_ms <= now_ms`): the caller
-    /// answers them 503.
+    /// answers them 503. A bounded hold is never expired ([`HeldQueue::due`] takes it).
     pub fn expire(&mut self, now_ms: u64) -> Vec<Left> {
         let mut out = Vec::new();
         for q in self.queues.iter_mut() {
             q.retain(|h| {
-                if h.deadline_ms <= now_ms {
+                if !h.proceed_at_deadline && h.deadline_ms <= now_ms {
                     out.push(Left {
                         id: h.id,
                         class: h.class,
@@ -401,6 +500,50 @@ mod tests {
             }]
         );
         assert_eq!(q.depth(), 0);
+    }
+
+    #[test]
+    fn bounded_holds_go_first_by_lane_and_are_due_not_expired_at_their_deadline() {
+        assert_eq!(
+            decide_bounded(false, true, 150, 0),
+            PriorityDecision::Proceed
+        );
+        assert_eq!(
+            decide_bounded(true, false, 150, 0),
+            PriorityDecision::Proceed
+        );
+        assert_eq!(decide_bounded(true, true, 0, 0), PriorityDecision::Proceed);
+        assert_eq!(
+            decide_bounded(true, true, 150, 1000),
+            PriorityDecision::Hold { deadline_ms: 1150 }
+        );
+        let mut q = HeldQueue::new(10);
+        q.push(1, PriorityClass::Standard, 0, 2000).unwrap();
+        q.push_bounded(2, PriorityClass::Standard, Lane::High, 1, 600)
+            .unwrap();
+        q.push_bounded(3, PriorityClass::Critical, Lane::Ultra, 2, 150)
+            .unwrap();
+        assert_eq!(q.depth_of(PriorityClass::Standard), 2);
+        assert_eq!(q.depth_of(PriorityClass::Critical), 1);
+        let ids: Vec<u32> = q.release(2, 10).iter().map(|l| l.id).collect();
+        assert_eq!(ids, vec![3, 2], "Ultra, then High, then standard");
+        q.push_bounded(4, PriorityClass::Critical, Lane::Ultra, 20, 170)
+            .unwrap();
+        assert!(q.due(169).is_empty());
+        // At its deadline a bounded hold is due (routed), never expired (answered).
+        assert!(q.expire(170).is_empty());
+        let due = q.due(170);
+        assert_eq!(
+            due,
+            vec![Left {
+                id: 4,
+                class: PriorityClass::Critical,
+                waited_ms: 150
+            }]
+        );
+        assert_eq!(q.depth(), 1);
+        assert!(q.due(5000).is_empty(), "a standard request is never due");
+        assert_eq!(q.expire(2000).len(), 1);
     }
 
     #[test]

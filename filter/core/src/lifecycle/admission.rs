@@ -19,7 +19,8 @@ use std::sync::Arc;
 use crate::admission::bucket::{self, Grant, SharedStore};
 use crate::admission::config::{BucketParams, TenantKeySource};
 use crate::admission::cost::{self, BodyPlan, CostBasis, Endpoint, RequestCost};
-use crate::admission::priority::{self, ClassSource, HeldQueue, PodLoad, PriorityClass};
+use crate::admission::derived::{ScoreInputs, Tier};
+use crate::admission::priority::{self, ClassSource, HeldQueue, Lane, PodLoad, PriorityClass};
 use crate::admission::priority::{Left, PriorityDecision};
 use crate::admission::stats::{MAX_TENANTS, OTHER_TENANT};
 use crate::admission::{tenant, AdmissionConfig, UsageScanner};
@@ -30,7 +31,7 @@ use crate::score::CutReason;
 use super::{Gate, GateStep, Host, Steered, Worker};
 
 /// The admission counters `ailb.admission.<name>` (each glue defines or names them so).
-pub const COUNTERS: [&str; 24] = [
+pub const COUNTERS: [&str; 37] = [
     "invalid_priority_header",
     "malformed_bodies",
     "costed_by_length",
@@ -55,6 +56,19 @@ pub const COUNTERS: [&str; 24] = [
     "held_rejected",
     "held_released",
     "held_expired",
+    "derived.ultra",
+    "derived.high",
+    "derived.standard",
+    "derived.unparsed",
+    "derived.deadline_proceed",
+    "quota.scaled_up",
+    "quota.scaled_down",
+    "quota.unchanged",
+    "quota.clamped_min",
+    "quota.clamped_max",
+    "quota.no_prediction",
+    "quota.tokens_base",
+    "quota.tokens_quota",
 ];
 
 /// The per-tenant counters `ailb.admission.tenant.<tenant>.<class>.<name>`.
@@ -73,7 +87,7 @@ pub const TENANT_COUNTERS: [&str; 11] = [
 ];
 
 /// The admission histograms `ailb.admission.<name>`.
-pub const HISTOGRAMS: [&str; 2] = ["estimate_abs_error_pct", "held_wait_ms"];
+pub const HISTOGRAMS: [&str; 3] = ["estimate_abs_error_pct", "held_wait_ms", "quota_scale_pct"];
 
 /// The admission gauges `ailb.admission.<name>`.
 pub const GAUGES: [&str; 1] = ["held_depth"];
@@ -232,6 +246,18 @@ pub struct AdmReq {
     pub refund_all: bool,
     /// The stream-done `hits_addend` was published.
     pub stream_done_published: bool,
+    /// No route or valid header named the class: `derivedPriority` may choose it.
+    pub class_unnamed: bool,
+    /// The tier `derivedPriority` gave the request.
+    pub tier: Option<Tier>,
+    /// A derived Ultra / High request's bounded hold (ms).
+    pub bounded_hold_ms: Option<u64>,
+    /// The output reservation (tokens), for the latency prediction.
+    pub output_tokens: u64,
+    /// The pool it is routed in.
+    pub pool: Option<usize>,
+    /// `latencyAwareQuota`'s scale, read when the request was routed (None: plain cost).
+    pub quota_scale: Option<f64>,
 }
 
 /// Starts admission for a request: tenant, class and the body plan.
@@ -270,6 +296,12 @@ pub fn begin(
             settled: false,
             refund_all: false,
             stream_done_published: false,
+            class_unnamed: matches!(source, ClassSource::Default | ClassSource::InvalidHeader),
+            tier: None,
+            bounded_hold_ms: None,
+            output_tokens: 0,
+            pool: None,
+            quota_scale: None,
         },
         plan,
     )
@@ -295,8 +327,11 @@ impl AdmReq {
         body: &[u8],
         now_ms: u64,
     ) -> GateStep {
-        match cost::cost_from_body(&self.cfg.cost, self.endpoint, body) {
-            Ok(c) => self.admit(io, c, now_ms),
+        match cost::cost_and_temperature(&self.cfg.cost, self.endpoint, body) {
+            Ok((c, temperature)) => {
+                self.derive(io.stats, &c, temperature);
+                self.admit(io, c, now_ms)
+            }
             Err(e) => {
                 io.stats.count("malformed_bodies", 1);
                 self.count(io.stats, "malformed", 1);
@@ -315,7 +350,76 @@ impl AdmReq {
         now_ms: u64,
     ) -> GateStep {
         let c = cost::cost_from_length(&self.cfg.cost, self.endpoint, bytes);
+        self.derive(io.stats, &c, None);
         self.admit(io, c, now_ms)
+    }
+
+    /// `derivedPriority`: the tier of a request that names no class, from its parsed body. A
+    /// body that was not parsed (costed by length, malformed and let through) keeps the
+    /// default class, counted `derived.unparsed`.
+    pub fn derive(
+        &mut self,
+        stats: &mut dyn AdmissionStats,
+        c: &RequestCost,
+        temperature: Option<f64>,
+    ) {
+        self.output_tokens = c.output_tokens;
+        let Some(d) = self.cfg.derived_priority.filter(|_| self.class_unnamed) else {
+            return;
+        };
+        if c.basis != CostBasis::Parsed {
+            stats.count("derived.unparsed", 1);
+            return;
+        }
+        let x = ScoreInputs {
+            prompt_units: c
+                .text_tokens
+                .saturating_add(c.image_patches)
+                .saturating_add(c.audio_frames),
+            output_tokens: c.output_tokens,
+            temperature,
+        };
+        let tier = d.tier(d.score(&x));
+        let (class, hold) = d.class_of(tier, self.cfg.priority.default_class);
+        self.tier = Some(tier);
+        self.class = class;
+        self.bounded_hold_ms = hold;
+        stats.count(derived_stat(tier), 1);
+    }
+
+    /// The weighted cost charged for `actual` (the plain cost, or `latencyAwareQuota`'s).
+    pub fn charge_for(&self, actual: u64) -> u64 {
+        match (self.cfg.latency_quota, self.quota_scale) {
+            (Some(q), Some(scale)) => q.quota(actual, scale).0,
+            _ => actual,
+        }
+    }
+
+    /// Records the scale `latencyAwareQuota` gives this request on the pod it was routed to
+    /// (`ttft_ms`, `decode_ms` its readings then); no prediction leaves the plain cost, counted
+    /// at settlement (with the requests the filter did not route: Envoy's fallback).
+    pub fn routed(
+        &mut self,
+        stats: &mut dyn AdmissionStats,
+        ttft_ms: Option<f64>,
+        decode_ms: Option<f64>,
+    ) {
+        let Some(q) = self.cfg.latency_quota else {
+            return;
+        };
+        if self.grant.is_none() || self.quota_scale.is_some() {
+            return;
+        }
+        let scale = crate::admission::quota::LatencyQuota::predict_ms(
+            ttft_ms,
+            decode_ms,
+            self.output_tokens,
+        )
+        .and_then(|p| q.scale(p));
+        if let Some(s) = scale {
+            stats.record("quota_scale_pct", (s * 100.0).round().min(1e9) as u64);
+            self.quota_scale = Some(s);
+        }
     }
 
     /// Takes `c` from the tenant's bucket, or answers 429.
@@ -417,7 +521,7 @@ impl AdmReq {
             .scanner
             .as_ref()
             .and_then(UsageScanner::usage)
-            .map(|u| u.weighted(&self.cfg.cost.weights));
+            .map(|u| self.charge_for(u.weighted(&self.cfg.cost.weights)));
         let extra = actual.map_or(0, |a| a.saturating_sub(g.reserved));
         publish_hits(host, stats, extra);
     }
@@ -441,17 +545,33 @@ impl AdmReq {
             self.count(stats, "reservations_kept", 1);
             return;
         };
-        let actual = usage.weighted(&self.cfg.cost.weights);
-        if !self.refund_all {
+        let plain = usage.weighted(&self.cfg.cost.weights);
+        let actual = if self.refund_all {
+            plain
+        } else {
             record_estimate(stats, self.estimated_prompt, usage.prompt_tokens);
-        }
+            match (self.cfg.latency_quota, self.quota_scale) {
+                (Some(q), Some(scale)) => {
+                    let (charged, effect) = q.quota(plain, scale);
+                    stats.count(effect.stat(), 1);
+                    stats.count("quota.tokens_base", plain);
+                    stats.count("quota.tokens_quota", charged);
+                    charged
+                }
+                (Some(_), None) => {
+                    stats.count("quota.no_prediction", 1);
+                    plain
+                }
+                (None, _) => plain,
+            }
+        };
         let t = &grant.tenant;
         match bucket::reconcile(store, t, &self.params, grant.reserved, actual, now_ms) {
             Ok(s) => {
                 stats.count("cas_retries", u64::from(s.cas_retries));
                 stats.count("tokens_charged", s.charged);
                 stats.count("tokens_refunded", s.refunded);
-                stats.count("tokens_actual", actual);
+                stats.count("tokens_actual", plain);
                 stats.count("settled", 1);
                 self.count(stats, "tokens_charged", s.charged);
                 self.count(stats, "tokens_refunded", s.refunded);
@@ -595,6 +715,14 @@ pub fn held_tick(
     if rt.held.depth() == 0 {
         return out;
     }
+    // Bounded holds (derived Ultra / High) at their deadline are routed, not answered.
+    for l in rt.held.due(now) {
+        if let Some(h) = rt.held_reqs.remove(&l.id) {
+            stats.count("derived.deadline_proceed", 1);
+            stats.record("held_wait_ms", l.waited_ms);
+            out.released.push((l.id, h));
+        }
+    }
     for l in rt.held.expire(now) {
         rt.expired.insert(l.id);
         if let Some(h) = rt.held_reqs.remove(&l.id) {
@@ -687,6 +815,15 @@ where
     Woken::Released
 }
 
+/// The counter of a derived tier.
+pub fn derived_stat(t: Tier) -> &'static str {
+    match t {
+        Tier::Ultra => "derived.ultra",
+        Tier::High => "derived.high",
+        Tier::Standard => "derived.standard",
+    }
+}
+
 fn released(stats: &mut dyn AdmissionStats, l: &Left) {
     stats.count("held_released", 1);
     stats.record("held_wait_ms", l.waited_ms);
@@ -747,7 +884,12 @@ impl AdmissionGate {
             stats.count(what, 1);
             a.refund_all = true;
         };
-        match priority::decide(&sat, a.class, saturated, rt.held.has_room(), p.now) {
+        a.pool = Some(p.pool);
+        let decision = match a.bounded_hold_ms {
+            Some(ms) => priority::decide_bounded(saturated, rt.held.has_room(), ms, p.now),
+            None => priority::decide(&sat, a.class, saturated, rt.held.has_room(), p.now),
+        };
+        match decision {
             PriorityDecision::Proceed => {
                 if saturated {
                     a.count(stats, "saturated_proceed", 1);
@@ -765,7 +907,24 @@ impl AdmissionGate {
                 GateStep::Replied
             }
             PriorityDecision::Hold { deadline_ms } => {
-                if rt.held.push(self.id, a.class, p.now, deadline_ms).is_err() {
+                let pushed = match a.tier.filter(|_| a.bounded_hold_ms.is_some()) {
+                    Some(t) => {
+                        let lane = if t == Tier::Ultra {
+                            Lane::Ultra
+                        } else {
+                            Lane::High
+                        };
+                        rt.held
+                            .push_bounded(self.id, a.class, lane, p.now, deadline_ms)
+                    }
+                    None => rt.held.push(self.id, a.class, p.now, deadline_ms),
+                };
+                if pushed.is_err() && a.bounded_hold_ms.is_some() {
+                    // A bounded hold is never answered 503: no room, it goes now.
+                    a.count(stats, "saturated_proceed", 1);
+                    return GateStep::Proceed;
+                }
+                if pushed.is_err() {
                     reject(a, stats, "held_rejected");
                     overloaded_reply(host, sat.retry_after_seconds);
                     return GateStep::Replied;
@@ -874,6 +1033,27 @@ impl<W: AdmissionWorker + ?Sized> Gate<W> for AdmissionGate {
             now,
         };
         self.priority_gate(host, worker, route)
+    }
+
+    /// Routed to `steered`'s pod: `latencyAwareQuota` reads that pod's latency prediction.
+    fn routed(&mut self, worker: &mut W, pool: usize, steered: &Steered, now: u64) {
+        let Some(a) = self.adm.as_mut() else {
+            return;
+        };
+        if a.cfg.latency_quota.is_none() || a.grant.is_none() {
+            return;
+        }
+        let Some(AdmissionParts { router, stats, .. }) = worker.admission() else {
+            return;
+        };
+        let chosen = steered.chosen();
+        let pods = router.pod_status(pool, now);
+        let pod = pods.iter().find(|r| r.address == chosen);
+        a.routed(
+            stats,
+            pod.and_then(|r| r.ttft_p99_ms),
+            pod.and_then(|r| r.decode_ms),
+        );
     }
 
     /// What the glue's tick recorded when it released this request from the held queue (the

@@ -318,6 +318,10 @@ where
         }
     }
 
+    fn routed(&mut self, worker: &mut W, pool: usize, steered: &Steered, now: u64) {
+        self.adm.routed(worker, pool, steered, now);
+    }
+
     fn take_resumed(&mut self, worker: &mut W) -> Option<Steered> {
         let big = self.hold.take_resumed(worker);
         self.adm.take_resumed(worker).or(big)

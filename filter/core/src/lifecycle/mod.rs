@@ -193,6 +193,8 @@ pub trait Gate<W: ?Sized> {
     ) -> GateStep {
         GateStep::Proceed
     }
+    /// The request was routed (at once, or on its release from a hold) to `steered`'s pod.
+    fn routed(&mut self, _worker: &mut W, _pool: usize, _steered: &Steered, _now: u64) {}
     /// A held request came back: what its release steered (None: nothing, or answered).
     fn take_resumed(&mut self, _worker: &mut W) -> Option<Steered> {
         None
@@ -556,6 +558,9 @@ impl Exchange {
             self.size,
             self.prompt.as_ref(),
         );
+        if let Some(st) = &self.steered {
+            gate.routed(worker, pool, st, now);
+        }
         Next::Continue
     }
 
@@ -567,6 +572,9 @@ impl Exchange {
     {
         if std::mem::take(&mut self.held) {
             if let Some(st) = gate.take_resumed(worker) {
+                if let Some(pool) = self.pool {
+                    gate.routed(worker, pool, &st, st.sent_ms);
+                }
                 self.steered = Some(st);
             }
         }

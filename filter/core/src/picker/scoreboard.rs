@@ -42,6 +42,8 @@ pub struct PodStatus<'a> {
     /// Its smoothed recent inter-token latency (ms), as `longOutputTokens` compares it; None
     /// without a reading in the last 5 s.
     pub decode_ms: Option<f64>,
+    /// TTFT p99 (ms) as its agent reports it (e2e p99 where the model server gives no TTFT).
+    pub ttft_p99_ms: Option<f64>,
     /// The GPU reading its score's GPU term used (`cutoffs.gpuSignal`); None: no GPU term.
     pub gpu_signal: Option<crate::signals::GpuReading>,
     /// That reading's value, 0..=1.
@@ -101,6 +103,7 @@ impl Router {
                     slowdown: sig.is_some_and(|s| s.slowdown),
                     slow_decode: r.slow_decode,
                     decode_ms: r.decode_ms(now_ms),
+                    ttft_p99_ms: sig.and_then(|s| s.p99_ms),
                     gpu_signal: r.score.gpu_reading,
                     gpu: r.score.gpu_value,
                     prefix_keys: sig.and_then(|s| s.prefix.as_ref()).map(|p| p.keys.len()),
