@@ -6,7 +6,8 @@
 //! shed (429), a standard one held then released by capacity or answered 503 at its deadline
 //! (refunded); every stat it counts is one the glues define.
 
-use std::borrow::Cow;
+mod support;
+
 use std::collections::HashMap;
 
 use ai_lb_filter_core::admission::bucket::{self, MemoryStore};
@@ -16,88 +17,16 @@ use ai_lb_filter_core::config::FilterConfig;
 use ai_lb_filter_core::lifecycle::admission::{
     self, AdmissionGate, AdmissionParts, AdmissionRt, AdmissionStats, AdmissionWorker, Woken,
 };
-use ai_lb_filter_core::lifecycle::{
-    BreakerStore, Exchange, Host, Next, Parts, Stats, Steered, Worker,
-};
+use ai_lb_filter_core::lifecycle::{BreakerStore, Exchange, Next, Parts, Stats, Steered, Worker};
 use ai_lb_filter_core::picker::Router;
 use ai_lb_proto::{
     GpuStats, InferenceStats, PeerState, PeerStatus, PodIdentity, PodSnapshot, PoolEvent,
 };
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
+use support::MockHost;
 
 const PODS: [&str; 2] = ["10.0.0.1:8000", "10.0.0.2:8000"];
-
-/// A local reply: status, headers, body.
-type Reply = (u16, Vec<(String, String)>, String);
-
-#[derive(Default)]
-struct MockHost {
-    now: u64,
-    req: HashMap<String, String>,
-    resp: HashMap<String, String>,
-    replies: Vec<Reply>,
-    hits: Vec<u64>,
-    chunk: Vec<u8>,
-    peer: Option<String>,
-}
-
-impl Host for MockHost {
-    fn now_ms(&self) -> u64 {
-        self.now
-    }
-    fn request_header(&self, name: &str) -> Option<Cow<'_, str>> {
-        self.req.get(name).map(|v| Cow::Borrowed(v.as_str()))
-    }
-    fn set_request_header(&mut self, name: &str, value: Option<&str>) -> bool {
-        match value {
-            Some(v) => self.req.insert(name.into(), v.into()),
-            None => self.req.remove(name),
-        };
-        true
-    }
-    fn response_header(&self, name: &str) -> Option<Cow<'_, str>> {
-        self.resp.get(name).map(|v| Cow::Borrowed(v.as_str()))
-    }
-    fn set_response_header(&mut self, name: &str, value: &str) {
-        self.resp.insert(name.into(), value.into());
-    }
-    fn send_local_reply(&mut self, status: u16, headers: &[(&str, &str)], body: &[u8]) {
-        let hs = headers.iter().map(|(k, v)| (k.to_string(), v.to_string()));
-        let body = String::from_utf8_lossy(body).into_owned();
-        self.replies.push((status, hs.collect(), body));
-    }
-    fn cluster_name(&self) -> Option<Cow<'_, str>> {
-        Some(Cow::Borrowed("inference"))
-    }
-    fn upstream_address(&self) -> Option<Cow<'_, str>> {
-        None
-    }
-    fn response_code(&self) -> Option<u16> {
-        Some(200)
-    }
-    fn response_flags(&self) -> u64 {
-        0
-    }
-    fn response_code_details(&self) -> Option<Cow<'_, str>> {
-        None
-    }
-    fn steer(&mut self, routing_header: &str, ranked: &str) -> bool {
-        self.req.insert(routing_header.into(), ranked.into());
-        true
-    }
-    fn warn(&mut self, _msg: &str) {}
-    fn peer_principal(&self) -> Option<Cow<'_, str>> {
-        self.peer.as_deref().map(Cow::Borrowed)
-    }
-    fn set_hits_addend(&mut self, n: u64) -> bool {
-        self.hits.push(n);
-        true
-    }
-    fn response_chunk(&self, _size: usize) -> Option<Vec<u8>> {
-        Some(self.chunk.clone())
-    }
-}
 
 #[derive(Default)]
 struct NoBreakers;
@@ -276,8 +205,10 @@ fn worker_with(admission: &str, extra: &str) -> MockWorker {
 
 fn post(now: u64, tenant: &str, headers: &[(&str, &str)]) -> MockHost {
     let mut h = MockHost {
-        now,
-        ..Default::default()
+        code: Some(200),
+        hits: Some(Vec::new()),
+        chunk: Some(Vec::new()),
+        ..MockHost::at(now)
     };
     for (k, v) in [
         (":path", "/v1/completions"),
@@ -317,7 +248,11 @@ fn a_tenants_bucket_answers_429_once_spent_and_other_tenants_still_pass() {
         .adm_stats
         .get("ailb.admission.tenant.a.standard.tokens_reserved");
     assert!(reserved > 50 && reserved <= 120, "reserved {reserved}");
-    assert_eq!(first.hits, vec![reserved], "the cost reaches hits_addend");
+    assert_eq!(
+        first.hits,
+        Some(vec![reserved]),
+        "the cost reaches hits_addend"
+    );
     let mut second = post(2_001, "a", &[]);
     assert_eq!(
         send(&mut w, &mut AdmissionGate::new(2), &mut second, BODY),
@@ -352,8 +287,9 @@ fn the_responses_usage_settles_the_reservation_and_refunds_the_rest() {
     ex.on_request_body(&mut h, &mut w, &mut g, BODY.as_bytes(), true);
     ex.on_response_headers(&mut h, &mut w, &mut g, false);
     assert!(h.resp.contains_key("x-ratelimit-remaining"), "{:?}", h.resp);
-    h.chunk = br#"{"usage":{"prompt_tokens":3,"completion_tokens":7,"total_tokens":10}}"#.to_vec();
-    let n = h.chunk.len();
+    let chunk = br#"{"usage":{"prompt_tokens":3,"completion_tokens":7,"total_tokens":10}}"#;
+    h.chunk = Some(chunk.to_vec());
+    let n = chunk.len();
     ex.on_response_body(&mut h, &mut w, &mut g, n, true);
     ex.on_end(&mut h, &mut w, &mut g);
     let s = &w.adm_stats;
@@ -362,7 +298,7 @@ fn the_responses_usage_settles_the_reservation_and_refunds_the_rest() {
     assert_eq!(s.get("ailb.admission.tokens_refunded"), reserved - 10);
     assert_eq!(s.get("ailb.admission.settled"), 1);
     // The stream-done hits_addend: nothing beyond the reservation.
-    assert_eq!(h.hits, vec![reserved, 0]);
+    assert_eq!(h.hits, Some(vec![reserved, 0]));
     // The bucket holds burst - 10 again (1 token/s refilled over 0 ms).
     let p = w.rt.cfg.tenants.params_for("a");
     let level = bucket::peek(&w.store, "a", &p, 2_000).remaining();
@@ -693,12 +629,13 @@ fn settle_one(w: &mut MockWorker, id: u32, now: u64, b: &str, prompt: u64, compl
         Next::Continue
     );
     ex.on_response_headers(&mut h, w, &mut g, false);
-    h.chunk = format!(
+    let chunk = format!(
         r#"{{"usage":{{"prompt_tokens":{prompt},"completion_tokens":{completion},"total_tokens":{}}}}}"#,
         prompt + completion
     )
     .into_bytes();
-    let n = h.chunk.len();
+    let n = chunk.len();
+    h.chunk = Some(chunk);
     ex.on_response_body(&mut h, w, &mut g, n, true);
     ex.on_end(&mut h, w, &mut g);
 }

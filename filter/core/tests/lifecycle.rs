@@ -7,8 +7,8 @@
 //! Guard mode: a hot local pod is answered 503 marked for the client sidecar, stale or missing
 //! signals admit, each counted.
 
-use std::borrow::Cow;
-use std::cell::Cell;
+mod support;
+
 use std::collections::HashMap;
 
 use ai_lb_filter_core::breaker::{Breaker, BreakerState, Transition};
@@ -23,94 +23,9 @@ use ai_lb_proto::{
 };
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
+use support::MockHost;
 
 const PODS: [&str; 3] = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"];
-
-/// A proxy for one request: headers in maps, what the core did recorded.
-#[derive(Default)]
-struct MockHost {
-    now: u64,
-    req: HashMap<String, String>,
-    resp: HashMap<String, String>,
-    cluster: Option<String>,
-    upstream: Option<String>,
-    code: Option<u16>,
-    details: Option<String>,
-    steered: Vec<String>,
-    replies: Vec<(u16, String)>,
-    /// The headers of the last local reply.
-    reply_headers: HashMap<String, String>,
-    warnings: Vec<String>,
-    refuse_steer: bool,
-    /// Envoy's own balancer serves retries (the native module's `steering: overrideHost`).
-    retries_elsewhere: bool,
-    /// Reads of what only the log phase needs (code, flags, details), and of the upstream.
-    end_reads: Cell<usize>,
-    upstream_reads: Cell<usize>,
-}
-
-impl Host for MockHost {
-    fn now_ms(&self) -> u64 {
-        self.now
-    }
-    fn request_header(&self, name: &str) -> Option<Cow<'_, str>> {
-        self.req.get(name).map(|v| Cow::Borrowed(v.as_str()))
-    }
-    fn set_request_header(&mut self, name: &str, value: Option<&str>) -> bool {
-        match value {
-            Some(v) => self.req.insert(name.into(), v.into()),
-            None => self.req.remove(name),
-        };
-        true
-    }
-    fn response_header(&self, name: &str) -> Option<Cow<'_, str>> {
-        self.resp.get(name).map(|v| Cow::Borrowed(v.as_str()))
-    }
-    fn set_response_header(&mut self, name: &str, value: &str) {
-        self.resp.insert(name.into(), value.into());
-    }
-    fn send_local_reply(&mut self, status: u16, headers: &[(&str, &str)], body: &[u8]) {
-        self.reply_headers = headers
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        self.replies
-            .push((status, String::from_utf8_lossy(body).into_owned()));
-    }
-    fn cluster_name(&self) -> Option<Cow<'_, str>> {
-        self.cluster.as_deref().map(Cow::Borrowed)
-    }
-    fn upstream_address(&self) -> Option<Cow<'_, str>> {
-        self.upstream_reads.set(self.upstream_reads.get() + 1);
-        self.upstream.as_deref().map(Cow::Borrowed)
-    }
-    fn response_code(&self) -> Option<u16> {
-        self.end_reads.set(self.end_reads.get() + 1);
-        self.code
-    }
-    fn response_flags(&self) -> u64 {
-        self.end_reads.set(self.end_reads.get() + 1);
-        0
-    }
-    fn response_code_details(&self) -> Option<Cow<'_, str>> {
-        self.end_reads.set(self.end_reads.get() + 1);
-        self.details.as_deref().map(Cow::Borrowed)
-    }
-    fn retries_follow_ranked(&self) -> bool {
-        !self.retries_elsewhere
-    }
-    fn steer(&mut self, routing_header: &str, ranked: &str) -> bool {
-        if self.refuse_steer {
-            return false;
-        }
-        self.req.insert(routing_header.into(), ranked.into());
-        self.steered.push(ranked.into());
-        true
-    }
-    fn warn(&mut self, msg: &str) {
-        self.warnings.push(msg.into());
-    }
-}
 
 /// Shared breakers in a map (as the native module keeps them), no epoch.
 #[derive(Default)]
@@ -261,11 +176,7 @@ fn worker() -> MockWorker {
 }
 
 fn host(now: u64) -> MockHost {
-    MockHost {
-        now,
-        cluster: Some("inference".into()),
-        ..Default::default()
-    }
+    MockHost::at(now)
 }
 
 fn inflight(w: &MockWorker, now: u64) -> u32 {
@@ -341,7 +252,7 @@ fn the_status_page_answers_from_this_worker_and_says_which() {
         ex.on_request_headers(&mut h, &mut w, &mut NoGate, true),
         Next::Stop
     );
-    let (status, body) = h.replies.first().cloned().unwrap();
+    let (status, _, body) = h.replies.first().cloned().unwrap();
     assert_eq!(status, 200);
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["worker"], 7);
@@ -834,21 +745,13 @@ fn the_guard_rejects_a_hot_pod_marked_for_retry_and_admits_on_stale_or_missing_s
     assert_eq!(next, Next::Stop);
     assert_eq!(h.replies.len(), 1);
     assert_eq!(h.replies[0].0, 503);
-    assert!(h.replies[0].1.contains("overloaded"), "{}", h.replies[0].1);
+    assert!(h.replies[0].2.contains("overloaded"), "{}", h.replies[0].2);
+    assert_eq!(h.reply_header(0, "x-ai-lb-guard"), Some("rejected"));
     assert_eq!(
-        h.reply_headers.get("x-ai-lb-guard").map(String::as_str),
-        Some("rejected")
-    );
-    assert_eq!(
-        h.reply_headers
-            .get("x-ai-lb-guard-reason")
-            .map(String::as_str),
+        h.reply_header(0, "x-ai-lb-guard-reason"),
         Some("gpu_saturated")
     );
-    assert_eq!(
-        h.reply_headers.get("retry-after").map(String::as_str),
-        Some("2")
-    );
+    assert_eq!(h.reply_header(0, "retry-after"), Some("2"));
     assert_eq!(
         counted,
         vec![GuardCount::Rejected(

@@ -1,0 +1,136 @@
+//! A proxy for one request as the core's lifecycle tests see it ([`MockHost`]): headers in
+//! maps, what the core did recorded. Shared by the tests that drive `lifecycle::Exchange` with
+//! no Envoy (`lifecycle.rs`, `admission_gate.rs`).
+#![allow(dead_code)]
+
+use std::borrow::Cow;
+use std::cell::Cell;
+use std::collections::HashMap;
+
+use ai_lb_filter_core::lifecycle::Host;
+
+/// A local reply: status, headers, body.
+pub type Reply = (u16, Vec<(String, String)>, String);
+
+#[derive(Default)]
+pub struct MockHost {
+    pub now: u64,
+    pub req: HashMap<String, String>,
+    pub resp: HashMap<String, String>,
+    /// The routed cluster (None: the request matched no cluster).
+    pub cluster: Option<String>,
+    pub upstream: Option<String>,
+    pub code: Option<u16>,
+    pub details: Option<String>,
+    /// Every ranked list handed to the proxy.
+    pub steered: Vec<String>,
+    pub replies: Vec<Reply>,
+    pub warnings: Vec<String>,
+    pub refuse_steer: bool,
+    /// Envoy's own balancer serves retries (the native module's `steering: overrideHost`).
+    pub retries_elsewhere: bool,
+    /// Reads of what only the log phase needs (code, flags, details), and of the upstream.
+    pub end_reads: Cell<usize>,
+    pub upstream_reads: Cell<usize>,
+    /// `hits_addend` values set; None: the proxy refuses the filter state.
+    pub hits: Option<Vec<u64>>,
+    /// The response chunk being delivered (None: the proxy cannot read it).
+    pub chunk: Option<Vec<u8>>,
+    pub peer: Option<String>,
+}
+
+impl MockHost {
+    /// A request at `now` on the `inference` cluster.
+    pub fn at(now: u64) -> MockHost {
+        MockHost {
+            now,
+            cluster: Some("inference".into()),
+            ..Default::default()
+        }
+    }
+
+    /// Header `name` of local reply `i`.
+    pub fn reply_header(&self, i: usize, name: &str) -> Option<&str> {
+        self.replies
+            .get(i)?
+            .1
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+impl Host for MockHost {
+    fn now_ms(&self) -> u64 {
+        self.now
+    }
+    fn request_header(&self, name: &str) -> Option<Cow<'_, str>> {
+        self.req.get(name).map(|v| Cow::Borrowed(v.as_str()))
+    }
+    fn set_request_header(&mut self, name: &str, value: Option<&str>) -> bool {
+        match value {
+            Some(v) => self.req.insert(name.into(), v.into()),
+            None => self.req.remove(name),
+        };
+        true
+    }
+    fn response_header(&self, name: &str) -> Option<Cow<'_, str>> {
+        self.resp.get(name).map(|v| Cow::Borrowed(v.as_str()))
+    }
+    fn set_response_header(&mut self, name: &str, value: &str) {
+        self.resp.insert(name.into(), value.into());
+    }
+    fn send_local_reply(&mut self, status: u16, headers: &[(&str, &str)], body: &[u8]) {
+        let hs = headers.iter().map(|(k, v)| (k.to_string(), v.to_string()));
+        let body = String::from_utf8_lossy(body).into_owned();
+        self.replies.push((status, hs.collect(), body));
+    }
+    fn cluster_name(&self) -> Option<Cow<'_, str>> {
+        self.cluster.as_deref().map(Cow::Borrowed)
+    }
+    fn upstream_address(&self) -> Option<Cow<'_, str>> {
+        self.upstream_reads.set(self.upstream_reads.get() + 1);
+        self.upstream.as_deref().map(Cow::Borrowed)
+    }
+    fn response_code(&self) -> Option<u16> {
+        self.end_reads.set(self.end_reads.get() + 1);
+        self.code
+    }
+    fn response_flags(&self) -> u64 {
+        self.end_reads.set(self.end_reads.get() + 1);
+        0
+    }
+    fn response_code_details(&self) -> Option<Cow<'_, str>> {
+        self.end_reads.set(self.end_reads.get() + 1);
+        self.details.as_deref().map(Cow::Borrowed)
+    }
+    fn retries_follow_ranked(&self) -> bool {
+        !self.retries_elsewhere
+    }
+    fn steer(&mut self, routing_header: &str, ranked: &str) -> bool {
+        if self.refuse_steer {
+            return false;
+        }
+        self.req.insert(routing_header.into(), ranked.into());
+        self.steered.push(ranked.into());
+        true
+    }
+    fn warn(&mut self, msg: &str) {
+        self.warnings.push(msg.into());
+    }
+    fn peer_principal(&self) -> Option<Cow<'_, str>> {
+        self.peer.as_deref().map(Cow::Borrowed)
+    }
+    fn set_hits_addend(&mut self, n: u64) -> bool {
+        match &mut self.hits {
+            Some(h) => {
+                h.push(n);
+                true
+            }
+            None => false,
+        }
+    }
+    fn response_chunk(&self, _size: usize) -> Option<Vec<u8>> {
+        self.chunk.clone()
+    }
+}
