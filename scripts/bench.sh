@@ -54,6 +54,10 @@ if [ "${BENCH_NO_BUILD:-0}" != "1" ]; then
     *" --smoke "*|*" --overhead-filter "*empty-wasm*|*" --overhead-filter="*empty-wasm*)
       cargo build --target wasm32-wasip1 --release --locked -p ai-lb-bench-empty-wasm ;;   # the floor of any wasm filter
   esac
+  case " ${args[*]} " in
+    *" --overhead-filter "*empty-native*|*" --overhead-filter="*empty-native*)
+      cargo build --release --locked -p ai-lb-bench-empty-native ;;   # the floor of any dynamic module
+  esac
 fi
 export ENVOY_BIN="${ENVOY_BIN:-$root/.venv/bin/envoy}"
 

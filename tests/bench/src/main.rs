@@ -108,7 +108,9 @@ struct Cli {
     /// named), `wasm-b` / `native-b` (a second build, `$AI_LB_WASM_B` / `$AI_LB_NATIVE_B`,
     /// and/or plugin config, `$AI_LB_BENCH_FILTER_CONFIG_B`, to compare a change in the same
     /// run), `empty-wasm` (a proxy-wasm filter that does nothing, the floor of any wasm filter;
-    /// tests/bench/empty-wasm), `epp` (the endpoint picker behind ext_proc; overhead-epp
+    /// tests/bench/empty-wasm), `empty-native` (a dynamic module that does nothing, in the
+    /// native module's place: the floor of any module; tests/bench/empty-native), `epp` (the
+    /// endpoint picker behind ext_proc; overhead-epp
     /// only), comma-separated: `wasm,native`. Default: `wasm` for overhead, `native,wasm` for
     /// overhead-stream and overhead-rps, `native,wasm,epp` for overhead-epp.
     #[arg(long)]

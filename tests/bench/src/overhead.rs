@@ -177,6 +177,10 @@ pub enum Side {
     /// A proxy-wasm filter that does nothing (tests/bench/empty-wasm) in front of plain
     /// least_request: the floor of any proxy-wasm filter, not an ai-lb build.
     EmptyWasm,
+    /// An Envoy dynamic module that does nothing (tests/bench/empty-native) where the native
+    /// module goes (envoy-native.yaml, the same override_host cluster): the floor of any
+    /// dynamic module in that template, not an ai-lb build.
+    EmptyNative,
     /// The llm-d endpoint picker baseline: Envoy with ext_proc asking its own `ai-lb-epp`
     /// (envoy-config/envoy-epp.yaml); its CPU counts the picker's. Not in `overhead`, whose
     /// sink is a single pod.
@@ -193,12 +197,13 @@ impl Side {
             Side::WasmB => "ai_lb_b",
             Side::NativeB => "ai_lb_native_b",
             Side::EmptyWasm => "empty_wasm",
+            Side::EmptyNative => "empty_native",
             Side::Epp => "epp",
         }
     }
 
-    /// The filters of `--overhead-filter` (`wasm`, `wasm-b`, `native`, `native-b`, `empty-wasm`, `epp`,
-    /// comma-separated); errors name the flag and the value.
+    /// The filters of `--overhead-filter` (`wasm`, `wasm-b`, `native`, `native-b`, `empty-wasm`,
+    /// `empty-native`, `epp`, comma-separated); errors name the flag and the value.
     pub fn parse_builds(s: &str) -> Result<Vec<Side>, Error> {
         let mut out = Vec::new();
         for part in s.split(',').map(str::trim) {
@@ -208,10 +213,11 @@ impl Side {
                 "wasm-b" => Side::WasmB,
                 "native-b" => Side::NativeB,
                 "empty-wasm" => Side::EmptyWasm,
+                "empty-native" => Side::EmptyNative,
                 "epp" => Side::Epp,
                 other => {
                     return Err(format!(
-                        "--overhead-filter: value {other:?}: expected `wasm`, `wasm-b`, `native`, `native-b`, `empty-wasm` or `epp`, comma-separated (e.g. `wasm,native`)"
+                        "--overhead-filter: value {other:?}: expected `wasm`, `wasm-b`, `native`, `native-b`, `empty-wasm`, `empty-native` or `epp`, comma-separated (e.g. `wasm,native`)"
                     ))
                 }
             };
@@ -456,6 +462,13 @@ impl Rig {
                     )?
                 }
                 Side::EmptyWasm => topology::start_empty_wasm_sidecar(&sinks, 1)?,
+                Side::EmptyNative => topology::start_native_sidecar_with(
+                    Some(&topology::empty_native_path()?),
+                    &topology::ailb_filter_config()?,
+                    &sinks,
+                    &grpc,
+                    1,
+                )?,
                 Side::Epp => {
                     let (picker, e) = topology::start_epp_pair(&sinks, 1)?;
                     if pinned {
@@ -472,7 +485,10 @@ impl Rig {
         }
         let mut ready = serde_json::Map::new();
         for (side, e) in &envoys {
-            if !matches!(side, Side::Plain | Side::EmptyWasm | Side::Epp) {
+            if !matches!(
+                side,
+                Side::Plain | Side::EmptyWasm | Side::EmptyNative | Side::Epp
+            ) {
                 let ok = topology::wait_ailb_ready(e, &sinks, Duration::from_secs(15));
                 ready.insert(side.key().into(), json!(ok));
             }

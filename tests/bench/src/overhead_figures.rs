@@ -570,10 +570,12 @@ fn epp_summary(max: &Rounds, rate: f64, rounds: &Rounds, sides: &[Side]) -> Valu
     let mut vs_epp = serde_json::Map::new();
     let mut verdicts = serde_json::Map::new();
     if sides.contains(&Side::Epp) {
-        for &b in sides
-            .iter()
-            .filter(|s| !matches!(s, Side::Plain | Side::Epp | Side::EmptyWasm))
-        {
+        for &b in sides.iter().filter(|s| {
+            !matches!(
+                s,
+                Side::Plain | Side::Epp | Side::EmptyWasm | Side::EmptyNative
+            )
+        }) {
             let mut m = serde_json::Map::new();
             // The worst of the TTFT ratios (the latency the pick adds before the first token)
             // and, apart, of the e2e ones (the response path's: ext_proc echoes every chunk).

@@ -893,6 +893,16 @@ pub fn empty_wasm_path() -> Result<PathBuf, Error> {
     )
 }
 
+/// The empty dynamic module (`tests/bench/empty-native`): `$AI_LB_EMPTY_NATIVE`, else
+/// `<target>/release/libai_lb_bench_empty_native.so`.
+pub fn empty_native_path() -> Result<PathBuf, Error> {
+    envoy::built(
+        "AI_LB_EMPTY_NATIVE",
+        &["release/libai_lb_bench_empty_native.so"],
+        "cargo build --release -p ai-lb-bench-empty-native",
+    )
+}
+
 /// Plain least_request's template with the empty proxy-wasm filter at `wasm` put before the
 /// router, configured as the ai-lb filter is (same flags, V8): what any proxy-wasm filter costs.
 /// `steps` is its plugin configuration (the pieces of ai-lb's work it does; blank = none).
