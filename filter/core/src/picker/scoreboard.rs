@@ -20,6 +20,9 @@ pub struct PodStatus<'a> {
     /// The share of its weight it gets while its traffic ramps back after its breaker closed
     /// (`breaker.recoveryRamp`); 1 otherwise.
     pub ramp: f64,
+    /// Its breaker thresholds as adapted to its pool (`breaker.adaptiveThresholds`), with the
+    /// pool background they came from; None when that is off.
+    pub thresholds: Option<crate::adaptive::Effective>,
     pub picks: u64,
     pub inflight: u32,
     /// Estimated occupancy over capacity, as `twoChoices` compares it (see the module docs).
@@ -90,6 +93,7 @@ impl Router {
                         .recovery_ramp
                         .and_then(|ramp| ramp.at(&r.breaker, now_ms))
                         .map_or(1.0, |s| s.share),
+                    thresholds: r.thresholds,
                     picks: r.picks,
                     inflight: r.inflight,
                     load: r.load(),
