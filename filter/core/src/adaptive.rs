@@ -13,11 +13,13 @@
 //!
 //! The factor is linear in the background relative to the base threshold, `r = background /
 //! base`: `1 − maxAdjust` for a pool showing nothing (r = 0), `1 + maxAdjust` once `r` reaches
-//! `noisyAt` (`errorNoisyAt` for the two rates, `latencyNoisyAt` for the TTFT p99 against the
-//! SLO), the base half-way. For the rates that reads `threshold = (1 − m)·base + (2m /
-//! noisyAt)·background` up to the cap: with the defaults (m 0.3, errorNoisyAt 0.4), 1.5 times
-//! the background above 0.7 of the base, so the threshold never falls below the pool's own
-//! background. Deterministic: the same pool state gives every worker and every sidecar the same
+//! `noisyAt` (`errorNoisyAt` for the rates, `latencyNoisyAt` for the TTFT p99 against the
+//! SLO), the base half-way. Both rates take one factor, judged against the lower of them in use
+//! (`agentErrorRate`, unless it is 0): one worker's failure window sees fewer outcomes than the
+//! agent, so it is at least as noisy. For that rate the factor reads `threshold = (1 − m)·base
+//! + (2m / noisyAt)·background` up to the cap: with the defaults (m 0.3, errorNoisyAt 0.4),
+//! 1.5 times the background above 0.7 of the base, so the threshold never falls below the
+//! pool's own background. Deterministic: the same pool state gives every worker and every sidecar the same
 //! thresholds, so nothing more is stored in the shared breaker.
 
 use serde::Deserialize;
@@ -76,10 +78,16 @@ impl AdaptiveThresholds {
         errors: Option<f64>,
         ttft_p99_ms: Option<f64>,
     ) -> Effective {
-        let rate = |b: f64| match errors {
-            Some(e) => (b * self.factor(e, b, self.error_noisy_at)).min(1.0),
-            None => b,
+        // One factor for both rates, judged against the lower one in use (`agentErrorRate`
+        // unless it is off): the per-worker window sees fewer outcomes than the agent, so it is
+        // at least as noisy, and a background that is noise for one is noise for the other.
+        let judged = if base.agent_error_rate > 0.0 {
+            base.agent_error_rate.min(base.failure_rate)
+        } else {
+            base.failure_rate
         };
+        let error_factor = errors.map_or(1.0, |e| self.factor(e, judged, self.error_noisy_at));
+        let rate = |b: f64| (b * error_factor).min(1.0);
         let ttft_factor = match (ttft_p99_ms, base.ttft_slo_ms) {
             (Some(p), Some(slo)) => self.factor(p, slo as f64, self.latency_noisy_at),
             _ => 1.0,
@@ -90,9 +98,7 @@ impl AdaptiveThresholds {
             ttft_slo_ms: base
                 .ttft_slo_ms
                 .map(|slo| ((slo as f64 * ttft_factor).round() as u64).max(1)),
-            error_factor: errors.map_or(1.0, |e| {
-                self.factor(e, base.agent_error_rate, self.error_noisy_at)
-            }),
+            error_factor,
             ttft_factor,
             error_background: errors,
             ttft_background_ms: ttft_p99_ms,
@@ -158,7 +164,7 @@ pub struct Effective {
     pub failure_rate: f64,
     pub agent_error_rate: f64,
     pub ttft_slo_ms: Option<u64>,
-    /// The factor on `agentErrorRate` (1: static).
+    /// The factor on `failureRate` and `agentErrorRate` (1: static).
     pub error_factor: f64,
     /// The factor on `ttftSloMs` (1: static).
     pub ttft_factor: f64,
@@ -227,9 +233,9 @@ pub struct RawAdaptiveThresholds {
     )]
     pub max_adjust: Option<f64>,
     /// The pool's background error rate (the median of the other pods' agent error rates), as
-    /// a share of a rate threshold (`failureRate`, `agentErrorRate`), at which that threshold is
-    /// raised the whole `maxAdjust`; a pool failing nothing lowers it the whole `maxAdjust`,
-    /// linearly in between (the base at half of it).
+    /// a share of the lower rate threshold in use (`agentErrorRate`, or `failureRate` when that
+    /// is 0), at which both rate thresholds are raised the whole `maxAdjust`; a pool failing
+    /// nothing lowers them the whole `maxAdjust`, linearly in between (the base at half of it).
     #[serde(default)]
     #[cfg_attr(
         feature = "schema",

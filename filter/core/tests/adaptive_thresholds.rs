@@ -96,13 +96,16 @@ fn thresholds(r: &Router, i: usize) -> (f64, f64, Option<u64>) {
 
 #[test]
 fn a_noisy_pool_raises_the_thresholds_and_a_quiet_one_lowers_them_within_the_clamp() {
-    // Every pod fails 12 % and its TTFT p99 is 1.5 s (over the 1 s SLO): agentErrorRate
-    // 0.25 -> 0.325 (background at 48 % of it, past errorNoisyAt 0.4: the whole +30 %),
-    // failureRate 0.5 -> 0.5 · (0.7 + 0.6 · 0.12 / 0.2) = 0.53, the SLO 1000 -> 1300 ms.
+    // Every pod fails 12 % and its TTFT p99 is 1.5 s (over the 1 s SLO): background at 48 %
+    // of agentErrorRate, past errorNoisyAt 0.4: both rates +30 % (agentErrorRate 0.25 ->
+    // 0.325, failureRate 0.5 -> 0.65), the SLO 1000 -> 1300 ms.
     let r = router(ON, &[(0.12, 1500.0); 4]);
     for i in 0..4 {
-        assert_eq!(thresholds(&r, i), (0.53, 0.325, Some(1300)));
+        assert_eq!(thresholds(&r, i), (0.65, 0.325, Some(1300)));
     }
+    // Half-way: a 5 % background leaves the rates at their base.
+    let r = router(ON, &[(0.05, 500.0); 4]);
+    assert_eq!(thresholds(&r, 0), (0.5, 0.25, Some(1000)));
     // A pool failing nearly everything moves nothing past +30 %.
     let r = router(ON, &[(0.9, 50_000.0); 4]);
     assert_eq!(thresholds(&r, 0), (0.65, 0.325, Some(1300)));

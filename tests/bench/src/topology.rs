@@ -38,18 +38,22 @@ pub enum Policy {
     /// ai-lb with ramped recovery on (`breaker.recoveryRamp: {}` added to its config): to set
     /// against `ai_lb` in one run (`fault-flap`).
     AiLbRamp,
+    /// ai-lb with adaptive breaker thresholds on (`breaker.adaptiveThresholds: {}` added):
+    /// to set against `ai_lb` in one run (`fault-noisy`).
+    AiLbAdaptive,
 }
 
 impl Policy {
     /// The policies compared by default (the report's tables and ratios).
     pub const ALL: [Policy; 3] = [Policy::RoundRobin, Policy::LeastRequest, Policy::AiLb];
     /// Every policy `--policies` may name: the default three and the llm-d baseline.
-    pub const SELECTABLE: [Policy; 5] = [
+    pub const SELECTABLE: [Policy; 6] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::AiLb,
         Policy::Epp,
         Policy::AiLbRamp,
+        Policy::AiLbAdaptive,
     ];
 
     /// Parses a policy name as [`Policy::name`] writes it.
@@ -58,7 +62,7 @@ impl Policy {
             .into_iter()
             .find(|p| p.name() == s)
             .ok_or_else(|| {
-                format!("invalid value '{s}' for '--policies': expected round_robin, least_request, ai_lb, epp or ai_lb_ramp")
+                format!("invalid value '{s}' for '--policies': expected round_robin, least_request, ai_lb, epp, ai_lb_ramp or ai_lb_adaptive")
             })
     }
 
@@ -69,12 +73,13 @@ impl Policy {
             Policy::AiLb => "ai_lb",
             Policy::Epp => "epp",
             Policy::AiLbRamp => "ai_lb_ramp",
+            Policy::AiLbAdaptive => "ai_lb_adaptive",
         }
     }
 
     /// Whether the sidecar runs the ai-lb filter (its readiness, counters and cut watch apply).
     pub fn is_ailb(self) -> bool {
-        matches!(self, Policy::AiLb | Policy::AiLbRamp)
+        matches!(self, Policy::AiLb | Policy::AiLbRamp | Policy::AiLbAdaptive)
     }
 }
 
@@ -520,7 +525,9 @@ pub fn plain_template(policy: Policy) -> Result<String, Error> {
     let lb = match policy {
         Policy::RoundRobin => "ROUND_ROBIN",
         Policy::LeastRequest => "LEAST_REQUEST",
-        Policy::AiLb | Policy::AiLbRamp => return Err("ai_lb uses envoy-config/envoy.yaml".into()),
+        Policy::AiLb | Policy::AiLbRamp | Policy::AiLbAdaptive => {
+            return Err("ai_lb uses envoy-config/envoy.yaml".into())
+        }
         Policy::Epp => return Err("epp uses envoy-config/envoy-epp.yaml".into()),
     };
     Ok(t.replace("${LB_POLICY}", lb))
@@ -539,6 +546,17 @@ pub fn ailb_filter_config() -> Result<String, Error> {
 
 /// `config` with `breaker.recoveryRamp` on at its defaults (kept as it is where it names one).
 pub fn with_recovery_ramp(config: &str) -> Result<String, Error> {
+    with_breaker_section(config, "recoveryRamp")
+}
+
+/// `config` with `breaker.adaptiveThresholds` on at its defaults (kept as it is where it names
+/// one).
+pub fn with_adaptive_thresholds(config: &str) -> Result<String, Error> {
+    with_breaker_section(config, "adaptiveThresholds")
+}
+
+/// `config` with `breaker.<section>` present (`{}` unless it names one).
+fn with_breaker_section(config: &str, section: &str) -> Result<String, Error> {
     let mut v: serde_json::Value =
         serde_json::from_str(config).map_err(|e| format!("the ai-lb filter config: {e}"))?;
     let Some(top) = v.as_object_mut() else {
@@ -549,8 +567,7 @@ pub fn with_recovery_ramp(config: &str) -> Result<String, Error> {
         .or_insert_with(|| serde_json::json!({}));
     match breaker.as_object_mut() {
         Some(b) => {
-            b.entry("recoveryRamp")
-                .or_insert_with(|| serde_json::json!({}));
+            b.entry(section).or_insert_with(|| serde_json::json!({}));
         }
         None => return Err("the ai-lb filter config's `breaker` is not an object".into()),
     }
@@ -580,6 +597,9 @@ pub fn start_sidecar(
     let opts = match policy {
         Policy::AiLb => EnvoyOptions::new(ailb_filter_config()?),
         Policy::AiLbRamp => EnvoyOptions::new(with_recovery_ramp(&ailb_filter_config()?)?),
+        Policy::AiLbAdaptive => {
+            EnvoyOptions::new(with_adaptive_thresholds(&ailb_filter_config()?)?)
+        }
         Policy::Epp => return start_epp_sidecar(upstreams, concurrency),
         p => {
             let mut o = EnvoyOptions::new("{}");
