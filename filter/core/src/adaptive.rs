@@ -16,11 +16,11 @@
 //! `noisyAt` (`errorNoisyAt` for the rates, `latencyNoisyAt` for the TTFT p99 against the
 //! SLO), the base half-way. Both rates take one factor, judged against the lower of them in use
 //! (`agentErrorRate`, unless it is 0): one worker's failure window sees fewer outcomes than the
-//! agent, so it is at least as noisy. For that rate the factor reads `threshold = (1 − m)·base
-//! + (2m / noisyAt)·background` up to the cap: with the defaults (m 0.3, errorNoisyAt 0.4),
-//! 1.5 times the background above 0.7 of the base, so the threshold never falls below the
-//! pool's own background. Deterministic: the same pool state gives every worker and every sidecar the same
-//! thresholds, so nothing more is stored in the shared breaker.
+//! agent, so it is at least as noisy. For that rate the factor reads `threshold = (1 − m)·base +
+//! (2m / noisyAt)·background` up to the cap: with the defaults (m 0.3, errorNoisyAt 0.4), 1.5
+//! times the background above 0.7 of the base, so the threshold never falls below the pool's
+//! own background. Deterministic: the same pool state gives every worker and every sidecar the
+//! same thresholds, so nothing more is stored in the shared breaker.
 
 use serde::Deserialize;
 

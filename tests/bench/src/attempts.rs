@@ -264,6 +264,16 @@ fn summarize(samples: &[Sample], faulty: usize, fault_at_ms: f64, end_ms: f64) -
         "attempts_all_pods_after_first_open": after_open.map(|x| x.1),
         "breaker_openings_after_fault": openings,
         "breaker_openings_before_fault": openings_before,
+        // Breaker openings summed over the sidecars since the first sample, once a second
+        // (for the plot of when they happened): [seconds since the start, openings].
+        "openings_over_time": samples
+            .iter()
+            .step_by(4)
+            .map(|s| json!([
+                (s.t_ms / 100.0).round() / 10.0,
+                s.opened.saturating_sub(samples.first().map_or(0, |f| f.opened)),
+            ]))
+            .collect::<Vec<_>>(),
         "sidecars_opened": own.opened_ms.len(),
         "sidecar_first_open_ms_after_fault": own.opened_ms,
         "sidecar_picks_of_pod_after_own_open": own.picks,

@@ -102,9 +102,34 @@ pub enum Fault {
     Noisy,
 }
 
-/// Background error rate of every pod in [`Fault::Noisy`], and a pod's during its burst.
+/// Background error rate of every pod in [`Fault::Noisy`], and a pod's during its burst;
+/// `AI_LB_BENCH_NOISE=<background>,<burst>` (e.g. `0.08,0.2`) sets others.
 const NOISE_RATE: f64 = 0.10;
 const NOISE_BURST_RATE: f64 = 0.30;
+
+/// [`NOISE_RATE`] and [`NOISE_BURST_RATE`], or `AI_LB_BENCH_NOISE`'s (each within 0..=1).
+fn noise_rates() -> Result<(f64, f64), Error> {
+    let Ok(v) = std::env::var("AI_LB_BENCH_NOISE") else {
+        return Ok((NOISE_RATE, NOISE_BURST_RATE));
+    };
+    let parse = |s: &str| {
+        s.trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|x| (0.0..=1.0).contains(x))
+    };
+    match v.split_once(',') {
+        Some((a, b)) => match (parse(a), parse(b)) {
+            (Some(a), Some(b)) => Ok((a, b)),
+            _ => Err(format!(
+                "AI_LB_BENCH_NOISE={v:?}: expected <background>,<burst> within 0..=1"
+            )),
+        },
+        None => Err(format!(
+            "AI_LB_BENCH_NOISE={v:?}: expected <background>,<burst>"
+        )),
+    }
+}
 /// How long each burst lasts; the pods burst one after another.
 const NOISE_BURST: Duration = Duration::from_secs(3);
 
@@ -112,6 +137,7 @@ const NOISE_BURST: Duration = Duration::from_secs(3);
 /// whose turn it is ([`NOISE_BURST_RATE`] for [`NOISE_BURST`]); pod 0 is left alone once
 /// `faulted` (its fault is set by the run). A failed control request is reported, not fatal.
 fn start_noise(
+    (background, burst): (f64, f64),
     pods: Vec<(SocketAddr, String)>,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     faulted: std::sync::Arc<std::sync::atomic::AtomicBool>,
@@ -127,9 +153,9 @@ fn start_noise(
                     continue;
                 }
                 let rate = if turn % pods.len() == i {
-                    NOISE_BURST_RATE
+                    burst
                 } else {
-                    NOISE_RATE
+                    background
                 };
                 if set.get(i).copied().flatten() != Some(rate) {
                     let json = format!(r#"{{"error_rate":{rate}}}"#);
@@ -855,11 +881,18 @@ pub fn run_policy(
     let cpu_before = (cpu_of(&sidecar_pids), cpu_of(&agent_pids));
     let started = Instant::now();
     // A noisy pool is noisy from the first request.
+    let rates = if load.fault == Some(Fault::Noisy) {
+        let r = noise_rates()?;
+        eprintln!("[bench] fault-noisy: background {}, bursts {}", r.0, r.1);
+        r
+    } else {
+        (NOISE_RATE, NOISE_BURST_RATE)
+    };
     let noise = (load.fault == Some(Fault::Noisy)).then(|| {
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let faulted = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let pods = pool.pods.iter().map(|p| (p.addr, p.name.clone())).collect();
-        let h = start_noise(pods, stop.clone(), faulted.clone());
+        let h = start_noise(rates, pods, stop.clone(), faulted.clone());
         (stop, faulted, h)
     });
     let (mut children, rec_paths) = spawn_loadgens(env, &urls, &traces, dir, policy.name())?;

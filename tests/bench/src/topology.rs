@@ -546,17 +546,29 @@ pub fn ailb_filter_config() -> Result<String, Error> {
 
 /// `config` with `breaker.recoveryRamp` on at its defaults (kept as it is where it names one).
 pub fn with_recovery_ramp(config: &str) -> Result<String, Error> {
-    with_breaker_section(config, "recoveryRamp")
+    with_breaker_section(config, "recoveryRamp", serde_json::json!({}))
 }
 
-/// `config` with `breaker.adaptiveThresholds` on at its defaults (kept as it is where it names
-/// one).
+/// `config` with `breaker.adaptiveThresholds` on: the JSON object in `AI_LB_BENCH_ADAPTIVE`
+/// (e.g. `{"maxAdjust":0.15}`, to compare settings in one run), else at its defaults (kept as
+/// it is where the config names one).
 pub fn with_adaptive_thresholds(config: &str) -> Result<String, Error> {
-    with_breaker_section(config, "adaptiveThresholds")
+    let section = match std::env::var("AI_LB_BENCH_ADAPTIVE") {
+        Ok(v) => serde_json::from_str::<serde_json::Value>(&v)
+            .ok()
+            .filter(serde_json::Value::is_object)
+            .ok_or_else(|| format!("AI_LB_BENCH_ADAPTIVE={v:?}: not a JSON object"))?,
+        Err(_) => serde_json::json!({}),
+    };
+    with_breaker_section(config, "adaptiveThresholds", section)
 }
 
-/// `config` with `breaker.<section>` present (`{}` unless it names one).
-fn with_breaker_section(config: &str, section: &str) -> Result<String, Error> {
+/// `config` with `breaker.<section>` present (`value` unless it names one).
+fn with_breaker_section(
+    config: &str,
+    section: &str,
+    value: serde_json::Value,
+) -> Result<String, Error> {
     let mut v: serde_json::Value =
         serde_json::from_str(config).map_err(|e| format!("the ai-lb filter config: {e}"))?;
     let Some(top) = v.as_object_mut() else {
@@ -567,7 +579,7 @@ fn with_breaker_section(config: &str, section: &str) -> Result<String, Error> {
         .or_insert_with(|| serde_json::json!({}));
     match breaker.as_object_mut() {
         Some(b) => {
-            b.entry(section).or_insert_with(|| serde_json::json!({}));
+            b.entry(section).or_insert(value);
         }
         None => return Err("the ai-lb filter config's `breaker` is not an object".into()),
     }

@@ -2,8 +2,8 @@
 //! work in a real Envoy on both data paths (the wasm filter and the native module share the
 //! core's thresholds): in a quiet pool each pod's `agentErrorRate` is lowered (0.25 -> 0.175,
 //! shown on the status page with the pool background it came from); a pod that alone fails
-//! every request keeps its lowered threshold (its own error rate is not in its background) and
-//! is cut; once every pod fails a share of its requests the thresholds are raised above the
+//! every request keeps its lowered threshold (the others are quiet) and is cut (that its own
+//! rate is left out of its background is checked in the core's tests/adaptive_thresholds.rs); once every pod fails a share of its requests the thresholds are raised above the
 //! base. Agents report the pods' error rates, so the background comes from real agents.
 
 mod filter_common;
@@ -125,8 +125,8 @@ fn thresholds_follow_the_pool_on(path: Path) {
         })
     });
 
-    // Pod 0 alone fails every request: its own error rate is left out of its background,
-    // so its threshold stays lowered, and its agent's rate cuts it.
+    // Pod 0 alone fails every request: the others stay quiet, so its threshold stays
+    // lowered, and its agent's rate cuts it.
     pool.control(0, r#"{"error_rate":1.0}"#).unwrap();
     drive_until(&envoy, 30, "pod0 cut on its agent's error rate", |e| {
         path.stat(e, "ailb.breaker_opened.agent_error_rate") >= 1
