@@ -1520,6 +1520,7 @@ mod tests {
             Some(Fault::Slowdown5xSilent)
         );
         assert!(parse_load("fault-slowdown-loud").is_err());
+        assert_eq!(parse_load("fault-noisy").unwrap().fault, Some(Fault::Noisy));
         let e = parse_load("sharegpt-poisson-x").unwrap_err();
         assert!(e.contains("\"x\""), "{e}");
         assert!(parse_load("nonsense").unwrap_err().contains("nonsense"));

@@ -1118,6 +1118,20 @@ mod tests {
     }
 
     #[test]
+    fn the_adaptive_variant_adds_its_section_and_keeps_one_the_config_names() {
+        // AI_LB_BENCH_ADAPTIVE is not set in tests: the defaults (`{}`).
+        let c = with_adaptive_thresholds(r#"{"breaker":{"consecutiveFailures":5}}"#).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&c).unwrap();
+        assert_eq!(v["breaker"]["adaptiveThresholds"], serde_json::json!({}));
+        assert_eq!(v["breaker"]["consecutiveFailures"], 5);
+        let c = with_adaptive_thresholds(r#"{"breaker":{"adaptiveThresholds":{"maxAdjust":0.1}}}"#)
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_str(&c).unwrap();
+        assert_eq!(v["breaker"]["adaptiveThresholds"]["maxAdjust"], 0.1);
+        assert!(with_adaptive_thresholds(r#"{"breaker":3}"#).is_err());
+    }
+
+    #[test]
     fn cpu_of_this_process_is_read_and_a_gone_pid_is_not_alive() {
         let me = std::process::id();
         assert!(cpu_secs(me).is_some_and(|c| c >= 0.0));
