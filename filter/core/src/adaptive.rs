@@ -242,9 +242,10 @@ pub struct RawAdaptiveThresholds {
         schemars(extend("default" = 0.4, "exclusiveMinimum" = 0, "maximum" = 1))
     )]
     pub error_noisy_at: Option<f64>,
-    /// The pool's background TTFT p99 (the median of the other pods' agent-reported p99), as a
-    /// share of `ttftSloMs`, at which the SLO is raised the whole `maxAdjust`; a p99 near 0
-    /// lowers it the whole `maxAdjust`, linearly in between.
+    /// The pool's background TTFT p99 (the median of the other pods' TTFT p99 as their agents
+    /// report it; an agent reporting only the end-to-end p99 gives none), as a share of
+    /// `ttftSloMs`, at which the SLO is raised the whole `maxAdjust`; a p99 near 0 lowers it the
+    /// whole `maxAdjust`, linearly in between.
     #[serde(default)]
     #[cfg_attr(
         feature = "schema",

@@ -283,6 +283,27 @@ fn too_few_or_stale_readings_keep_the_static_thresholds_and_say_so() {
 }
 
 #[test]
+fn an_e2e_p99_is_no_background_for_the_ttft_slo() {
+    // Agents that report only the e2e p99 (no TTFT histogram): the rates still adapt, the
+    // TTFT SLO stays at its base.
+    let mut ev = event(1, &[(0.0, 100.0); 4]);
+    for p in ev.peers.iter_mut() {
+        if let Some(inf) = p.snapshot.as_mut().and_then(|s| s.inference.as_mut()) {
+            inf.e2e = inf.ttft.take();
+        }
+    }
+    let cfg = FilterConfig::from_json(
+        br#"{"pools":[{"name":"p","cluster":"c"}],"minPods":1,
+            "breaker":{"ttftSloMs":1000,"adaptiveThresholds":{}}}"#,
+    )
+    .unwrap();
+    let mut r = Router::new(cfg);
+    r.apply_pool_event(0, &ev, 1_000);
+    r.tick(1_000);
+    assert_eq!(thresholds(&r, 0), (0.35, 0.175, Some(1000)));
+}
+
+#[test]
 fn absent_the_section_changes_nothing() {
     let r = router("", &[(0.0, 100.0); 4]);
     assert_eq!(r.breaker_config_for(0, &addr(0)), r.config().breaker);

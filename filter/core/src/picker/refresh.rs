@@ -70,7 +70,8 @@ fn background_readings(
         .error_rate
         .filter(|e| e.is_finite() && (0.0..=1.0).contains(e))
         .filter(|_| sig.window_requests.unwrap_or(0) >= u64::from(a.min_requests));
-    let p99 = sig.p99_ms.filter(|p| p.is_finite() && *p >= 0.0);
+    // The TTFT p99 alone: an e2e p99 (an agent without TTFT) is no background for a TTFT SLO.
+    let p99 = sig.ttft_p99_ms.filter(|p| p.is_finite() && *p >= 0.0);
     (errors, p99)
 }
 
