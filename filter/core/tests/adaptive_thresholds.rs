@@ -112,6 +112,16 @@ fn a_noisy_pool_raises_the_thresholds_and_a_quiet_one_lowers_them_within_the_cla
     // A quiet pool: no errors, p99 100 ms: -30 % on the rates, the SLO at 0.7 + 0.6 · 0.1.
     let r = router(ON, &[(0.0, 100.0); 4]);
     assert_eq!(thresholds(&r, 0), (0.35, 0.175, Some(760)));
+    // The pool's gauges: the pods' median, rates x1000.
+    let g: Vec<_> = r.pool_thresholds(0).unwrap().gauges().collect();
+    assert_eq!(
+        g,
+        [
+            ("failure_rate_permille", 350),
+            ("agent_error_rate_permille", 175),
+            ("ttft_slo_ms", 760)
+        ]
+    );
     // maxAdjust narrows the band.
     let r = router(
         r#","adaptiveThresholds":{"maxAdjust":0.1}"#,
@@ -307,6 +317,7 @@ fn an_e2e_p99_is_no_background_for_the_ttft_slo() {
 fn absent_the_section_changes_nothing() {
     let r = router("", &[(0.0, 100.0); 4]);
     assert_eq!(r.breaker_config_for(0, &addr(0)), r.config().breaker);
+    assert!(r.pool_thresholds(0).is_none());
     assert!(r.config().breaker.adaptive_thresholds.is_none());
     let page = scoreboard(&r, 1_000);
     assert!(page["pools"][0]["pods"][0]["thresholds"].is_null());

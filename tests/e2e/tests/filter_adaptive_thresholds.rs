@@ -125,6 +125,16 @@ fn thresholds_follow_the_pool_on(path: Path) {
         })
     });
 
+    if matches!(path, Path::Wasm) {
+        // The pool's gauge (wasm): the pods' median, x1000, set every 500 ms.
+        let g = "ailb.pool.default.thresholds.agent_error_rate_permille";
+        envoy
+            .poll(Duration::from_secs(5), "the pool's threshold gauge", || {
+                (path.stat(&envoy, g) == 175).then_some(())
+            })
+            .unwrap();
+    }
+
     // Pod 0 alone fails every request: the others stay quiet, so its threshold stays
     // lowered, and its agent's rate cuts it.
     pool.control(0, r#"{"error_rate":1.0}"#).unwrap();
