@@ -217,6 +217,26 @@ def main(work, out):
             fig.tight_layout()
             fig.savefig(os.path.join(sdir, "share_over_time.png"), dpi=80)
             plt.close(fig)
+            opened = [p for p in faults if (p["fault"].get("attempts") or {}).get("openings_over_time")]
+            if opened:
+                # Breaker openings over time (fault-noisy: before the fault they are false trips),
+                # and when each sidecar first showed the faulty pod cut.
+                fig, ax = plt.subplots(figsize=(9, 4))
+                for p in opened:
+                    pts = p["fault"]["attempts"]["openings_over_time"]
+                    line, = ax.step([x for x, _ in pts], [y for _, y in pts], where="post", label=p["policy"])
+                    for c in p["fault"].get("sidecar_cut_ms_after_fault") or []:
+                        if c is not None:
+                            ax.axvline(t + c / 1000.0, color=line.get_color(), alpha=0.4, linewidth=1)
+                ax.axvline(t, color="k", linestyle="--", label="fault")
+                ax.set_xlabel("time since the first request (s)")
+                ax.set_ylabel("breaker openings, all sidecars")
+                ax.legend()
+                ax.grid(True, alpha=0.3)
+                fig.suptitle(f"{scen}: breaker openings (thin lines: each sidecar's cut of {faults[0]['fault']['pod']})")
+                fig.tight_layout()
+                fig.savefig(os.path.join(sdir, "openings_over_time.png"), dpi=80)
+                plt.close(fig)
         print(f"plots written for {scen}")
 
 

@@ -230,6 +230,19 @@ impl FailureWindow {
     /// Records one outcome at `now_ms` and says whether the failure rate now opens the
     /// breaker (then the window starts over).
     pub fn record(&mut self, failed: bool, now_ms: u64, cfg: &BreakerConfig) -> bool {
+        self.record_judged(failed, now_ms, cfg, cfg.failure_rate).0
+    }
+
+    /// [`FailureWindow::record`], also saying whether `other_rate` in place of
+    /// `cfg.failure_rate` would have opened the breaker on the same outcomes (for counting what
+    /// an adapted threshold changed, see [`crate::adaptive`]).
+    pub fn record_judged(
+        &mut self,
+        failed: bool,
+        now_ms: u64,
+        cfg: &BreakerConfig,
+        other_rate: f64,
+    ) -> (bool, bool) {
         let half = (cfg.failure_rate_window_ms / 2).max(1);
         let since = now_ms.saturating_sub(self.start_ms);
         if since >= 2 * half {
@@ -248,15 +261,16 @@ impl FailureWindow {
         }
         let fails = u64::from(self.cur.1) + u64::from(self.prev.1);
         let total = fails + u64::from(self.cur.0) + u64::from(self.prev.0);
-        let tripped = total >= u64::from(cfg.failure_rate_min_requests)
-            && fails as f64 >= cfg.failure_rate * total as f64;
+        let enough = total >= u64::from(cfg.failure_rate_min_requests);
+        let tripped = enough && fails as f64 >= cfg.failure_rate * total as f64;
+        let other = enough && fails as f64 >= other_rate * total as f64;
         if tripped {
             *self = FailureWindow {
                 start_ms: now_ms,
                 ..FailureWindow::default()
             };
         }
-        tripped
+        (tripped, other)
     }
 }
 

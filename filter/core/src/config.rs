@@ -9,6 +9,7 @@ use std::net::SocketAddr;
 use serde::Deserialize;
 use serde_json::Value;
 
+use crate::adaptive::{AdaptiveThresholds, RawAdaptiveThresholds};
 use crate::admission::AdmissionConfig;
 use crate::error::ConfigError;
 use crate::recovery::{RawRecoveryRamp, RecoveryRamp};
@@ -147,6 +148,10 @@ pub struct BreakerConfig {
     /// `recoveryRamp`: after a close, the pod's weight ramps back in steps ([`crate::recovery`]).
     /// None = off (the whole share at once).
     pub recovery_ramp: Option<RecoveryRamp>,
+    /// `adaptiveThresholds`: each pod's `failure_rate`, `agent_error_rate` and `ttft_slo_ms`
+    /// move within ±`maxAdjust` of these with its pool's background ([`crate::adaptive`]).
+    /// None = off (the static thresholds).
+    pub adaptive_thresholds: Option<AdaptiveThresholds>,
 }
 
 impl Default for BreakerConfig {
@@ -162,6 +167,7 @@ impl Default for BreakerConfig {
             failure_rate_min_requests: 10,
             agent_error_rate: 0.25,
             recovery_ramp: None,
+            adaptive_thresholds: None,
         }
     }
 }
@@ -771,6 +777,15 @@ struct RawBreaker {
     /// 5 s each).
     #[serde(default)]
     recovery_ramp: Option<RawRecoveryRamp>,
+    /// Each pod's `failureRate`, `agentErrorRate` and `ttftSloMs` move within ±`maxAdjust` of
+    /// their configured value with what the rest of its pool shows (the median, over the other
+    /// pods, of the agents' error rate and TTFT p99): raised in a pool whose healthy pods all
+    /// fail a background share or have a long TTFT tail, so noise does not cut them; lowered
+    /// in a quiet pool, so a pod that starts failing is cut sooner. A pod's own readings never
+    /// move its own thresholds. `consecutiveFailures` is not adapted. Absent: off (the static
+    /// thresholds). `{}`: on with the defaults.
+    #[serde(default)]
+    adaptive_thresholds: Option<RawAdaptiveThresholds>,
 }
 
 /// `bigRequestHold`.
@@ -1249,6 +1264,12 @@ impl TryFrom<RawConfig> for FilterConfig {
                 .recovery_ramp
                 .as_ref()
                 .map(RecoveryRamp::from_raw)
+                .transpose()?,
+            adaptive_thresholds: raw
+                .breaker
+                .adaptive_thresholds
+                .as_ref()
+                .map(AdaptiveThresholds::from_raw)
                 .transpose()?,
         };
 

@@ -62,6 +62,15 @@ pub struct Counters {
     /// Requests that failed on a pod while its traffic ramped back after its breaker closed
     /// (`breaker.recoveryRamp`): each re-opens the breaker.
     pub breaker_ramp_failures: u64,
+    /// `breaker.adaptiveThresholds`: judgements where a pod's adapted threshold counted a
+    /// failure or opened its breaker where its static one would not have (stricter), or spared
+    /// it where the static one would have (laxer): a response's TTFT against the SLO, a
+    /// worker's failure-rate window after an outcome, an agent's error rate in a new snapshot.
+    pub breaker_thresholds_stricter: u64,
+    pub breaker_thresholds_laxer: u64,
+    /// New snapshots of a pod whose thresholds stayed static for want of a background (fewer
+    /// than `minPods` other pods with fresh readings).
+    pub breaker_thresholds_static: u64,
     /// Breaker transitions by target state.
     pub breaker_opened: u64,
     pub breaker_half_opened: u64,
@@ -70,7 +79,7 @@ pub struct Counters {
 
 impl Counters {
     /// How many counters [`Counters::iter`] lists.
-    pub const COUNT: usize = 27;
+    pub const COUNT: usize = 30;
 
     /// Counts one breaker transition into `to`.
     pub fn count_transition(&mut self, to: BreakerState) {
@@ -116,6 +125,12 @@ impl Counters {
             ("prefix.blocks", self.prefix_blocks),
             ("prefix.blocks_held", self.prefix_blocks_held),
             ("breaker_ramp_failures", self.breaker_ramp_failures),
+            (
+                "breaker_thresholds.stricter",
+                self.breaker_thresholds_stricter,
+            ),
+            ("breaker_thresholds.laxer", self.breaker_thresholds_laxer),
+            ("breaker_thresholds.static", self.breaker_thresholds_static),
             ("breaker.opened", self.breaker_opened),
             ("breaker.half_opened", self.breaker_half_opened),
             ("breaker.closed", self.breaker_closed),

@@ -34,6 +34,7 @@
     clippy::indexing_slicing
 )]
 
+pub mod adaptive;
 pub mod admission;
 pub mod body;
 pub mod breaker;

@@ -157,6 +157,9 @@ pub struct PodSignals {
     pub kv_capacity_tokens: Option<u64>,
     /// TTFT p99 (else e2e p99), ms, ≥ 0.
     pub p99_ms: Option<f64>,
+    /// TTFT p99 alone (None when the agent reports only the e2e p99), ms, ≥ 0: what
+    /// `breaker.adaptiveThresholds` compares with `ttftSloMs`.
+    pub ttft_p99_ms: Option<f64>,
     /// Median inter-token latency over the agent's recent window (a few hundred ms), ms > 0;
     /// None with fewer than [`MIN_RECENT_ITL_SAMPLES`] tokens in it.
     pub itl_recent_ms: Option<f64>,
@@ -379,6 +382,7 @@ impl PodSignals {
             .filter(|q| q.samples > 0)
             .and_then(|q| millis("inference.e2e.p99_ms", q.p99_ms, &mut issues));
         let p99_ms = ttft.or(e2e);
+        let ttft_p99_ms = ttft;
         let recent = inf
             .and_then(|s| s.inter_token_recent.as_ref())
             .filter(|q| q.samples >= MIN_RECENT_ITL_SAMPLES);
@@ -468,6 +472,7 @@ impl PodSignals {
             kv_usage: kv,
             kv_capacity_tokens,
             p99_ms,
+            ttft_p99_ms,
             itl_recent_ms,
             itl_recent_mean_ms,
             error_rate,

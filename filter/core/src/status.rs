@@ -24,6 +24,13 @@ pub fn scoreboard(router: &Router, now_ms: u64) -> Value {
                         "cold": s.cold,
                         "breaker": s.breaker.as_str(),
                         "ramp": s.ramp,
+                        "thresholds": s.thresholds.map(|t| json!({
+                            "failureRate": t.failure_rate,
+                            "agentErrorRate": t.agent_error_rate,
+                            "ttftSloMs": t.ttft_slo_ms,
+                            "errorBackground": t.error_background,
+                            "ttftBackgroundMs": t.ttft_background_ms,
+                        })),
                         "picks": s.picks,
                         "inflight": s.inflight,
                         "load": s.load,

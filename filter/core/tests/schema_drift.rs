@@ -99,13 +99,14 @@ fn config_with(path: &str, value: &Value) -> Value {
 
 /// Config sections (dotted paths) that are off unless present; `{}` turns one on with its
 /// defaults.
-const OFF_UNLESS_PRESENT: [&str; 6] = [
+const OFF_UNLESS_PRESENT: [&str; 7] = [
     "admission",
     "bigRequestHold",
     "prefixAffinity",
     "breaker.recoveryRamp",
     "admission.derivedPriority",
     "admission.latencyAwareQuota",
+    "breaker.adaptiveThresholds",
 ];
 
 /// Sets the section at dotted `path` to `{}`, creating the objects above it.
@@ -125,7 +126,8 @@ fn switch_on(c: &mut Value, path: &str) {
 fn schema_defaults_and_bounds_agree_with_the_parser() {
     let schema = plugin_config_schema();
     // The sections that are off unless present (admission, bigRequestHold, prefixAffinity,
-    // breaker.recoveryRamp, admission.derivedPriority, admission.latencyAwareQuota) are on with every default in the base and in every config
+    // breaker.recoveryRamp, breaker.adaptiveThresholds, admission.derivedPriority,
+    // admission.latencyAwareQuota) are on with every default in the base and in every config
     // compared with it.
     let mut on = config_with("admission", &serde_json::json!({}));
     for section in OFF_UNLESS_PRESENT {

@@ -402,6 +402,12 @@ impl Root {
                 &format!("ailb.pool.{}.pods", p.name),
                 u64::try_from(held).unwrap_or(u64::MAX),
             );
+            // `breaker.adaptiveThresholds`: the thresholds in force (the pods' median).
+            if let Some(t) = router.pool_thresholds(i) {
+                for (name, v) in t.gauges() {
+                    metrics.set(&format!("ailb.pool.{}.thresholds.{name}", p.name), v);
+                }
+            }
             for row in router.pod_status(i, now) {
                 let m = metrics.pod(row.address);
                 if let Some(id) = m.score {

@@ -247,6 +247,10 @@ fn summarize(samples: &[Sample], faulty: usize, fault_at_ms: f64, end_ms: f64) -
         .rev()
         .find(|s| s.t_ms <= end_ms)
         .map(|s| s.opened.saturating_sub(base_opened));
+    // Openings from the first sample to the fault (a healthy pool's are false trips).
+    let openings_before = samples
+        .first()
+        .map(|s| base_opened.saturating_sub(s.opened));
     let frac = |x: Option<(f64, f64)>| x.map(|(m, a)| m / a);
     let own = after_own_opening(samples, fault_at_ms, end_ms);
     json!({
@@ -259,6 +263,17 @@ fn summarize(samples: &[Sample], faulty: usize, fault_at_ms: f64, end_ms: f64) -
         "attempts_at_pod_after_first_open": after_open.map(|x| x.0),
         "attempts_all_pods_after_first_open": after_open.map(|x| x.1),
         "breaker_openings_after_fault": openings,
+        "breaker_openings_before_fault": openings_before,
+        // Breaker openings summed over the sidecars since the first sample, once a second
+        // (for the plot of when they happened): [seconds since the start, openings].
+        "openings_over_time": samples
+            .iter()
+            .step_by(4)
+            .map(|s| json!([
+                (s.t_ms / 100.0).round() / 10.0,
+                s.opened.saturating_sub(samples.first().map_or(0, |f| f.opened)),
+            ]))
+            .collect::<Vec<_>>(),
         "sidecars_opened": own.opened_ms.len(),
         "sidecar_first_open_ms_after_fault": own.opened_ms,
         "sidecar_picks_of_pod_after_own_open": own.picks,

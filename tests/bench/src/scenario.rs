@@ -94,6 +94,84 @@ pub enum Fault {
     /// 15 s), then heals for good: what a restarted server still warming up does. Shows what
     /// a breaker that closes on its probes does next (`ai_lb_ramp` against `ai_lb`).
     Flap,
+    /// A noisy but healthy pool, then a real fault: from the start every pod fails 10 % of
+    /// its requests, and in turn each pod (one at a time, 3 s each) bursts to 30 %; none is
+    /// sick. At the middle pod 0 starts failing 50 % (the others' noise goes on). Breaker
+    /// openings before the fault are false trips; the time from the fault to each sidecar's
+    /// cut of pod 0 is the detection time (`ai_lb_adaptive` against `ai_lb`).
+    Noisy,
+}
+
+/// Background error rate of every pod in [`Fault::Noisy`], and a pod's during its burst;
+/// `AI_LB_BENCH_NOISE=<background>,<burst>` (e.g. `0.08,0.2`) sets others.
+const NOISE_RATE: f64 = 0.10;
+const NOISE_BURST_RATE: f64 = 0.30;
+
+/// [`NOISE_RATE`] and [`NOISE_BURST_RATE`], or `AI_LB_BENCH_NOISE`'s (each within 0..=1).
+fn noise_rates() -> Result<(f64, f64), Error> {
+    let Ok(v) = std::env::var("AI_LB_BENCH_NOISE") else {
+        return Ok((NOISE_RATE, NOISE_BURST_RATE));
+    };
+    let parse = |s: &str| {
+        s.trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|x| (0.0..=1.0).contains(x))
+    };
+    match v.split_once(',') {
+        Some((a, b)) => match (parse(a), parse(b)) {
+            (Some(a), Some(b)) => Ok((a, b)),
+            _ => Err(format!(
+                "AI_LB_BENCH_NOISE={v:?}: expected <background>,<burst> within 0..=1"
+            )),
+        },
+        None => Err(format!(
+            "AI_LB_BENCH_NOISE={v:?}: expected <background>,<burst>"
+        )),
+    }
+}
+/// How long each burst lasts; the pods burst one after another.
+const NOISE_BURST: Duration = Duration::from_secs(3);
+
+/// Runs [`Fault::Noisy`]'s noise on `pods` until `stop`: each pod at [`NOISE_RATE`] but the one
+/// whose turn it is ([`NOISE_BURST_RATE`] for [`NOISE_BURST`]); pod 0 is left alone once
+/// `faulted` (its fault is set by the run). A failed control request is reported, not fatal.
+fn start_noise(
+    (background, burst): (f64, f64),
+    pods: Vec<(SocketAddr, String)>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    faulted: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> std::thread::JoinHandle<()> {
+    use std::sync::atomic::Ordering;
+    std::thread::spawn(move || {
+        let started = Instant::now();
+        let mut set: Vec<Option<f64>> = vec![None; pods.len()];
+        while !stop.load(Ordering::Relaxed) {
+            let turn = (started.elapsed().as_millis() / NOISE_BURST.as_millis()) as usize;
+            for (i, (addr, name)) in pods.iter().enumerate() {
+                if i == 0 && faulted.load(Ordering::Relaxed) {
+                    continue;
+                }
+                let rate = if turn % pods.len() == i {
+                    burst
+                } else {
+                    background
+                };
+                if set.get(i).copied().flatten() != Some(rate) {
+                    let json = format!(r#"{{"error_rate":{rate}}}"#);
+                    match topology::control(*addr, name, &json) {
+                        Ok(()) => {
+                            if let Some(s) = set.get_mut(i) {
+                                *s = Some(rate);
+                            }
+                        }
+                        Err(e) => eprintln!("[bench] fault-noisy: {e}"),
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    })
 }
 
 /// Runs the rest of [`Fault::Flap`] on pod `addr` (its first phase already set): after 8 s it
@@ -127,12 +205,12 @@ pub struct Load {
 
 /// Parses `sharegpt-poisson-80`, `sharegpt-bursty-95`, `hol-poisson-80`, `prefix-poisson-80`,
 /// `prefix-bursty-80`, `multiturn-poisson-80`, `fault-slowdown`, `fault-slowdown-silent`,
-/// `fault-errors`, `fault-sigstop`, `fault-flap`.
+/// `fault-errors`, `fault-sigstop`, `fault-flap`, `fault-noisy`.
 pub fn parse_load(name: &str) -> Result<Load, Error> {
     let bad = || {
         format!(
             "unknown scenario {name:?}: expected calibrate, overhead, freshness, \
-             <sharegpt|hol|prefix|multiturn>-<poisson|bursty>-<percent of capacity>, or fault-<slowdown|slowdown-silent|errors|sigstop|flap>"
+             <sharegpt|hol|prefix|multiturn>-<poisson|bursty>-<percent of capacity>, or fault-<slowdown|slowdown-silent|errors|sigstop|flap|noisy>"
         )
     };
     let parts: Vec<&str> = name.split('-').collect();
@@ -148,6 +226,7 @@ pub fn parse_load(name: &str) -> Result<Load, Error> {
             "errors" => Fault::Errors50,
             "sigstop" => Fault::Sigstop,
             "flap" => Fault::Flap,
+            "noisy" => Fault::Noisy,
             _ => return Err(bad()),
         };
         return Ok(Load {
@@ -801,6 +880,21 @@ pub fn run_policy(
         .collect();
     let cpu_before = (cpu_of(&sidecar_pids), cpu_of(&agent_pids));
     let started = Instant::now();
+    // A noisy pool is noisy from the first request.
+    let rates = if load.fault == Some(Fault::Noisy) {
+        let r = noise_rates()?;
+        eprintln!("[bench] fault-noisy: background {}, bursts {}", r.0, r.1);
+        r
+    } else {
+        (NOISE_RATE, NOISE_BURST_RATE)
+    };
+    let noise = (load.fault == Some(Fault::Noisy)).then(|| {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let faulted = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let pods = pool.pods.iter().map(|p| (p.addr, p.name.clone())).collect();
+        let h = start_noise(rates, pods, stop.clone(), faulted.clone());
+        (stop, faulted, h)
+    });
     let (mut children, rec_paths) = spawn_loadgens(env, &urls, &traces, dir, policy.name())?;
     let fault_at = Duration::from_secs_f64(env.duration_s / 2.0);
     // What reached the pods (retries hide failed attempts from the clients).
@@ -823,10 +917,21 @@ pub fn run_policy(
                 let pod = &pool.pods[0];
                 flap = Some(start_flap(pod.addr, pod.name.clone()));
             }
+            Fault::Noisy => {
+                if let Some((_, faulted, _)) = &noise {
+                    faulted.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+                pool.control(0, r#"{"error_rate":0.5}"#)?;
+            }
         }
         fault_done = true;
         // When each sidecar's routing cut the pod (a slowed pod is penalised, not cut).
-        if policy.is_ailb() && matches!(f, Fault::Errors50 | Fault::Sigstop | Fault::Flap) {
+        if policy.is_ailb()
+            && matches!(
+                f,
+                Fault::Errors50 | Fault::Sigstop | Fault::Flap | Fault::Noisy
+            )
+        {
             cut_watch = Some(crate::attempts::CutWatch::start(
                 urls.clone(),
                 pool.addrs()[0].to_string(),
@@ -846,6 +951,13 @@ pub fn run_policy(
     );
     let attempts =
         probe.map(|p| p.finish(0, fault_at.as_secs_f64() * 1000.0, env.duration_s * 1000.0));
+    if let Some((stop, _, h)) = noise {
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let _ = h.join();
+        for i in 1..pool.pods.len() {
+            pool.control(i, r#"{"reset":true}"#)?;
+        }
+    }
     if fault_done {
         match load.fault {
             Some(Fault::Sigstop) => pool.pods[0].proc.sigcont()?,
@@ -1301,6 +1413,11 @@ pub fn table(
                 pct(a["pod_share_of_attempts_10s_before"].as_f64()),
                 pct(a["pod_share_of_attempts_after_fault"].as_f64()),
             ));
+            if let Some(n) = a["breaker_openings_before_fault"].as_u64() {
+                t.push_str(&format!(
+                    "; breaker openings before the fault (any pod, all sidecars): {n}"
+                ));
+            }
             if let Some(ms) = a["first_breaker_open_ms_after_fault"].as_f64() {
                 t.push_str(&format!(
                     ", first breaker opened {ms:.0} ms after the fault, after that {} of attempts ({} of {}), {} openings",
@@ -1403,6 +1520,7 @@ mod tests {
             Some(Fault::Slowdown5xSilent)
         );
         assert!(parse_load("fault-slowdown-loud").is_err());
+        assert_eq!(parse_load("fault-noisy").unwrap().fault, Some(Fault::Noisy));
         let e = parse_load("sharegpt-poisson-x").unwrap_err();
         assert!(e.contains("\"x\""), "{e}");
         assert!(parse_load("nonsense").unwrap_err().contains("nonsense"));

@@ -38,18 +38,22 @@ pub enum Policy {
     /// ai-lb with ramped recovery on (`breaker.recoveryRamp: {}` added to its config): to set
     /// against `ai_lb` in one run (`fault-flap`).
     AiLbRamp,
+    /// ai-lb with adaptive breaker thresholds on (`breaker.adaptiveThresholds: {}` added):
+    /// to set against `ai_lb` in one run (`fault-noisy`).
+    AiLbAdaptive,
 }
 
 impl Policy {
     /// The policies compared by default (the report's tables and ratios).
     pub const ALL: [Policy; 3] = [Policy::RoundRobin, Policy::LeastRequest, Policy::AiLb];
     /// Every policy `--policies` may name: the default three and the llm-d baseline.
-    pub const SELECTABLE: [Policy; 5] = [
+    pub const SELECTABLE: [Policy; 6] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::AiLb,
         Policy::Epp,
         Policy::AiLbRamp,
+        Policy::AiLbAdaptive,
     ];
 
     /// Parses a policy name as [`Policy::name`] writes it.
@@ -58,7 +62,7 @@ impl Policy {
             .into_iter()
             .find(|p| p.name() == s)
             .ok_or_else(|| {
-                format!("invalid value '{s}' for '--policies': expected round_robin, least_request, ai_lb, epp or ai_lb_ramp")
+                format!("invalid value '{s}' for '--policies': expected round_robin, least_request, ai_lb, epp, ai_lb_ramp or ai_lb_adaptive")
             })
     }
 
@@ -69,12 +73,13 @@ impl Policy {
             Policy::AiLb => "ai_lb",
             Policy::Epp => "epp",
             Policy::AiLbRamp => "ai_lb_ramp",
+            Policy::AiLbAdaptive => "ai_lb_adaptive",
         }
     }
 
     /// Whether the sidecar runs the ai-lb filter (its readiness, counters and cut watch apply).
     pub fn is_ailb(self) -> bool {
-        matches!(self, Policy::AiLb | Policy::AiLbRamp)
+        matches!(self, Policy::AiLb | Policy::AiLbRamp | Policy::AiLbAdaptive)
     }
 }
 
@@ -520,7 +525,9 @@ pub fn plain_template(policy: Policy) -> Result<String, Error> {
     let lb = match policy {
         Policy::RoundRobin => "ROUND_ROBIN",
         Policy::LeastRequest => "LEAST_REQUEST",
-        Policy::AiLb | Policy::AiLbRamp => return Err("ai_lb uses envoy-config/envoy.yaml".into()),
+        Policy::AiLb | Policy::AiLbRamp | Policy::AiLbAdaptive => {
+            return Err("ai_lb uses envoy-config/envoy.yaml".into())
+        }
         Policy::Epp => return Err("epp uses envoy-config/envoy-epp.yaml".into()),
     };
     Ok(t.replace("${LB_POLICY}", lb))
@@ -539,6 +546,29 @@ pub fn ailb_filter_config() -> Result<String, Error> {
 
 /// `config` with `breaker.recoveryRamp` on at its defaults (kept as it is where it names one).
 pub fn with_recovery_ramp(config: &str) -> Result<String, Error> {
+    with_breaker_section(config, "recoveryRamp", serde_json::json!({}))
+}
+
+/// `config` with `breaker.adaptiveThresholds` on: the JSON object in `AI_LB_BENCH_ADAPTIVE`
+/// (e.g. `{"maxAdjust":0.15}`, to compare settings in one run), else at its defaults (kept as
+/// it is where the config names one).
+pub fn with_adaptive_thresholds(config: &str) -> Result<String, Error> {
+    let section = match std::env::var("AI_LB_BENCH_ADAPTIVE") {
+        Ok(v) => serde_json::from_str::<serde_json::Value>(&v)
+            .ok()
+            .filter(serde_json::Value::is_object)
+            .ok_or_else(|| format!("AI_LB_BENCH_ADAPTIVE={v:?}: not a JSON object"))?,
+        Err(_) => serde_json::json!({}),
+    };
+    with_breaker_section(config, "adaptiveThresholds", section)
+}
+
+/// `config` with `breaker.<section>` present (`value` unless it names one).
+fn with_breaker_section(
+    config: &str,
+    section: &str,
+    value: serde_json::Value,
+) -> Result<String, Error> {
     let mut v: serde_json::Value =
         serde_json::from_str(config).map_err(|e| format!("the ai-lb filter config: {e}"))?;
     let Some(top) = v.as_object_mut() else {
@@ -549,8 +579,7 @@ pub fn with_recovery_ramp(config: &str) -> Result<String, Error> {
         .or_insert_with(|| serde_json::json!({}));
     match breaker.as_object_mut() {
         Some(b) => {
-            b.entry("recoveryRamp")
-                .or_insert_with(|| serde_json::json!({}));
+            b.entry(section).or_insert(value);
         }
         None => return Err("the ai-lb filter config's `breaker` is not an object".into()),
     }
@@ -580,6 +609,9 @@ pub fn start_sidecar(
     let opts = match policy {
         Policy::AiLb => EnvoyOptions::new(ailb_filter_config()?),
         Policy::AiLbRamp => EnvoyOptions::new(with_recovery_ramp(&ailb_filter_config()?)?),
+        Policy::AiLbAdaptive => {
+            EnvoyOptions::new(with_adaptive_thresholds(&ailb_filter_config()?)?)
+        }
         Policy::Epp => return start_epp_sidecar(upstreams, concurrency),
         p => {
             let mut o = EnvoyOptions::new("{}");
@@ -1093,6 +1125,20 @@ mod tests {
         let e = Policy::parse("llm-d").unwrap_err();
         assert!(e.contains("'llm-d'") && e.contains("epp"), "{e}");
         assert!(plain_template(Policy::Epp).is_err());
+    }
+
+    #[test]
+    fn the_adaptive_variant_adds_its_section_and_keeps_one_the_config_names() {
+        // AI_LB_BENCH_ADAPTIVE is not set in tests: the defaults (`{}`).
+        let c = with_adaptive_thresholds(r#"{"breaker":{"consecutiveFailures":5}}"#).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&c).unwrap();
+        assert_eq!(v["breaker"]["adaptiveThresholds"], serde_json::json!({}));
+        assert_eq!(v["breaker"]["consecutiveFailures"], 5);
+        let c = with_adaptive_thresholds(r#"{"breaker":{"adaptiveThresholds":{"maxAdjust":0.1}}}"#)
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_str(&c).unwrap();
+        assert_eq!(v["breaker"]["adaptiveThresholds"]["maxAdjust"], 0.1);
+        assert!(with_adaptive_thresholds(r#"{"breaker":3}"#).is_err());
     }
 
     #[test]

@@ -111,6 +111,18 @@ const NOT_EXERCISED_WASM: &[(&str, &str)] = &[
         "ailb.admission.quota_scale_pct",
         "needs `admission.latencyAwareQuota`, off here",
     ),
+    (
+        "ailb.pool.<pool>.thresholds.failure_rate_permille",
+        "needs `breaker.adaptiveThresholds` on, which this run leaves off (tests/filter_adaptive_thresholds.rs reads the status page with it on)",
+    ),
+    (
+        "ailb.pool.<pool>.thresholds.agent_error_rate_permille",
+        "needs `breaker.adaptiveThresholds` on, which this run leaves off (tests/filter_adaptive_thresholds.rs reads the status page with it on)",
+    ),
+    (
+        "ailb.pool.<pool>.thresholds.ttft_slo_ms",
+        "needs `breaker.adaptiveThresholds` on, which this run leaves off (tests/filter_adaptive_thresholds.rs reads the status page with it on)",
+    ),
 ];
 /// None: the native module defines every stat without a label (admission's among them) with
 /// its config, so each shows up at 0 before it moves.

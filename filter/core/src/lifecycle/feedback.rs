@@ -47,7 +47,8 @@ pub(super) fn pass_probe<H, W>(
     let Some(chosen) = ex.chosen().map(str::to_string) else {
         return;
     };
-    let cfg = worker.router().config().breaker;
+    // The pod's thresholds (its TTFT SLO may adapt to its pool, `breaker.adaptiveThresholds`).
+    let cfg = worker.router().breaker_config_for(pool, &chosen);
     if !Outcome::probe_passed_at_first_byte(ex.status, ttft_ms, &cfg) {
         return;
     }
@@ -118,7 +119,6 @@ where
     let pairs = attribute(&observed);
     let chosen = ex.chosen();
     let p = worker.parts();
-    let cfg = p.router.config().breaker;
     let name = pool_name(p.router, pool);
     // Whether the chosen pod's breaker had nothing to forget (Closed, no failure counted, as
     // of this worker's last copy of the shared breakers): a success then leaves the shared
@@ -142,6 +142,9 @@ where
         }
     }
     for (pod, o) in &pairs {
+        // Each pod's own thresholds (adapted to its pool when `breaker.adaptiveThresholds`
+        // is on), as its worker breaker judged the outcome above.
+        let cfg = p.router.breaker_config_for(pool, pod);
         let failure = o.failure(&cfg);
         let is_chosen = chosen == Some(*pod);
         if failure.is_some() {

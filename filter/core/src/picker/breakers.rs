@@ -68,10 +68,16 @@ pub(super) fn judge_breakers(
     sig: &PodSignals,
     fresh: bool,
     pool_wide_errors: bool,
-    cfg: &BreakerConfig,
+    base: &BreakerConfig,
     now_ms: u64,
     sinks: &mut BreakerSinks<'_>,
 ) -> u64 {
+    // The pod's own thresholds when they adapt to its pool (`breaker.adaptiveThresholds`).
+    let adapted = pod.thresholds.map(|t| t.apply(base));
+    let cfg = adapted.as_ref().unwrap_or(base);
+    if fresh && adapted.is_some() {
+        count_agent_rate_judgement(pod, sig, base, cfg, now_ms, sinks.counters);
+    }
     let reason = signal_trip(
         pod,
         sig,
@@ -85,6 +91,36 @@ pub(super) fn judge_breakers(
         trip_on_signal(pod, reason, cfg, now_ms, sinks);
     }
     poll_breakers(pod, cfg, now_ms, sinks)
+}
+
+/// Counts a new snapshot whose agent error rate the pod's adapted `agentErrorRate` judges
+/// otherwise than the static one would (see [`crate::counters::Counters`]), and one that left
+/// the pod's thresholds static for want of a background.
+fn count_agent_rate_judgement(
+    pod: &PodRt,
+    sig: &PodSignals,
+    base: &BreakerConfig,
+    adapted: &BreakerConfig,
+    now_ms: u64,
+    counters: &mut Counters,
+) {
+    if pod.thresholds.is_some_and(|t| t.is_static()) {
+        counters.breaker_thresholds_static += 1;
+        return;
+    }
+    if base.agent_error_rate <= 0.0 || pod.breaker.state() != BreakerState::Closed {
+        return;
+    }
+    let n = agent_min_requests(&pod.breaker, now_ms, base);
+    let (s, a) = (
+        sig.failing(base.agent_error_rate, n),
+        sig.failing(adapted.agent_error_rate, n),
+    );
+    if a && !s {
+        counters.breaker_thresholds_stricter += 1;
+    } else if s && !a {
+        counters.breaker_thresholds_laxer += 1;
+    }
 }
 
 /// Why the agent's latest snapshot opens the pod's breaker, if it does: a hardware fault in a
@@ -215,7 +251,16 @@ impl Router {
         let Some(rt) = p.pods.get_mut(id as usize) else {
             return Vec::new();
         };
-        let failure = outcome.failure(&cfg.breaker);
+        // The pod's thresholds (adapted to its pool when `breaker.adaptiveThresholds` is on).
+        let bcfg = rt.thresholds.map_or(cfg.breaker, |t| t.apply(&cfg.breaker));
+        let failure = outcome.failure(&bcfg);
+        if rt.thresholds.is_some() {
+            match (failure.is_some(), outcome.failure(&cfg.breaker).is_some()) {
+                (true, false) => self.counters.breaker_thresholds_stricter += 1,
+                (false, true) => self.counters.breaker_thresholds_laxer += 1,
+                _ => {}
+            }
+        }
         let mut out = Vec::new();
         let admitted = rt.breaker.admits(&cfg.breaker);
         let per_model = model.filter(|_| rt.serves_several);
@@ -230,7 +275,7 @@ impl Router {
                 };
                 rt.model_breakers
                     .get_mut(idx)
-                    .and_then(|(_, b)| b.record(failure, now_ms, &cfg.breaker))
+                    .and_then(|(_, b)| b.record(failure, now_ms, &bcfg))
             }
             None => {
                 if failure.is_some() {
@@ -243,16 +288,29 @@ impl Router {
                         self.counters.breaker_ramp_failures += 1;
                     }
                 }
-                let t = rt.breaker.record(failure, now_ms, &cfg.breaker);
+                let t = rt.breaker.record(failure, now_ms, &bcfg);
                 // The failure rate, over this VM's outcomes while Closed: a pod failing half
                 // its requests rarely fails `consecutiveFailures` in a row.
                 let closed = rt.breaker.state() == BreakerState::Closed;
-                if t.is_none()
-                    && closed
-                    && rt.window.record(failure.is_some(), now_ms, &cfg.breaker)
-                {
-                    rt.breaker
-                        .trip(TripReason::FailureRate, now_ms, &cfg.breaker)
+                let (rate_trip, static_trip) = if t.is_none() && closed {
+                    rt.window.record_judged(
+                        failure.is_some(),
+                        now_ms,
+                        &bcfg,
+                        cfg.breaker.failure_rate,
+                    )
+                } else {
+                    (false, false)
+                };
+                if rt.thresholds.is_some() {
+                    match (rate_trip, static_trip) {
+                        (true, false) => self.counters.breaker_thresholds_stricter += 1,
+                        (false, true) => self.counters.breaker_thresholds_laxer += 1,
+                        _ => {}
+                    }
+                }
+                if rate_trip {
+                    rt.breaker.trip(TripReason::FailureRate, now_ms, &bcfg)
                 } else {
                     t
                 }
@@ -268,6 +326,17 @@ impl Router {
             update_pod(p, id, cfg);
         }
         out
+    }
+
+    /// The breaker settings `pod` is judged by: the configured ones, with its thresholds as
+    /// adapted to its pool when `breaker.adaptiveThresholds` is on ([`crate::adaptive`]).
+    pub fn breaker_config_for(&self, pool_idx: usize, pod: &str) -> BreakerConfig {
+        let base = self.cfg.breaker;
+        self.pools
+            .get(pool_idx)
+            .and_then(|p| p.pods.get(*p.by_addr.get(pod)? as usize))
+            .and_then(|rt| rt.thresholds)
+            .map_or(base, |t| t.apply(&base))
     }
 
     /// The pod's breaker (pod-level when `model` is None), for sharing between VMs.

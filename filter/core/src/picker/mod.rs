@@ -135,7 +135,7 @@ mod view;
 
 pub use breakers::SignalTrip;
 pub use ranked::{PodId, Ranked, MAX_RANKED};
-pub use scoreboard::PodStatus;
+pub use scoreboard::{PodStatus, PoolThresholds};
 pub use size::RequestSize;
 
 use std::collections::HashMap;

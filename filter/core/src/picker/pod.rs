@@ -105,6 +105,9 @@ pub(super) struct PodRt {
     /// (`breaker.recoveryRamp`, [`crate::recovery`]); 1 otherwise. Set when its breakers are
     /// polled.
     pub(super) ramp: f64,
+    /// Its breaker thresholds as adapted to its pool (`breaker.adaptiveThresholds`,
+    /// [`crate::adaptive`]); None when that is off. Set at each refresh.
+    pub(super) thresholds: Option<crate::adaptive::Effective>,
 }
 
 impl PodRt {
@@ -157,6 +160,7 @@ impl PodRt {
             slow_decode_penalty: 1.0,
             rel_speed: 1.0,
             itl_ms: None,
+            thresholds: None,
             itl_at_ms: 0,
             ramp: 1.0,
         }

@@ -54,6 +54,65 @@ fn pool_wide_errors(state: &PoolState, cfg: &FilterConfig) -> bool {
     }
 }
 
+/// A pod's readings that count in its pool's background for `breaker.adaptiveThresholds`:
+/// (error rate over at least `minRequests`, TTFT p99), each None when it does not count (no
+/// fresh metrics, the model server down, a non-finite value).
+fn background_readings(
+    sig: &crate::signals::PodSignals,
+    a: &crate::adaptive::AdaptiveThresholds,
+    cfg: &FilterConfig,
+    now_ms: u64,
+) -> (Option<f64>, Option<f64>) {
+    if !sig.has_metrics || sig.model_server_down || sig.is_stale(now_ms, cfg.cutoffs.staleness_ms) {
+        return (None, None);
+    }
+    let errors = sig
+        .error_rate
+        .filter(|e| e.is_finite() && (0.0..=1.0).contains(e))
+        .filter(|_| sig.window_requests.unwrap_or(0) >= u64::from(a.min_requests));
+    // The TTFT p99 alone: an e2e p99 (an agent without TTFT) is no background for a TTFT SLO.
+    let p99 = sig.ttft_p99_ms.filter(|p| p.is_finite() && *p >= 0.0);
+    (errors, p99)
+}
+
+/// Each pod's breaker thresholds as adapted to the rest of its pool
+/// (`breaker.adaptiveThresholds`, [`crate::adaptive`]): the median, over the other pods with
+/// fresh readings, of their error rate and TTFT p99. None for every pod when that is off.
+fn adapt_thresholds(p: &mut PoolRt, cfg: &FilterConfig, now_ms: u64) {
+    let Some(a) = cfg.breaker.adaptive_thresholds else {
+        for pod in p.pods.iter_mut() {
+            pod.thresholds = None;
+        }
+        return;
+    };
+    let peers = p.state.peers();
+    let mut errors = Vec::with_capacity(peers.len());
+    let mut p99s = Vec::with_capacity(peers.len());
+    for sig in peers.iter().filter_map(|e| e.signals.as_ref()) {
+        let (e, t) = background_readings(sig, &a, cfg, now_ms);
+        errors.extend(e);
+        p99s.extend(t);
+    }
+    errors.sort_unstable_by(f64::total_cmp);
+    p99s.sort_unstable_by(f64::total_cmp);
+    let min = a.min_pods as usize;
+    // Its own reading's place in the sorted list (any equal value will do), left out.
+    let skip = |sorted: &[f64], own: Option<f64>| {
+        own.map(|v| sorted.partition_point(|x| x.total_cmp(&v).is_lt()))
+    };
+    for pod in p.pods.iter_mut() {
+        let own = peers
+            .get(pod.peer_idx)
+            .and_then(|e| e.signals.as_ref())
+            .map_or((None, None), |sig| {
+                background_readings(sig, &a, cfg, now_ms)
+            });
+        let e = crate::adaptive::median_without(&errors, skip(&errors, own.0), min);
+        let t = crate::adaptive::median_without(&p99s, skip(&p99s, own.1), min);
+        pod.thresholds = Some(a.effective(&cfg.breaker, e, t));
+    }
+}
+
 /// The mean GPU reading (`cutoffs.gpuSignal`, clamped to 0..=1) of the pool's pods with fresh
 /// metrics that report one; None when none does.
 fn gpu_fill(state: &PoolState, cfg: &FilterConfig, now_ms: u64) -> Option<f64> {
@@ -83,6 +142,7 @@ impl Router {
             return;
         };
         let pool = PoolReadings::of(p, cfg, now_ms);
+        adapt_thresholds(p, cfg, now_ms);
         let mut sinks = BreakerSinks {
             pool_idx,
             counters: &mut self.counters,

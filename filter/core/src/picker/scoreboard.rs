@@ -20,6 +20,9 @@ pub struct PodStatus<'a> {
     /// The share of its weight it gets while its traffic ramps back after its breaker closed
     /// (`breaker.recoveryRamp`); 1 otherwise.
     pub ramp: f64,
+    /// Its breaker thresholds as adapted to its pool (`breaker.adaptiveThresholds`), with the
+    /// pool background they came from; None when that is off.
+    pub thresholds: Option<crate::adaptive::Effective>,
     pub picks: u64,
     pub inflight: u32,
     /// Estimated occupancy over capacity, as `twoChoices` compares it (see the module docs).
@@ -54,6 +57,28 @@ pub struct PodStatus<'a> {
     pub prefix_hit_rate: Option<f64>,
 }
 
+/// A pool's thresholds in force ([`Router::pool_thresholds`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PoolThresholds {
+    pub failure_rate: f64,
+    pub agent_error_rate: f64,
+    pub ttft_slo_ms: Option<u64>,
+}
+
+impl PoolThresholds {
+    /// `(gauge suffix, value)`: the rates x1000, the SLO in ms (absent when off).
+    pub fn gauges(&self) -> impl Iterator<Item = (&'static str, u64)> {
+        let permille = |x: f64| (x.clamp(0.0, 1.0) * 1000.0).round() as u64;
+        [
+            Some(("failure_rate_permille", permille(self.failure_rate))),
+            Some(("agent_error_rate_permille", permille(self.agent_error_rate))),
+            self.ttft_slo_ms.map(|s| ("ttft_slo_ms", s)),
+        ]
+        .into_iter()
+        .flatten()
+    }
+}
+
 impl PodStatus<'_> {
     /// The value of the per-pod `score` gauges: the smoothed score x1000, 0..=1000.
     pub fn score_gauge_value(&self) -> u64 {
@@ -68,6 +93,30 @@ impl PodStatus<'_> {
 }
 
 impl Router {
+    /// The pool's breaker thresholds in force with `breaker.adaptiveThresholds` on: for each of
+    /// `failureRate`, `agentErrorRate` and `ttftSloMs`, the median over its pods (each pod's own
+    /// comes from the other pods' readings). None when that is off or the pool has no pods.
+    pub fn pool_thresholds(&self, pool_idx: usize) -> Option<PoolThresholds> {
+        let p = self.pools.get(pool_idx)?;
+        let mut fr = Vec::new();
+        let mut ar = Vec::new();
+        let mut slo = Vec::new();
+        for t in p.pods.iter().filter_map(|r| r.thresholds) {
+            fr.push(t.failure_rate);
+            ar.push(t.agent_error_rate);
+            slo.extend(t.ttft_slo_ms.map(|s| s as f64));
+        }
+        let median = |mut v: Vec<f64>| {
+            v.sort_unstable_by(f64::total_cmp);
+            crate::adaptive::median_without(&v, None, 1)
+        };
+        Some(PoolThresholds {
+            failure_rate: median(fr)?,
+            agent_error_rate: median(ar)?,
+            ttft_slo_ms: median(slo).map(|s| s.round() as u64),
+        })
+    }
+
     /// Scoreboard rows of one pool at `now_ms`.
     pub fn pod_status(&self, pool_idx: usize, now_ms: u64) -> Vec<PodStatus<'_>> {
         let Some(p) = self.pools.get(pool_idx) else {
@@ -92,6 +141,7 @@ impl Router {
                         .recovery_ramp
                         .and_then(|ramp| ramp.at(&r.breaker, now_ms))
                         .map_or(1.0, |s| s.share),
+                    thresholds: r.thresholds,
                     picks: r.picks,
                     inflight: r.inflight,
                     load: r.load(),

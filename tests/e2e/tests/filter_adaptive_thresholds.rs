@@ -1,0 +1,174 @@
+//! Decides whether adaptive breaker thresholds (`breaker.adaptiveThresholds`, issue 30 part 4b)
+//! work in a real Envoy on both data paths (the wasm filter and the native module share the
+//! core's thresholds): in a quiet pool each pod's `agentErrorRate` is lowered (0.25 -> 0.175,
+//! shown on the status page with the pool background it came from); a pod that alone fails
+//! every request keeps its lowered threshold (the others are quiet) and is cut (that its own
+//! rate is left out of its background is checked in the core's tests/adaptive_thresholds.rs); once every pod fails a share of its requests the thresholds are raised above the
+//! base. Agents report the pods' error rates, so the background comes from real agents.
+
+mod filter_common;
+
+use std::time::{Duration, Instant};
+
+use ai_lb_e2e::envoy::{self, Envoy, EnvoyOptions, HttpClient, PodPool};
+use filter_common::*;
+use serde_json::{json, Value};
+
+#[derive(Debug, Clone, Copy)]
+enum Path {
+    Wasm,
+    Native,
+}
+
+impl Path {
+    fn start(self, pool: &PodPool, filter: &str) -> Envoy {
+        let mut o = match self {
+            Path::Wasm => EnvoyOptions::new(filter.to_string()),
+            Path::Native => {
+                let mut o = EnvoyOptions::new(
+                    envoy::native_filter_config(filter, &pool.agent_addrs).unwrap(),
+                );
+                o.template = Some(envoy::native_template().unwrap());
+                o
+            }
+        };
+        o.inference = pool.pod_addrs.clone();
+        o.agents = pool.agent_addrs.clone();
+        Envoy::start(&o).unwrap()
+    }
+
+    fn name(self, name: &str) -> String {
+        let prefix = match self {
+            Path::Wasm => "wasmcustom.",
+            Path::Native => "dynamicmodulescustom.",
+        };
+        format!("{prefix}{name}")
+    }
+
+    /// The stat (0 when absent or unreadable).
+    fn stat(self, envoy: &Envoy, name: &str) -> u64 {
+        envoy.stat(&self.name(name)).unwrap_or(0)
+    }
+
+    /// Whether Envoy lists the stat at all.
+    fn defined(self, envoy: &Envoy, name: &str) -> bool {
+        envoy
+            .stats()
+            .is_ok_and(|s| s.contains_key(&self.name(name)))
+    }
+}
+
+/// One small completion on a connection of its own (its status is not checked: in the noisy
+/// phase a retry may fail too).
+fn send(envoy: &Envoy) {
+    let _ = HttpClient::new(envoy.listener).post_json(
+        "/v1/completions",
+        &[("connection", "close")],
+        r#"{"prompt":"hello there","max_tokens":4}"#,
+    );
+}
+
+/// Pod `i`'s `thresholds` object on the status page.
+fn thresholds(envoy: &Envoy, pool: &PodPool, i: usize) -> Option<Value> {
+    row(&scoreboard(envoy), &pool.pod_addrs[i].to_string())
+        .and_then(|r| r.get("thresholds").cloned())
+        .filter(|t| !t.is_null())
+}
+
+fn agent_rate(t: &Option<Value>) -> Option<f64> {
+    t.as_ref()?.get("agentErrorRate")?.as_f64()
+}
+
+/// Sends requests until `done` holds for the status page, at most `secs`.
+fn drive_until(envoy: &Envoy, secs: u64, what: &str, mut done: impl FnMut(&Envoy) -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !done(envoy) {
+        for _ in 0..5 {
+            send(envoy);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: not within {secs} s; status: {}\nlog:\n{}",
+            scoreboard(envoy),
+            envoy.log_tail(30)
+        );
+    }
+}
+
+fn thresholds_follow_the_pool_on(path: Path) {
+    let pool = PodPool::start(4, 0.01).unwrap();
+    for i in 0..4 {
+        pool.control(i, r#"{"sm_occupancy":0.3}"#).unwrap();
+    }
+    // consecutiveFailures high and failureRate 1: the agents' error rate is the only trip.
+    let filter = config(json!({
+        "breaker": {"consecutiveFailures": 1000, "baseCooldownMs": 30000, "halfOpenProbes": 1,
+                    "failureRate": 1.0, "agentErrorRate": 0.25,
+                    "adaptiveThresholds": {"minRequests": 5}}
+    }));
+    let envoy = path.start(&pool, &filter);
+    wait_scoreboard(&envoy, "every pod fresh", 30, |sb| all_fresh(sb, &pool));
+    if matches!(path, Path::Wasm) {
+        // The wasm filter defines its counters at 0 (the native module once first counted).
+        assert!(
+            path.defined(&envoy, "ailb.breaker_thresholds.stricter"),
+            "{path:?}: the stat is defined at 0"
+        );
+    }
+
+    // Quiet: no pod fails, so every pod's agentErrorRate is lowered the whole 30 %.
+    drive_until(&envoy, 30, "quiet pool lowers the thresholds", |e| {
+        (0..4).all(|i| {
+            let t = thresholds(e, &pool, i);
+            agent_rate(&t).is_some_and(|r| (r - 0.175).abs() < 1e-9)
+                && t.as_ref().and_then(|t| t["errorBackground"].as_f64()) == Some(0.0)
+        })
+    });
+
+    if matches!(path, Path::Wasm) {
+        // The pool's gauge (wasm): the pods' median, x1000, set every 500 ms.
+        let g = "ailb.pool.default.thresholds.agent_error_rate_permille";
+        envoy
+            .poll(Duration::from_secs(5), "the pool's threshold gauge", || {
+                (path.stat(&envoy, g) == 175).then_some(())
+            })
+            .unwrap();
+    }
+
+    // Pod 0 alone fails every request: the others stay quiet, so its threshold stays
+    // lowered, and its agent's rate cuts it.
+    pool.control(0, r#"{"error_rate":1.0}"#).unwrap();
+    drive_until(&envoy, 30, "pod0 cut on its agent's error rate", |e| {
+        path.stat(e, "ailb.breaker_opened.agent_error_rate") >= 1
+    });
+    let t0 = thresholds(&envoy, &pool, 0);
+    assert_eq!(
+        agent_rate(&t0).map(|r| (r * 1000.0).round()),
+        Some(175.0),
+        "{path:?}: pod0's own failures do not raise its threshold: {t0:?}"
+    );
+    pool.control(0, r#"{"error_rate":0.0}"#).unwrap();
+
+    // Every pod fails a fifth of its requests: pods 1-3 see a background of about 0.2 (over
+    // the agents' windows), past errorNoisyAt · 0.25 = 0.1, so their thresholds go up.
+    for i in 0..4 {
+        pool.control(i, r#"{"error_rate":0.2}"#).unwrap();
+    }
+    drive_until(&envoy, 40, "noisy pool raises the thresholds", |e| {
+        (1..4).all(|i| agent_rate(&thresholds(e, &pool, i)).is_some_and(|r| r > 0.25))
+    });
+    for i in 1..4 {
+        let r = agent_rate(&thresholds(&envoy, &pool, i)).unwrap_or(0.0);
+        assert!(
+            r <= 0.325 + 1e-9,
+            "{path:?}: pod{i}'s threshold {r} past base · 1.3"
+        );
+    }
+}
+
+#[test]
+fn breaker_thresholds_follow_the_pool() {
+    for path in [Path::Wasm, Path::Native] {
+        thresholds_follow_the_pool_on(path);
+    }
+}
