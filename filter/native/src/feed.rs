@@ -289,6 +289,33 @@ enum Ended {
     Closed { events: bool },
 }
 
+/// Reads an open stream until it ends or stays silent for `idle`, handing each event to
+/// `apply`, which ends it early by returning false.
+async fn read_events<T>(
+    mut s: tonic::Streaming<T>,
+    idle: Duration,
+    mut apply: impl FnMut(T) -> bool,
+) -> Ended {
+    let mut any = false;
+    loop {
+        let ev = match tokio::time::timeout(idle, s.message()).await {
+            Ok(Ok(Some(ev))) => ev,
+            _ => return Ended::Closed { events: any },
+        };
+        any = true;
+        if !apply(ev) {
+            return Ended::Closed { events: any };
+        }
+    }
+}
+
+/// A client of the agent at `addr` (None: no connection).
+async fn client(addr: SocketAddr) -> Option<MetricsServiceClient<tonic::transport::Channel>> {
+    MetricsServiceClient::connect(format!("http://{addr}"))
+        .await
+        .ok()
+}
+
 /// One stream's life.
 async fn stream_once(
     i: usize,
@@ -299,23 +326,15 @@ async fn stream_once(
     idle: Duration,
     req: WatchPoolRequest,
 ) -> Ended {
-    let Ok(mut client) = MetricsServiceClient::connect(format!("http://{addr}")).await else {
+    let Some(mut client) = client(addr).await else {
         return Ended::NotOpened;
     };
     let Ok(resp) = client.watch_pool(req).await else {
         return Ended::NotOpened;
     };
     shared.stream_opens.add(1);
-    let mut s = resp.into_inner();
-    let mut any = false;
-    loop {
-        let ev = match tokio::time::timeout(idle, s.message()).await {
-            Ok(Ok(Some(ev))) => ev,
-            _ => return Ended::Closed { events: any },
-        };
-        any = true;
-        let now = now_ms();
-        router.apply_pool_event(i, &ev, now);
+    read_events(resp.into_inner(), idle, |ev| {
+        router.apply_pool_event(i, &ev, now_ms());
         let encoded = router.pool_state(i).map(|st| st.encode());
         if encoded.is_none() {
             router.counters_mut().pool_decode_errors += 1;
@@ -331,13 +350,12 @@ async fn stream_once(
                 *last = *v;
             }
         }
-        let Some(bytes) = encoded else {
-            continue;
-        };
-        if let Some(slot) = shared.pools.get(i) {
+        if let (Some(bytes), Some(slot)) = (encoded, shared.pools.get(i)) {
             slot.publish(bytes);
         }
-    }
+        true
+    })
+    .await
 }
 
 /// Guard mode: one `Watch` stream's life. Each event updates the local pod's signals (a
@@ -350,26 +368,21 @@ async fn guard_stream_once(
     gpu_signal: ai_lb_filter_core::GpuSignal,
     req: WatchRequest,
 ) -> Ended {
-    let Ok(mut client) = MetricsServiceClient::connect(format!("http://{addr}")).await else {
+    let Some(mut client) = client(addr).await else {
         return Ended::NotOpened;
     };
     let Ok(resp) = client.watch(req).await else {
         return Ended::NotOpened;
     };
     shared.stream_opens.add(1);
-    let mut s = resp.into_inner();
-    let mut any = false;
-    loop {
-        let ev = match tokio::time::timeout(idle, s.message()).await {
-            Ok(Ok(Some(ev))) => ev,
-            _ => return Ended::Closed { events: any },
-        };
-        any = true;
+    read_events(resp.into_inner(), idle, |ev| {
         let Ok(mut local) = shared.local.lock() else {
-            return Ended::Closed { events: any };
+            return false;
         };
         if let Some(next) = LocalSignals::after_event(&ev, *local, now_ms(), gpu_signal) {
             *local = Some(next);
         }
-    }
+        true
+    })
+    .await
 }

@@ -406,17 +406,7 @@ impl Worker {
                 s.inc(id, n);
             }
         }
-        for (tally, id) in [
-            (&sh.busy, c.state_busy),
-            (&sh.stream_opens, c.stream_opens),
-            (&sh.stream_failures, c.stream_failures),
-            (&sh.stream_closes, c.stream_closes),
-        ] {
-            let n = tally.take_new();
-            if n > 0 {
-                s.inc(id, n);
-            }
-        }
+        export_feed_tallies(rt, s);
         let now = now_ms();
         if now < self.flush_due_ms || self.stats.pending.is_empty() {
             return;
@@ -830,6 +820,23 @@ impl Request {
     }
 }
 
+/// Adds to Envoy's counters what the feed thread and busy hooks counted since any worker last
+/// did: the agent streams' opens, failures and closes, and hooks that found their worker busy.
+fn export_feed_tallies(rt: &ConfigRt, s: &Stream) {
+    let (sh, c) = (&rt.shared, &rt.counters);
+    for (tally, id) in [
+        (&sh.busy, c.state_busy),
+        (&sh.stream_opens, c.stream_opens),
+        (&sh.stream_failures, c.stream_failures),
+        (&sh.stream_closes, c.stream_closes),
+    ] {
+        let n = tally.take_new();
+        if n > 0 {
+            s.inc(id, n);
+        }
+    }
+}
+
 /// Guard mode: one request judged against the local pod's signals (the core decides, counts
 /// and answers the 503); the feed's stream counters are exported here, since no worker runs.
 fn guard_headers(rt: &ConfigRt, cfg: &GuardConfig, s: &Stream) -> Next {
@@ -843,17 +850,7 @@ fn guard_headers(rt: &ConfigRt, cfg: &GuardConfig, s: &Stream) -> Next {
             s.inc(*id, 1);
         }
     });
-    let (sh, c) = (&rt.shared, &rt.counters);
-    for (tally, id) in [
-        (&sh.stream_opens, c.stream_opens),
-        (&sh.stream_failures, c.stream_failures),
-        (&sh.stream_closes, c.stream_closes),
-    ] {
-        let n = tally.take_new();
-        if n > 0 {
-            s.inc(id, n);
-        }
-    }
+    export_feed_tallies(rt, s);
     match next {
         LifeNext::Continue | LifeNext::StopForBody => Next::Continue,
         LifeNext::Stop => Next::Replied,
