@@ -303,10 +303,15 @@ impl HeldQueue {
     /// Removes every bounded hold whose deadline has passed (`deadline_ms <= now_ms`): the
     /// caller routes them now. Call it before [`HeldQueue::expire`], which would answer them.
     pub fn due(&mut self, now_ms: u64) -> Vec<Left> {
+        self.take_past_deadline(now_ms, true)
+    }
+
+    /// Removes the requests past their deadline whose `proceed_at_deadline` is `bounded`.
+    fn take_past_deadline(&mut self, now_ms: u64, bounded: bool) -> Vec<Left> {
         let mut out = Vec::new();
         for q in self.queues.iter_mut() {
             q.retain(|h| {
-                if h.proceed_at_deadline && h.deadline_ms <= now_ms {
+                if h.proceed_at_deadline == bounded && h.deadline_ms <= now_ms {
                     out.push(Left {
                         id: h.id,
                         class: h.class,
@@ -347,22 +352,7 @@ impl HeldQueue {
     /// Removes every request whose deadline has passed (`deadline_ms <= now_ms`): the caller
     /// answers them 503. A bounded hold is never expired ([`HeldQueue::due`] takes it).
     pub fn expire(&mut self, now_ms: u64) -> Vec<Left> {
-        let mut out = Vec::new();
-        for q in self.queues.iter_mut() {
-            q.retain(|h| {
-                if !h.proceed_at_deadline && h.deadline_ms <= now_ms {
-                    out.push(Left {
-                        id: h.id,
-                        class: h.class,
-                        waited_ms: now_ms.saturating_sub(h.enqueued_ms),
-                    });
-                    false
-                } else {
-                    true
-                }
-            });
-        }
-        out
+        self.take_past_deadline(now_ms, false)
     }
 
     /// Drops a request whose client went away; true when it was held.
