@@ -138,6 +138,17 @@ impl AdmissionWorker for MockWorker {
 
 /// Both pods, reported at `now`: busy (`hot`: the GPU past its hard limit, so cut) or idle.
 fn publish(router: &mut Router, now: u64, hot: bool) {
+    publish_with(router, now, hot, None);
+}
+
+/// [`publish`], with a TTFT p99 and an inter-token latency (ms) when `latency` is given.
+fn publish_with(router: &mut Router, now: u64, hot: bool, latency: Option<(f64, f64)>) {
+    let q = |v: f64| ai_lb_proto::LatencyQuantiles {
+        p50_ms: Some(v),
+        p99_ms: Some(v),
+        samples: 100,
+        mean_ms: Some(v),
+    };
     let peers = PODS
         .iter()
         .enumerate()
@@ -158,6 +169,8 @@ fn publish(router: &mut Router, now: u64, hot: bool) {
                     waiting: Some(0),
                     running: Some(1),
                     queue_capacity: Some(8),
+                    ttft: latency.map(|(t, _)| q(t)),
+                    inter_token_recent: latency.map(|(_, i)| q(i)),
                     ..Default::default()
                 }),
                 ..Default::default()
@@ -574,48 +587,7 @@ fn derived_priority_is_off_unless_configured_and_unparsed_bodies_stay_default() 
 
 /// Both pods idle, with a TTFT p99 and an inter-token latency.
 fn publish_latency(router: &mut Router, now: u64, ttft_ms: f64, itl_ms: f64) {
-    use ai_lb_proto::LatencyQuantiles;
-    let q = |p50: f64, p99: f64| LatencyQuantiles {
-        p50_ms: Some(p50),
-        p99_ms: Some(p99),
-        samples: 100,
-        mean_ms: Some(p50),
-    };
-    let peers = PODS
-        .iter()
-        .enumerate()
-        .map(|(i, a)| PeerState {
-            peer: format!("agent-{i}:9090"),
-            status: PeerStatus::Live as i32,
-            snapshot: Some(PodSnapshot {
-                identity: Some(PodIdentity {
-                    address: a.to_string(),
-                    ..Default::default()
-                }),
-                gpus: vec![GpuStats {
-                    utilization: Some(0.1),
-                    sm_occupancy: Some(0.1),
-                    ..Default::default()
-                }],
-                inference: Some(InferenceStats {
-                    waiting: Some(0),
-                    running: Some(1),
-                    queue_capacity: Some(8),
-                    ttft: Some(q(ttft_ms, ttft_ms)),
-                    inter_token_recent: Some(q(itl_ms, itl_ms)),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }),
-            reason: String::new(),
-        })
-        .collect();
-    let ev = PoolEvent {
-        full: true,
-        peers,
-        ..Default::default()
-    };
-    router.apply_pool_event(0, &ev, now);
+    publish_with(router, now, false, Some((ttft_ms, itl_ms)));
 }
 
 /// One request through the whole lifecycle with usage `prompt`/`completion` in its answer.
