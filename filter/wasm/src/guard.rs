@@ -106,13 +106,9 @@ impl HttpContext for Guard {
     fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         let now = host::now_ms();
         let signals = host::shared_get(&self.key).0.as_deref().and_then(decode);
-        let mut counted = Vec::new();
         let next = guard_request(&mut WasmHost, &self.cfg, signals, now, &mut |c| {
-            counted.push(c)
+            self.count(c.name())
         });
-        for c in counted {
-            self.count(c.name());
-        }
         match next {
             Next::Continue | Next::StopForBody => Action::Continue,
             Next::Stop => Action::Pause,
