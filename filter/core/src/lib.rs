@@ -50,6 +50,7 @@ pub mod prefix;
 pub mod recovery;
 pub mod score;
 pub mod signals;
+pub mod versions;
 pub mod status;
 
 pub use breaker::{Breaker, BreakerEvent, BreakerState, Outcome, TripReason};
