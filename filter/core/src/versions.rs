@@ -120,7 +120,7 @@ impl VersionsConfig {
     }
 }
 
-/// `versions` (raw).
+/// Model-version routing and per-version breaker domains; present (an object, even `{}`) turns it on.
 #[derive(Debug, Deserialize, Default)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 #[cfg_attr(
@@ -133,14 +133,16 @@ pub(crate) struct RawVersions {
     #[serde(default)]
     #[cfg_attr(feature = "schema", schemars(extend("default" = "x-model-version")))]
     header: Option<String>,
-    /// Share of the requests without the header that each version gets (relative weights, e.g. `{"v1": 95, "v2": 5}`), renormalised over the versions with an available pod whose domain is closed or half-open. Versions (as the pods' agents report them with `--model-version`) not listed get only pinned requests. Names non-empty, weights finite and ≥ 0, at least one > 0.
+    /// Share of the requests without the header that each version gets (relative weights, e.g. `{"v1": 95, "v2": 5}`), renormalised over the versions with an available pod whose domain is closed or half-open. Versions (as the pods' agents report them with `--model-version`) not listed get only pinned requests. Names non-empty, weights finite and ≥ 0, at least one > 0 when any is given. Absent or empty: no split (requests without the header go to every pod, as without `versions`; pinning and the domains still apply).
+    #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(extend("default" = {})))]
     weights: BTreeMap<String, f64>,
     /// Breaker domain settings: `default` for every version, and per version under its name (unset fields from `default`).
     #[serde(default)]
     domains: BTreeMap<String, RawDomain>,
 }
 
-/// One version's breaker domain (raw).
+/// One version's breaker domain (`default`: every version's; a version's name: its own, unset fields from `default`).
 #[derive(Debug, Deserialize, Default, Clone, Copy)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 #[cfg_attr(
@@ -297,7 +299,7 @@ impl TryFrom<&RawVersions> for VersionsConfig {
                 weights.push((name.clone(), w));
             }
         }
-        if sum <= 0.0 {
+        if sum <= 0.0 && !raw.weights.is_empty() {
             return Err(ConfigError::new(
                 "versions.weights",
                 format!("{:?}", raw.weights),
