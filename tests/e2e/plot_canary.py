@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""Plots bench_canary's requests.csv: per second, the share of requests the canary (v2) served
-and the client-visible errors in each run (the fault's time marked), and the latency CDF of the
-requests stable (v1) pods served in each run.
+"""Plots bench_canary's output: per second, the requests the filter routed to the canary (v2)
+(its pick count on the status page, canary_picks.csv: a request the canary failed is retried by
+Envoy on a stable pod, so the answering pod does not show it) and the client-visible errors in
+each run (the fault's time marked); and the latency CDF of the requests stable (v1) pods served
+in each run.
 
     python3 tests/e2e/plot_canary.py bench-results/canary
 """
@@ -23,24 +25,25 @@ fault_s = summary["fault_at_ms"] / 1000.0
 runs = ["no-canary", "canary-healthy", "canary-fails"]
 
 fig, axes = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+picks = list(csv.DictReader(open(out / "canary_picks.csv")))
 for run in runs:
-    total = defaultdict(int)
-    canary = defaultdict(int)
+    samples = [(int(r["t_ms"]), int(r["canary_picks"])) for r in picks if r["run"] == run]
+    per_s = defaultdict(int)
+    for (t0, n0), (t1, n1) in zip(samples, samples[1:]):
+        per_s[t1 // 1000] += n1 - n0
+    xs = sorted(per_s)
+    if xs:
+        axes[0].plot(xs, [per_s[x] for x in xs], label=run)
     errors = defaultdict(int)
     for r in rows:
-        if r["run"] != run:
-            continue
-        s = int(r["at_ms"]) // 1000
-        total[s] += 1
-        canary[s] += r["version"] == "v2"
-        errors[s] += r["status"] != "200"
-    xs = sorted(total)
-    axes[0].plot(xs, [canary[x] / total[x] for x in xs], label=run)
+        if r["run"] == run:
+            errors[int(r["at_ms"]) // 1000] += r["status"] != "200"
+    xs = list(range(0, int(summary["secs"])))
     axes[1].plot(xs, [errors[x] for x in xs], label=run)
 for ax in axes:
     ax.axvline(fault_s, color="grey", linestyle=":", label="canary starts failing")
-axes[0].set_ylabel("share served by the canary (v2)")
-axes[0].set_title("Canary share and client errors per second (weights v1 95 / v2 5)")
+axes[0].set_ylabel("requests routed to the canary / s")
+axes[0].set_title("Canary (v2) picks and client errors per second (weights v1 95 / v2 5)")
 axes[1].set_ylabel("requests not 200")
 axes[1].set_xlabel("send time (s)")
 axes[0].legend(fontsize=8)

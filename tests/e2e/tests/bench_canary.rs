@@ -17,7 +17,8 @@
 //! the fault to the last request the canary got, and to the domain's open as the status page
 //! shows it).
 //!
-//! Writes `summary.json`, `table.md` and `requests.csv` under `$CANARY_BENCH_OUT` (default
+//! Writes `summary.json`, `table.md`, `requests.csv` and `canary_picks.csv` (the status page's
+//! canary pick count every 100 ms) under `$CANARY_BENCH_OUT` (default
 //! `bench-results/canary`); `tests/e2e/plot_canary.py <dir>` draws the plots. Knobs:
 //! `CANARY_BENCH_SECS` (default 40), `CANARY_BENCH_RPS` (default 60). Run:
 //!   ENVOY_BIN=... REQUIRE_ENVOY=1 cargo test -p ai-lb-e2e --test bench_canary -- --ignored --nocapture
@@ -126,6 +127,8 @@ struct RunOut {
     canary: Option<String>,
     /// ms from the run's start to the status page first showing v2's domain open.
     opened_ms: Option<u64>,
+    /// (ms from the run's start, the canary's pick count) as the status page showed them.
+    picks: Vec<(u64, u64)>,
     stats: Value,
 }
 
@@ -149,7 +152,8 @@ fn run(canary: bool, fault_at_ms: Option<u64>, plan: &[u64]) -> RunOut {
         // single canary pod failing every request would otherwise be cut by its own breaker
         // after 5 failures (or its agent's error rate) before its version's domain saw 21; this
         // run measures the domain. The domains at the issue's figures (the defaults).
-        "breaker": {"consecutiveFailures": 1000, "failureRate": 1.0, "agentErrorRate": 0.0},
+        "breaker": {"consecutiveFailures": 1000, "failureRate": 1.0,
+                    "failureRateMinRequests": 100000, "agentErrorRate": 0.0},
         "versions": {"weights": {"v1": 95, "v2": 5}}
     }));
     let mut opts = Path::Wasm.opts(&pool, &filter, &pool.agent_addrs);
@@ -158,35 +162,44 @@ fn run(canary: bool, fault_at_ms: Option<u64>, plan: &[u64]) -> RunOut {
     wait_scoreboard(&envoy, "fresh metrics", 30, |sb| all_fresh(sb, &pool));
     let addr = envoy.listener;
     let start = Instant::now();
-    // Watches the canary's domain (every 100 ms) once the fault is set.
+    // Watches the canary's row on the status page every 100 ms: when its domain first shows
+    // open, and its pick count (the filter's own routing: a request the canary failed is
+    // retried by Envoy on a stable pod, so the client's `x-fake-pod` hides it).
     let opened = Arc::new(Mutex::new(None::<u64>));
+    let picks = Arc::new(Mutex::new(Vec::<(u64, u64)>::new()));
     let stop = Arc::new(AtomicBool::new(false));
-    let watcher = fault_at_ms.map(|_| {
-        let (opened, stop, envoy_listener) = (opened.clone(), stop.clone(), envoy.listener);
+    let watcher = {
+        let (opened, picks, stop, listener) =
+            (opened.clone(), picks.clone(), stop.clone(), envoy.listener);
         std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
-                let r = HttpClient::new(envoy_listener)
+                let sb = HttpClient::new(listener)
                     .get(STATUS_PATH, &[("connection", "close")])
                     .ok()
                     .and_then(|r| serde_json::from_slice::<Value>(&r.body).ok());
-                let open = r.is_some_and(|sb| {
+                let v2 = sb.and_then(|sb| {
                     sb["pools"][0]["modelVersions"]
-                        .as_array()
-                        .is_some_and(|a| {
-                            a.iter()
-                                .any(|v| v["version"] == "v2" && v["domain"] == "open")
-                        })
+                        .as_array()?
+                        .iter()
+                        .find(|v| v["version"] == "v2")
+                        .cloned()
                 });
-                if open {
-                    let mut o = opened.lock().unwrap();
-                    if o.is_none() {
-                        *o = Some(start.elapsed().as_millis() as u64);
+                if let Some(v2) = v2 {
+                    let now = start.elapsed().as_millis() as u64;
+                    if v2["domain"] == "open" {
+                        let mut o = opened.lock().unwrap();
+                        if o.is_none() {
+                            *o = Some(now);
+                        }
+                    }
+                    if let Some(n) = v2["counts"]["picks"].as_u64() {
+                        picks.lock().unwrap().push((now, n));
                     }
                 }
                 std::thread::sleep(Duration::from_millis(100));
             }
         })
-    });
+    };
     let mut handles = Vec::new();
     let mut faulted = false;
     for &at in plan {
@@ -211,9 +224,7 @@ fn run(canary: bool, fault_at_ms: Option<u64>, plan: &[u64]) -> RunOut {
     }
     let recs: Vec<Rec> = handles.into_iter().filter_map(|h| h.join().ok()).collect();
     stop.store(true, Ordering::Relaxed);
-    if let Some(w) = watcher {
-        let _ = w.join();
-    }
+    let _ = watcher.join();
     std::thread::sleep(Duration::from_millis(400));
     let stats: serde_json::Map<String, Value> = envoy
         .stats()
@@ -229,10 +240,12 @@ fn run(canary: bool, fault_at_ms: Option<u64>, plan: &[u64]) -> RunOut {
     let mut stats = Value::Object(stats);
     stats["v2_domain_at_end"] = json!(final_domain);
     let opened_ms = *opened.lock().unwrap();
+    let picks = picks.lock().unwrap().clone();
     RunOut {
         recs,
         canary: canary.then(|| pool.names[STABLE].clone()),
         opened_ms,
+        picks,
         stats,
     }
 }
@@ -269,7 +282,21 @@ fn summarise(out: &RunOut, fault_at_ms: Option<u64>) -> Value {
         .filter(|r| r.pod == canary)
         .filter(after)
         .collect();
-    let last_canary_after = canary_after.iter().map(|r| r.at_ms).max();
+    // The last status-page sample at which the canary's pick count had just grown.
+    let last_pick = out
+        .picks
+        .windows(2)
+        .filter(|w| w[1].1 > w[0].1)
+        .map(|w| w[1].0)
+        .max();
+    let picks_at = |t: u64| {
+        out.picks
+            .iter()
+            .take_while(|(at, _)| *at <= t)
+            .last()
+            .map_or(0, |(_, n)| *n)
+    };
+    let picks_after_fault = fault_at_ms.map(|f| picks_at(u64::MAX).saturating_sub(picks_at(f)));
     json!({
         "requests": out.recs.len(),
         "errors": errors,
@@ -281,9 +308,9 @@ fn summarise(out: &RunOut, fault_at_ms: Option<u64>) -> Value {
         "stable_p99_ms": pct(stable_ok, 99.0),
         "to_canary": to_canary,
         "canary_share": to_canary as f64 / n,
-        "canary_after_fault": canary_after.len(),
-        "canary_failed_after_fault": canary_after.iter().filter(|r| r.status != 200).count(),
-        "divert_last_canary_request_ms": last_canary_after.zip(fault_at_ms).map(|(l, f)| l - f),
+        "canary_served_after_fault": canary_after.len(),
+        "canary_picks_after_fault": picks_after_fault,
+        "divert_last_canary_pick_ms": last_pick.zip(fault_at_ms).map(|(l, f)| l.saturating_sub(f)),
         "divert_domain_open_ms": out.opened_ms.zip(fault_at_ms).map(|(o, f)| o.saturating_sub(f)),
         "filter": out.stats,
     })
@@ -330,6 +357,7 @@ fn canary_failing_mid_run_against_no_canary() {
     let fault_at = secs * 1000 / 2;
     let mut runs = serde_json::Map::new();
     let mut csv = String::from("run,at_ms,status,pod,version,e2e_ms\n");
+    let mut picks_csv = String::from("run,t_ms,canary_picks\n");
     for (name, canary, fault) in [
         ("no-canary", false, None),
         ("canary-healthy", true, None),
@@ -351,6 +379,9 @@ fn canary_failing_mid_run_against_no_canary() {
                 r.at_ms, r.status, r.pod, r.e2e_ms
             ));
         }
+        for (t, n) in &o.picks {
+            picks_csv.push_str(&format!("{name},{t},{n}\n"));
+        }
         runs.insert(name.into(), summarise(&o, fault));
     }
     let summary = json!({
@@ -368,6 +399,7 @@ fn canary_failing_mid_run_against_no_canary() {
     )
     .unwrap();
     std::fs::write(out.join("requests.csv"), csv).unwrap();
+    std::fs::write(out.join("canary_picks.csv"), picks_csv).unwrap();
 
     let r = &summary["runs"];
     let fails = &r["canary-fails"];
@@ -383,8 +415,8 @@ fn canary_failing_mid_run_against_no_canary() {
         "errors",
         "requests",
         "to_canary",
-        "canary_after_fault",
-        "canary_failed_after_fault",
+        "canary_served_after_fault",
+        "canary_picks_after_fault",
     ] {
         t.push_str(&format!(
             "| {m} | {} | {} | {} | {} | {} |\n",
@@ -397,10 +429,11 @@ fn canary_failing_mid_run_against_no_canary() {
     }
     t.push_str(&format!(
         "\nTime to divert the canary (canary-fails, fault at {fault_at} ms): the status page showed \
-         its domain open {} ms after the fault; the last request the canary got was sent {} ms \
-         after it.\n",
+         its domain open {} ms after the fault (sampled every 100 ms); its pick count last grew {} \
+         ms after it ({} picks after the fault, each a failure Envoy retried on a stable pod).\n",
         show(&fails["divert_domain_open_ms"]),
-        show(&fails["divert_last_canary_request_ms"]),
+        show(&fails["divert_last_canary_pick_ms"]),
+        show(&fails["canary_picks_after_fault"]),
     ));
     std::fs::write(out.join("table.md"), &t).unwrap();
     eprintln!("{t}");

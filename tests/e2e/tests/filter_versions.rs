@@ -75,7 +75,8 @@ fn versions_on(path: Path) {
     // Pod breakers out of the way (the domain is what this test watches): no consecutive or
     // rate trip, no agent-rate trip.
     let filter = config(json!({
-        "breaker": {"consecutiveFailures": 1000, "failureRate": 1.0, "agentErrorRate": 0.0},
+        "breaker": {"consecutiveFailures": 1000, "failureRate": 1.0,
+                    "failureRateMinRequests": 100000, "agentErrorRate": 0.0},
         "versions": {
             "weights": {"v1": 95, "v2": 5},
             "domains": {"default": {"minFailures": 5, "openMs": 60000}}
