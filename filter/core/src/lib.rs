@@ -50,8 +50,8 @@ pub mod prefix;
 pub mod recovery;
 pub mod score;
 pub mod signals;
-pub mod versions;
 pub mod status;
+pub mod versions;
 
 pub use breaker::{Breaker, BreakerEvent, BreakerState, Outcome, TripReason};
 pub use config::{FilterConfig, Mode};

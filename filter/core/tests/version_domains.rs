@@ -9,8 +9,7 @@ use ai_lb_filter_core::config::FilterConfig;
 use ai_lb_filter_core::picker::{Decision, RequestSize, Router, VersionRoute};
 use ai_lb_filter_core::versions::{DomainConfig, Domains, RejectReason, VersionsConfig};
 use ai_lb_proto::{
-    GpuStats, InferenceStats, ModelInfo, PeerState, PeerStatus, PodIdentity, PodSnapshot,
-    PoolEvent,
+    GpuStats, InferenceStats, ModelInfo, PeerState, PeerStatus, PodIdentity, PodSnapshot, PoolEvent,
 };
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -138,10 +137,7 @@ fn without_versions_nothing_changes() {
     // The same picks as decide_with on a router without versions, seed for seed.
     let mut a = router("");
     let mut b = router("");
-    let (mut ra, mut rb) = (
-        ChaCha8Rng::seed_from_u64(7),
-        ChaCha8Rng::seed_from_u64(7),
-    );
+    let (mut ra, mut rb) = (ChaCha8Rng::seed_from_u64(7), ChaCha8Rng::seed_from_u64(7));
     for i in 0..200 {
         let now = T0 + i;
         let x = a.decide_with(0, Some(MODEL), RequestSize::UNIT, None, now, &mut ra);
@@ -254,7 +250,12 @@ fn unversioned_pods_get_the_whole_pool_when_no_weighted_version_is_live() {
 fn the_domain_trips_only_past_both_thresholds() {
     let d = DomainConfig::default();
     assert_eq!(
-        (d.min_failures, d.failure_ratio, d.open_ms, d.half_open_requests),
+        (
+            d.min_failures,
+            d.failure_ratio,
+            d.open_ms,
+            d.half_open_requests
+        ),
         (20, 0.3, 30_000, 100)
     );
     // Failures must exceed 20, and their share 30 %.
@@ -321,7 +322,10 @@ fn open_lasts_open_ms_then_half_open_admits_its_requests() {
     }
     assert!(!ds.admits("v1", &vc), "100 requests admitted, no more");
     for i in 1..99 {
-        assert!(ds.record("v1", false, now + 2, &vc).is_none(), "success {i}");
+        assert!(
+            ds.record("v1", false, now + 2, &vc).is_none(),
+            "success {i}"
+        );
     }
     let t = ds.record("v1", false, now + 2, &vc).expect("closes");
     assert_eq!(t.to, BreakerState::Closed);
@@ -399,7 +403,11 @@ fn a_tripped_canary_moves_its_share_to_stable_and_leaves_stable_alone() {
     }
     let rows = r.version_rows(0);
     let v2 = rows.iter().find(|x| x.version == "v2").unwrap();
-    assert_eq!(v2.state, BreakerState::Closed, "{v2:?} after {canary} canary picks");
+    assert_eq!(
+        v2.state,
+        BreakerState::Closed,
+        "{v2:?} after {canary} canary picks"
+    );
     // Closed after its 100 half-open requests succeeded, then its 5 % share again.
     assert!((200..=400).contains(&canary), "canary got {canary}");
 }
@@ -422,7 +430,10 @@ fn bad_versions_configs_are_refused_with_the_field_named() {
         (r#"{"weights":{"v1":-1,"v2":5}}"#, "versions.weights.v1"),
         (r#"{"weights":{"v1":0}}"#, "versions.weights"),
         (r#"{"weights":{"":1}}"#, "versions.weights"),
-        (r#"{"header":"X Bad","weights":{"v1":1}}"#, "versions.header"),
+        (
+            r#"{"header":"X Bad","weights":{"v1":1}}"#,
+            "versions.header",
+        ),
         (
             r#"{"weights":{"v1":1},"domains":{"default":{"failureRatio":0}}}"#,
             "versions.domains.default.failureRatio",

@@ -424,7 +424,11 @@ impl Worker {
         if self.router.config().versions.is_some() && now >= self.versions_due_ms {
             self.versions_due_ms = now + 1000;
             for (version, counts, state) in self.router.version_totals() {
-                let last = self.versions_seen.get(&version).copied().unwrap_or_default();
+                let last = self
+                    .versions_seen
+                    .get(&version)
+                    .copied()
+                    .unwrap_or_default();
                 let pairs = counts.iter().into_iter().zip(last.iter());
                 for (id, ((_, v), (_, old))) in c.version.iter().zip(pairs) {
                     if v > old {

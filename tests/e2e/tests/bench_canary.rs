@@ -94,10 +94,7 @@ fn send(addr: SocketAddr) -> (u16, String, f64) {
     let e2e = t.elapsed().as_secs_f64() * 1000.0;
     let text = String::from_utf8_lossy(&buf);
     let head = text.split("\r\n\r\n").next().unwrap_or("");
-    let status = head
-        .get(9..12)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
+    let status = head.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
     let pod = head
         .lines()
         .find_map(|l| {

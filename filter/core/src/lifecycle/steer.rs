@@ -125,9 +125,9 @@ where
         VersionRoute::Version { version, .. } => Some(version),
         VersionRoute::Rejected { version, reason } => return Err(Rejected { version, reason }),
     };
-    let decision =
-        p.router
-            .decide_in(pool, model, version.as_deref(), size, prompt, now, p.rng);
+    let decision = p
+        .router
+        .decide_in(pool, model, version.as_deref(), size, prompt, now, p.rng);
     let (ranked, score) = match decision {
         Decision::Steer {
             ranked,
