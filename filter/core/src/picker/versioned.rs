@@ -125,6 +125,7 @@ impl Router {
             };
         }
         // The split: weighted versions with an available pod whose domain admits.
+        // Which weighted versions may take it, by index (no allocation up to 16 versions).
         let mut eligible = [false; 16];
         let mut eligible_more = Vec::new();
         for (i, (name, _)) in vc.weights.iter().enumerate() {
