@@ -1310,6 +1310,7 @@ mod tests {
             ),
             (&["--prefix-block-tokens", "0"], "--prefix-block-tokens"),
             (&["--prefix-max-keys", "lots"], "--prefix-max-keys"),
+            (&["--model-version", "  "], "model-version"),
         ];
         for (args, flag) in cases {
             let mut full: Vec<&str> = if args.contains(&"--serving-address") {
@@ -1371,7 +1372,7 @@ mod tests {
         let path = dir.path().join("agent.yaml");
         std::fs::write(
             &path,
-            "serving-address: 10.0.0.2:8000\nsample-interval: 250ms\ngpu-sample-interval: 50ms\nheartbeat: 2s\npeers: [a:1, b:2]\nqueue-capacity: 64\nkv-capacity-tokens: 400000\n",
+            "serving-address: 10.0.0.2:8000\nsample-interval: 250ms\ngpu-sample-interval: 50ms\nheartbeat: 2s\npeers: [a:1, b:2]\nqueue-capacity: 64\nkv-capacity-tokens: 400000\nmodel-version: v2\n",
         )
         .unwrap();
         let c = AgentConfig::from_args([
@@ -1391,6 +1392,7 @@ mod tests {
         assert_eq!(c.peers, vec!["a:1".to_string(), "b:2".to_string()]);
         assert_eq!(c.queue_capacity, Some(64));
         assert_eq!(c.kv_capacity_tokens, Some(400_000));
+        assert_eq!(c.model_version.as_deref(), Some("v2"));
 
         let toml_path = dir.path().join("agent.toml");
         std::fs::write(
