@@ -69,6 +69,10 @@ pub struct RawArgs {
     /// Model served (repeatable), used when the model server does not say.
     #[arg(long = "model", env = "AI_LB_AGENT_MODEL", value_delimiter = ',')]
     pub models: Vec<String>,
+    /// Model version this pod serves (e.g. `v2` for a canary): reported as the version of
+    /// every model, so the filter's `versions` routing can pin and split by it.
+    #[arg(long, env = "AI_LB_AGENT_MODEL_VERSION")]
+    pub model_version: Option<String>,
     /// Maximum concurrently running sequences, when the model server does not say.
     #[arg(long, env = "AI_LB_AGENT_QUEUE_CAPACITY")]
     pub queue_capacity: Option<String>,
@@ -197,6 +201,7 @@ pub struct FileArgs {
     pub engine: Option<String>,
     #[serde(default, alias = "model")]
     pub models: Vec<String>,
+    pub model_version: Option<String>,
     pub queue_capacity: Option<serde_yaml::Value>,
     pub kv_capacity_tokens: Option<serde_yaml::Value>,
     pub sample_interval: Option<String>,
@@ -265,6 +270,7 @@ impl RawArgs {
         if self.models.is_empty() {
             self.models = file.models;
         }
+        fill(&mut self.model_version, file.model_version);
         // Numbers in the file (`queue-capacity: 64`) keep their text, so validation reports
         // them as written.
         let text = |v: serde_yaml::Value| match v {
@@ -410,6 +416,8 @@ pub struct AgentConfig {
     pub model_server_url: Option<String>,
     pub engine: EngineChoice,
     pub models: Vec<String>,
+    /// `--model-version`: the version reported for every model (None: the model server's).
+    pub model_version: Option<String>,
     pub queue_capacity: Option<u32>,
     /// KV-cache capacity in tokens; wins over the model server's when set.
     pub kv_capacity_tokens: Option<u64>,
@@ -652,6 +660,19 @@ impl TryFrom<RawArgs> for AgentConfig {
             }
             models.push(m.to_string());
         }
+        let model_version = match raw.model_version.as_deref().map(str::trim) {
+            None => None,
+            Some(v) if !v.is_empty() && v.len() <= 128 && !v.chars().any(char::is_control) => {
+                Some(v.to_string())
+            }
+            Some(v) => {
+                return Err(invalid(
+                    "model-version",
+                    v,
+                    "a non-empty version of at most 128 printable characters",
+                ))
+            }
+        };
         let queue_capacity = match raw.queue_capacity.as_deref() {
             None => None,
             Some(v) => match v.trim().parse::<u32>() {
@@ -832,6 +853,7 @@ impl TryFrom<RawArgs> for AgentConfig {
             model_server_url,
             engine,
             models,
+            model_version,
             queue_capacity,
             kv_capacity_tokens,
             sample_interval,
@@ -1288,6 +1310,7 @@ mod tests {
             ),
             (&["--prefix-block-tokens", "0"], "--prefix-block-tokens"),
             (&["--prefix-max-keys", "lots"], "--prefix-max-keys"),
+            (&["--model-version", "  "], "model-version"),
         ];
         for (args, flag) in cases {
             let mut full: Vec<&str> = if args.contains(&"--serving-address") {
@@ -1349,7 +1372,7 @@ mod tests {
         let path = dir.path().join("agent.yaml");
         std::fs::write(
             &path,
-            "serving-address: 10.0.0.2:8000\nsample-interval: 250ms\ngpu-sample-interval: 50ms\nheartbeat: 2s\npeers: [a:1, b:2]\nqueue-capacity: 64\nkv-capacity-tokens: 400000\n",
+            "serving-address: 10.0.0.2:8000\nsample-interval: 250ms\ngpu-sample-interval: 50ms\nheartbeat: 2s\npeers: [a:1, b:2]\nqueue-capacity: 64\nkv-capacity-tokens: 400000\nmodel-version: v2\n",
         )
         .unwrap();
         let c = AgentConfig::from_args([
@@ -1369,6 +1392,7 @@ mod tests {
         assert_eq!(c.peers, vec!["a:1".to_string(), "b:2".to_string()]);
         assert_eq!(c.queue_capacity, Some(64));
         assert_eq!(c.kv_capacity_tokens, Some(400_000));
+        assert_eq!(c.model_version.as_deref(), Some("v2"));
 
         let toml_path = dir.path().join("agent.toml");
         std::fs::write(

@@ -584,6 +584,7 @@ pub fn start(cfg: &AgentConfig, args: StartArgs) -> std::io::Result<RunningAgent
         address: cfg.serving_address.to_string(),
         engine: cfg.engine.to_proto(),
         models: cfg.models.clone(),
+        model_version: cfg.model_version.clone(),
         queue_capacity: cfg.queue_capacity,
         kv_capacity_tokens: cfg.kv_capacity_tokens,
     };

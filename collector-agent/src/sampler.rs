@@ -56,6 +56,8 @@ pub struct IdentityConfig {
     /// Configured engine; `Unspecified` when auto-detected.
     pub engine: Engine,
     pub models: Vec<String>,
+    /// Configured model version (`--model-version`); wins over the model server's when set.
+    pub model_version: Option<String>,
     /// Configured queue capacity; wins over the model server's when set.
     pub queue_capacity: Option<u32>,
     /// Configured KV-cache capacity in tokens; wins over the model server's when set.
@@ -304,6 +306,11 @@ pub fn merge(
             if !m.is_empty() {
                 models = m.clone();
             }
+        }
+    }
+    if let Some(v) = &identity.model_version {
+        for m in models.iter_mut() {
+            m.version.clone_from(v);
         }
     }
     if let Some(inf) = inference.as_mut() {
@@ -1567,6 +1574,28 @@ mod tests {
         });
         assert_eq!(operator_says.kv_capacity_tokens, Some(400_000));
         assert_eq!(operator_says.queue_capacity, Some(64));
+    }
+
+    #[test]
+    fn the_configured_model_version_is_every_model_s_version() {
+        let t0 = Instant::now();
+        let id = IdentityConfig {
+            address: "10.0.0.1:8000".into(),
+            models: vec!["m".into(), "n".into()],
+            model_version: Some("v2".into()),
+            ..Default::default()
+        };
+        let s = merge(&id, &[], &[], &[], t0, 0, 1, "x");
+        let models = &s.identity.as_ref().unwrap().models;
+        assert_eq!(models.len(), 2);
+        assert!(models.iter().all(|m| m.version == "v2"));
+        let none = merge(&IdentityConfig::default(), &[], &[], &[], t0, 0, 1, "x");
+        assert!(none
+            .identity
+            .unwrap()
+            .models
+            .iter()
+            .all(|m| m.version.is_empty()));
     }
 
     #[test]

@@ -294,6 +294,8 @@ pub struct FilterConfig {
     /// Admission control, validated by [`AdmissionConfig::from_value`] (error paths start with
     /// `admission.`). None (absent or null in the JSON) = admission off.
     pub admission: Option<AdmissionConfig>,
+    /// Model-version routing and breaker domains ([`crate::versions`]; None = off).
+    pub versions: Option<std::sync::Arc<crate::versions::VersionsConfig>>,
 }
 
 /// `maxBodyReadBytes` when unset: half of Envoy's default buffer limit (1 MiB).
@@ -546,6 +548,10 @@ struct RawConfig {
     #[serde(default)]
     #[cfg_attr(feature = "schema", schemars(extend("default" = null)))]
     prefix_affinity: Option<crate::prefix::config::RawPrefixAffinity>,
+    /// Model-version routing (issue 30 part 3): a request naming a version in `header` goes only to pods of that version (their agent's `--model-version`); the others are split between versions by `weights`, then by score within the version; each version has a breaker domain (`domains`) that takes it out of the split while its requests fail. Absent or null: off (every pod competes, as without versions).
+    #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(extend("default" = null)))]
+    versions: Option<crate::versions::RawVersions>,
     /// Admission control (token buckets per tenant, priority classes, inbound guard). Absent
     /// or null: admission off; `{}`: on with every default.
     #[serde(default)]
@@ -1462,6 +1468,12 @@ impl TryFrom<RawConfig> for FilterConfig {
                 .as_ref()
                 .map(AdmissionConfig::from_value)
                 .transpose()?,
+            versions: raw
+                .versions
+                .as_ref()
+                .map(crate::versions::VersionsConfig::try_from)
+                .transpose()?
+                .map(std::sync::Arc::new),
         })
     }
 }

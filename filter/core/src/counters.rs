@@ -71,6 +71,12 @@ pub struct Counters {
     /// New snapshots of a pod whose thresholds stayed static for want of a background (fewer
     /// than `minPods` other pods with fresh readings).
     pub breaker_thresholds_static: u64,
+    /// `versions`: requests without a version header routed over the whole pool because no
+    /// weighted version had an available pod whose domain admits.
+    pub versions_unsplit: u64,
+    /// `versions`: pinned requests answered 503 for a version no pod reports nor the config
+    /// names (kept out of the per-version stats, which only known versions get).
+    pub versions_rejected_unknown: u64,
     /// Breaker transitions by target state.
     pub breaker_opened: u64,
     pub breaker_half_opened: u64,
@@ -79,7 +85,7 @@ pub struct Counters {
 
 impl Counters {
     /// How many counters [`Counters::iter`] lists.
-    pub const COUNT: usize = 30;
+    pub const COUNT: usize = 32;
 
     /// Counts one breaker transition into `to`.
     pub fn count_transition(&mut self, to: BreakerState) {
@@ -131,6 +137,8 @@ impl Counters {
             ),
             ("breaker_thresholds.laxer", self.breaker_thresholds_laxer),
             ("breaker_thresholds.static", self.breaker_thresholds_static),
+            ("versions.unsplit", self.versions_unsplit),
+            ("versions.rejected_unknown", self.versions_rejected_unknown),
             ("breaker.opened", self.breaker_opened),
             ("breaker.half_opened", self.breaker_half_opened),
             ("breaker.closed", self.breaker_closed),

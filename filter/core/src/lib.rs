@@ -51,6 +51,7 @@ pub mod recovery;
 pub mod score;
 pub mod signals;
 pub mod status;
+pub mod versions;
 
 pub use breaker::{Breaker, BreakerEvent, BreakerState, Outcome, TripReason};
 pub use config::{FilterConfig, Mode};

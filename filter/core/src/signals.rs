@@ -46,6 +46,8 @@ pub struct SignalIssue {
 pub struct ServedModel {
     pub name: String,
     pub adapters: Vec<String>,
+    /// The model's version as the agent reports it (`--model-version`; "" when none).
+    pub version: String,
 }
 
 /// NVML clocks-event (throttle) reasons that mean the GPU is slowed by hardware or heat, not
@@ -283,6 +285,7 @@ impl PodSignals {
                     .map(|m| ServedModel {
                         name: m.name.clone(),
                         adapters: m.adapters.clone(),
+                        version: m.version.trim().to_string(),
                     })
                     .collect()
             })
@@ -562,6 +565,16 @@ impl PodSignals {
             self.confirmed_at_ms = now_ms;
             self.age_at_confirm_ms = 0;
         }
+    }
+
+    /// The pod's model version: the first non-empty version of its models, else
+    /// [`crate::versions::UNVERSIONED`] ("").
+    pub fn version(&self) -> &str {
+        self.models
+            .iter()
+            .map(|m| m.version.as_str())
+            .find(|v| !v.is_empty())
+            .unwrap_or(crate::versions::UNVERSIONED)
     }
 
     /// True when the pod serves `model` as a base model or a LoRA adapter.

@@ -49,8 +49,30 @@ pub fn scoreboard(router: &Router, now_ms: u64) -> Value {
                     })
                 })
                 .collect();
+            // `versions`: each model version's split weight, pods and breaker domain (this
+            // worker's) with its counts.
+            let versions: Vec<Value> = router
+                .version_rows(i)
+                .iter()
+                .map(|r| {
+                    let counts: serde_json::Map<String, Value> = r
+                        .counts
+                        .iter()
+                        .iter()
+                        .map(|(k, v)| ((*k).to_string(), json!(v)))
+                        .collect();
+                    json!({
+                        "version": r.version,
+                        "weight": r.weight,
+                        "pods": r.pods,
+                        "domain": r.state.as_str(),
+                        "counts": counts,
+                    })
+                })
+                .collect();
             json!({
                 "name": cfg.map(|c| c.name.as_str()),
+                "modelVersions": versions,
                 "cluster": cfg.map(|c| c.cluster.as_str()),
                 "version": state.map(|s| s.version()),
                 "lastEventAgeMs": state.and_then(|s| s.last_event_ms()).map(|t| now_ms.saturating_sub(t)),

@@ -30,6 +30,7 @@ use ai_lb_filter_core::lifecycle::{
     self, BreakerStore, Exchange, Host, Next as LifeNext, Parts, Stats,
 };
 use ai_lb_filter_core::picker::Router;
+use ai_lb_filter_core::versions::VersionCounts;
 use ai_lb_filter_core::Counters as CoreCounters;
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
@@ -69,6 +70,11 @@ pub struct Counters {
     metrics_age_ms: LabeledGauge,
     /// Guard mode only (0 otherwise), in [`GuardCount::ALL`] order (`ailb.guard.*`).
     guard: [usize; GuardCount::ALL.len()],
+    /// `versions`: per model version (label `ailb_version`), in [`VersionCounts::iter`] order
+    /// (`ailb.version.<name>`), added once a second per worker; and its domain state (0
+    /// closed, 1 half-open, 2 open) as that worker sees it.
+    version: [LabeledCounter; VersionCounts::COUNT],
+    version_state: LabeledGauge,
 }
 
 /// One filter config: what Envoy's config object points to. Lives until every stream of it
@@ -140,6 +146,10 @@ impl ConfigRt {
             gpu_signal: handle.define_labeled_gauge("ailb.endpoint.gpu_signal", "ailb_endpoint"),
             metrics_age_ms: handle
                 .define_labeled_gauge("ailb.endpoint.metrics_age_ms", "ailb_endpoint"),
+            version: VersionCounts::default().iter().map(|(n, _)| {
+                handle.define_labeled_counter(&format!("ailb.version.{n}"), "ailb_version")
+            }),
+            version_state: handle.define_labeled_gauge("ailb.version.domain_state", "ailb_version"),
             guard: match cfg.filter.mode {
                 Mode::Guard => GuardCount::ALL.map(|c| handle.define_counter(c.name())),
                 Mode::Route => [0; GuardCount::ALL.len()],
@@ -208,6 +218,9 @@ struct Worker {
     core_seen: [u64; CORE_COUNTERS],
     /// When this worker next adds its pending per-pod counts to Envoy's counters (ms).
     flush_due_ms: u64,
+    /// `versions`: the per-version counts as last added to Envoy's, and when next (ms).
+    versions_seen: HashMap<String, VersionCounts>,
+    versions_due_ms: u64,
     /// Admission (None: off): its config, tenants and held queue in this worker.
     admission: Option<AdmissionRt>,
     adm_stats: AdmTally,
@@ -408,6 +421,24 @@ impl Worker {
         }
         export_feed_tallies(rt, s);
         let now = now_ms();
+        if self.router.config().versions.is_some() && now >= self.versions_due_ms {
+            self.versions_due_ms = now + 1000;
+            for (version, counts, state) in self.router.version_totals() {
+                let last = self
+                    .versions_seen
+                    .get(&version)
+                    .copied()
+                    .unwrap_or_default();
+                let pairs = counts.iter().into_iter().zip(last.iter());
+                for (id, ((_, v), (_, old))) in c.version.iter().zip(pairs) {
+                    if v > old {
+                        s.inc_labeled(*id, &version, v - old);
+                    }
+                }
+                s.set_labeled(c.version_state, &version, state.gauge_value());
+                self.versions_seen.insert(version, counts);
+            }
+        }
         if now < self.flush_due_ms || self.stats.pending.is_empty() {
             return;
         }
@@ -458,6 +489,8 @@ fn with_worker<R>(rt: &ConfigRt, f: impl FnOnce(&mut Worker) -> R) -> Option<R> 
                     stats: WorkerStats::default(),
                     core_seen: [0; CORE_COUNTERS],
                     flush_due_ms: 0,
+                    versions_seen: HashMap::new(),
+                    versions_due_ms: 0,
                     admission: rt
                         .cfg
                         .filter

@@ -31,6 +31,8 @@ pub struct Metrics {
     last_core: HashMap<&'static str, u64>,
     /// `declare_event_counters` has run.
     events_declared: bool,
+    /// Last exported per-version counts (`versions`), by version.
+    last_versions: HashMap<String, ai_lb_filter_core::versions::VersionCounts>,
 }
 
 /// Counters the glue itself counts, of events that may not have happened yet.
@@ -163,6 +165,36 @@ impl Metrics {
                 BreakerState::HalfOpen => self.inc("ailb.breaker_half_opened", 1),
                 BreakerState::Closed => self.inc("ailb.breaker_closed", 1),
             }
+        }
+    }
+
+    /// Exports the per-version counts (`versions`) as `ailb.version.<version>.<name>` deltas
+    /// since the last call, and each version's domain state as the gauge
+    /// `ailb.version.<version>.domain_state` (0 closed, 1 half-open, 2 open).
+    pub fn export_versions(
+        &mut self,
+        totals: &[(
+            String,
+            ai_lb_filter_core::versions::VersionCounts,
+            ai_lb_filter_core::breaker::BreakerState,
+        )],
+    ) {
+        for (version, counts, state) in totals {
+            let seg = ai_lb_filter_core::picker::version_stat_segment(version);
+            let last = self.last_versions.get(version).copied();
+            let before = last.unwrap_or_default().iter();
+            for ((name, v), (_, old)) in counts.iter().iter().zip(before.iter()) {
+                let stat = format!("ailb.version.{seg}.{name}");
+                if last.is_none() {
+                    self.declare(&stat);
+                }
+                self.inc(&stat, v.saturating_sub(*old));
+            }
+            self.last_versions.insert(version.clone(), *counts);
+            self.set(
+                &format!("ailb.version.{seg}.domain_state"),
+                state.gauge_value(),
+            );
         }
     }
 

@@ -342,6 +342,9 @@ impl Root {
         metrics.inc("ailb.state_busy", state::take_busy());
         let counters = router.counters().iter();
         self.unsteered += metrics.export_core(&counters);
+        if router.config().versions.is_some() {
+            metrics.export_versions(&router.version_totals());
+        }
         metrics.declare_event_counters();
         if self.unsteered > 0 && now.saturating_sub(self.last_unsteered_log_ms) >= LOG_EVERY_MS {
             self.last_unsteered_log_ms = now;

@@ -123,10 +123,84 @@ const NOT_EXERCISED_WASM: &[(&str, &str)] = &[
         "ailb.pool.<pool>.thresholds.ttft_slo_ms",
         "needs `breaker.adaptiveThresholds` on, which this run leaves off (tests/filter_adaptive_thresholds.rs reads the status page with it on)",
     ),
+    (
+        "ailb.version.<version>.picks",
+        "needs `versions`, off here (tests/filter_versions.rs moves them on both data paths)",
+    ),
+    (
+        "ailb.version.<version>.pinned",
+        "needs `versions`, off here (tests/filter_versions.rs moves them on both data paths)",
+    ),
+    (
+        "ailb.version.<version>.rejected_no_pod",
+        "needs `versions`, off here (tests/filter_versions.rs moves them on both data paths)",
+    ),
+    (
+        "ailb.version.<version>.rejected_open",
+        "needs `versions`, off here (tests/filter_versions.rs moves them on both data paths)",
+    ),
+    (
+        "ailb.version.<version>.failures",
+        "needs `versions`, off here (tests/filter_versions.rs moves them on both data paths)",
+    ),
+    (
+        "ailb.version.<version>.domain_opened",
+        "needs `versions`, off here (tests/filter_versions.rs moves them on both data paths)",
+    ),
+    (
+        "ailb.version.<version>.domain_half_opened",
+        "needs `versions`, off here (tests/filter_versions.rs moves them on both data paths)",
+    ),
+    (
+        "ailb.version.<version>.domain_closed",
+        "needs `versions`, off here (tests/filter_versions.rs moves them on both data paths)",
+    ),
+    (
+        "ailb.version.<version>.domain_state",
+        "needs `versions`, off here (tests/filter_versions.rs moves them on both data paths)",
+    ),
 ];
 /// None: the native module defines every stat without a label (admission's among them) with
 /// its config, so each shows up at 0 before it moves.
-const NOT_EXERCISED_NATIVE: &[(&str, &str)] = &[];
+/// The per-version stats carry a label, so they appear only once counted.
+const NOT_EXERCISED_NATIVE: &[(&str, &str)] = &[
+    (
+        "ailb.version.<version>.picks",
+        "needs `versions`, off here (tests/filter_versions.rs moves them on both data paths)",
+    ),
+    (
+        "ailb.version.<version>.pinned",
+        "needs `versions`, off here (tests/filter_versions.rs moves them on both data paths)",
+    ),
+    (
+        "ailb.version.<version>.rejected_no_pod",
+        "needs `versions`, off here (tests/filter_versions.rs moves them on both data paths)",
+    ),
+    (
+        "ailb.version.<version>.rejected_open",
+        "needs `versions`, off here (tests/filter_versions.rs moves them on both data paths)",
+    ),
+    (
+        "ailb.version.<version>.failures",
+        "needs `versions`, off here (tests/filter_versions.rs moves them on both data paths)",
+    ),
+    (
+        "ailb.version.<version>.domain_opened",
+        "needs `versions`, off here (tests/filter_versions.rs moves them on both data paths)",
+    ),
+    (
+        "ailb.version.<version>.domain_half_opened",
+        "needs `versions`, off here (tests/filter_versions.rs moves them on both data paths)",
+    ),
+    (
+        "ailb.version.<version>.domain_closed",
+        "needs `versions`, off here (tests/filter_versions.rs moves them on both data paths)",
+    ),
+    (
+        "ailb.version.<version>.domain_state",
+        "needs `versions`, off here (tests/filter_versions.rs moves them on both data paths)",
+    ),
+];
 
 /// Stats that must have moved (a counter above 0, a histogram with samples): the faults and
 /// the traffic above happened, not only the stats' definitions.
@@ -339,6 +413,10 @@ fn normalise(path: DataPath, raw: &str) -> Option<String> {
             if let Some(metric) = base.strip_prefix("ailb.endpoint.") {
                 return Some(format!("ailb.endpoint.{pod}.{metric}"));
             }
+        }
+        if let Some((base, version)) = name.split_once(".ailb_version.") {
+            let metric = base.strip_prefix("ailb.version.")?;
+            return Some(format!("ailb.version.{version}.{metric}"));
         }
         if let Some((base, labels)) = name.split_once(".ailb_tenant.") {
             let what = base.strip_prefix("ailb.admission.tenant.")?;

@@ -133,6 +133,21 @@ where
     let mut rate_tripped = false;
     if let (Some(c), Some(st)) = (chosen, ex.steered.as_ref()) {
         p.router.on_request_end(pool, c, ex.size, st.sent_ms);
+        // The version's breaker domain learns whether its chosen pod failed the request.
+        if let Some(v) = st.version.as_deref() {
+            let cfg = p.router.breaker_config_for(pool, c);
+            let failed = pairs
+                .iter()
+                .find(|(pod, _)| *pod == c)
+                .is_some_and(|(_, o)| o.failure(&cfg).is_some());
+            if let Some(t) = p.router.on_version_outcome(pool, v, failed, now) {
+                host.warn(&format!(
+                    "ai-lb: pool {name}: model version '{v}' domain {} -> {}",
+                    t.from.as_str(),
+                    t.to.as_str()
+                ));
+            }
+        }
         if let Some((_, o)) = pairs.iter().find(|(pod, _)| *pod == c) {
             rate_tripped = p
                 .router

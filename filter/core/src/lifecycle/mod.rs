@@ -35,7 +35,7 @@ use crate::picker::{RequestSize, Router};
 use crate::prefix::PromptKeys;
 use crate::status::{debug_header_value, scoreboard};
 
-pub use steer::{steer, Steered};
+pub use steer::{reject_reply, steer, steer_checked, Rejected, Steered};
 
 /// What the core may ask of the proxy for the current request, nothing more. Each data path
 /// implements it over its own host calls (proxy-wasm hostcalls; the dynamic module's ABI).
@@ -549,7 +549,7 @@ impl Exchange {
             }
             GateStep::Proceed | GateStep::NeedBody => {}
         }
-        self.steered = steer(
+        self.steered = match steer_checked(
             host,
             worker,
             pool,
@@ -557,7 +557,13 @@ impl Exchange {
             now,
             self.size,
             self.prompt.as_ref(),
-        );
+        ) {
+            Ok(s) => s,
+            Err(r) => {
+                reject_reply(host, &r);
+                return Next::Stop;
+            }
+        };
         if let Some(st) = &self.steered {
             gate.routed(worker, pool, st, now);
         }

@@ -65,7 +65,23 @@ impl Router {
         now_ms: u64,
         rng: &mut (impl RngCore + ?Sized),
     ) -> Decision {
-        let Some(vi) = self.fresh_view(pool_idx, model, now_ms) else {
+        self.decide_in(pool_idx, model, None, size, prompt, now_ms, rng)
+    }
+
+    /// [`Router::decide_with`] among the pods of model `version` only (None: every pod; see
+    /// [`crate::versions`] and [`Router::route_version`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn decide_in(
+        &mut self,
+        pool_idx: usize,
+        model: Option<&str>,
+        version: Option<&str>,
+        size: RequestSize,
+        prompt: Option<&PromptKeys>,
+        now_ms: u64,
+        rng: &mut (impl RngCore + ?Sized),
+    ) -> Decision {
+        let Some(vi) = self.fresh_view(pool_idx, model, version, now_ms) else {
             self.counters.fallback_no_agent_data += 1;
             return Decision::Fallback(FallbackReason::NoAgentData);
         };

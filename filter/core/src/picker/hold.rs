@@ -31,7 +31,7 @@ impl Router {
         if !self.kv_is_big(size.kv_tokens) {
             return false;
         }
-        let Some(vi) = self.fresh_view(pool_idx, model, now_ms) else {
+        let Some(vi) = self.fresh_view(pool_idx, model, None, now_ms) else {
             return false;
         };
         let Some(p) = self.pools.get(pool_idx) else {

@@ -115,6 +115,7 @@
 //! - `size`: [`RequestSize`]; `inflight`: this VM's requests in flight.
 //! - `breakers`: agent-signal trips, outcomes, breaker polls and sharing.
 //! - `ranked`: the ranked list and the routing header; `scoreboard`: [`PodStatus`] rows.
+//! - `versioned`: which model version a request goes to (`versions`, [`crate::versions`]).
 
 mod affinity;
 mod breakers;
@@ -131,12 +132,14 @@ mod refresh;
 mod scoreboard;
 mod size;
 mod snapshot;
+mod versioned;
 mod view;
 
 pub use breakers::SignalTrip;
 pub use ranked::{PodId, Ranked, MAX_RANKED};
 pub use scoreboard::{PodStatus, PoolThresholds};
 pub use size::RequestSize;
+pub use versioned::{version_stat_segment, VersionRoute, VersionRow};
 
 use std::collections::HashMap;
 
@@ -204,6 +207,8 @@ struct PoolRt {
     itl_scratch: Vec<f64>,
     /// This VM's recent sends of prompt prefixes, by pod id (`prefixAffinity`).
     own: OwnSends,
+    /// This worker's breaker domains of the pool's model versions (`versions`).
+    domains: crate::versions::Domains,
 }
 
 /// The routing state of every configured pool. Single-threaded (one per wasm VM).

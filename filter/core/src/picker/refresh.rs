@@ -214,6 +214,7 @@ impl Router {
         &mut self,
         pool_idx: usize,
         model: Option<&str>,
+        version: Option<&str>,
         now_ms: u64,
     ) -> Option<usize> {
         let p = self.pools.get(pool_idx)?;
@@ -222,10 +223,14 @@ impl Router {
         }
         let cfg = &self.cfg;
         let p = self.pools.get_mut(pool_idx)?;
-        if let Some(i) = p.views.iter().position(|v| v.model.as_deref() == model) {
+        if let Some(i) = p
+            .views
+            .iter()
+            .position(|v| v.model.as_deref() == model && v.version.as_deref() == version)
+        {
             return Some(i);
         }
-        let mut v = View::new(model);
+        let mut v = View::new(model, version);
         build_view(&mut v, p, cfg);
         p.views.push(v);
         Some(p.views.len() - 1)

@@ -19,6 +19,8 @@ pub(super) enum Verdict {
 #[derive(Debug, Clone)]
 pub(super) struct View {
     pub(super) model: Option<String>,
+    /// Only pods of this model version (`versions`; None: every pod).
+    pub(super) version: Option<String>,
     pub(super) slots: Vec<u32>,
     pub(super) slot_of: Vec<u32>,
     pub(super) w: Vec<f64>,
@@ -33,9 +35,10 @@ pub(super) struct View {
 }
 
 impl View {
-    pub(super) fn new(model: Option<&str>) -> Self {
+    pub(super) fn new(model: Option<&str>, version: Option<&str>) -> Self {
         Self {
             model: model.map(str::to_string),
+            version: version.map(str::to_string),
             slots: Vec::new(),
             slot_of: Vec::new(),
             w: Vec::new(),
@@ -194,7 +197,10 @@ pub(super) fn build_view(v: &mut View, p: &PoolRt, cfg: &FilterConfig) {
     let (fresh, stale) = fill_slots(v, p, cfg);
     v.build_tree();
     order_fallbacks(v, &p.pods, cfg.fallback_endpoints);
-    v.verdict = verdict(p, v, fresh, stale, cfg.min_pods);
+    // A version's pods are judged by the pool-wide view's `minPods` (the request is routed by
+    // version only when that view picks); a canary of one pod is still a version.
+    let min_pods = if v.version.is_some() { 1 } else { cfg.min_pods };
+    v.verdict = verdict(p, v, fresh, stale, min_pods);
 }
 
 /// Gives every pod that serves the view's model a slot with its draw weight, and lists the hot
@@ -216,6 +222,9 @@ fn fill_slots(v: &mut View, p: &PoolRt, cfg: &FilterConfig) -> (usize, usize) {
             if !sig.serves(m) {
                 continue;
             }
+        }
+        if v.version.as_deref().is_some_and(|ver| sig.version() != ver) {
+            continue;
         }
         let slot = v.slots.len();
         if let Some(s) = v.slot_of.get_mut(i) {
@@ -295,7 +304,7 @@ mod tests {
     use super::*;
 
     fn view(weights: &[f64]) -> View {
-        let mut v = View::new(None);
+        let mut v = View::new(None, None);
         v.slots = (0..weights.len() as u32).collect();
         v.w = vec![0.0; weights.len()];
         v.tree = vec![0.0; weights.len() + 1];
