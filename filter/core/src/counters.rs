@@ -71,6 +71,16 @@ pub struct Counters {
     /// New snapshots of a pod whose thresholds stayed static for want of a background (fewer
     /// than `minPods` other pods with fresh readings).
     pub breaker_thresholds_static: u64,
+    /// `learnedWeights`: outcomes queued as training samples; samples dropped from a full
+    /// ring before an update; updates that trained on at least one sample; updates after which
+    /// the model fell back to the static score, by reason (a weight or the loss not finite,
+    /// an output under 0.001 for every pod, a loss diverging 3 updates in a row).
+    pub learned_samples: u64,
+    pub learned_samples_dropped: u64,
+    pub learned_updates: u64,
+    pub learned_fallback_not_finite: u64,
+    pub learned_fallback_all_zero: u64,
+    pub learned_fallback_diverging: u64,
     /// Breaker transitions by target state.
     pub breaker_opened: u64,
     pub breaker_half_opened: u64,
@@ -78,8 +88,18 @@ pub struct Counters {
 }
 
 impl Counters {
+    /// Counts an update of `learnedWeights` that fell back to the static score.
+    pub fn count_learned_fallback(&mut self, why: crate::learned::Fallback) {
+        use crate::learned::Fallback;
+        match why {
+            Fallback::NotFinite => self.learned_fallback_not_finite += 1,
+            Fallback::AllZero => self.learned_fallback_all_zero += 1,
+            Fallback::Diverging => self.learned_fallback_diverging += 1,
+        }
+    }
+
     /// How many counters [`Counters::iter`] lists.
-    pub const COUNT: usize = 30;
+    pub const COUNT: usize = 36;
 
     /// Counts one breaker transition into `to`.
     pub fn count_transition(&mut self, to: BreakerState) {
@@ -131,6 +151,18 @@ impl Counters {
             ),
             ("breaker_thresholds.laxer", self.breaker_thresholds_laxer),
             ("breaker_thresholds.static", self.breaker_thresholds_static),
+            ("learned.samples", self.learned_samples),
+            ("learned.samples_dropped", self.learned_samples_dropped),
+            ("learned.updates", self.learned_updates),
+            (
+                "learned.fallback.not_finite",
+                self.learned_fallback_not_finite,
+            ),
+            ("learned.fallback.all_zero", self.learned_fallback_all_zero),
+            (
+                "learned.fallback.diverging",
+                self.learned_fallback_diverging,
+            ),
             ("breaker.opened", self.breaker_opened),
             ("breaker.half_opened", self.breaker_half_opened),
             ("breaker.closed", self.breaker_closed),

@@ -69,6 +69,10 @@ pub struct Counters {
     metrics_age_ms: LabeledGauge,
     /// Guard mode only (0 otherwise), in [`GuardCount::ALL`] order (`ailb.guard.*`).
     guard: [usize; GuardCount::ALL.len()],
+    /// `learnedWeights` (empty when off): per pool, its model's weights in
+    /// [`ai_lb_filter_core::learned::WEIGHT_NAMES`] order (`ailb.pool.<pool>.learned.<name>`),
+    /// set once a second by one worker ([`export_gauges`]) from its own model.
+    learned: Vec<[usize; ai_lb_filter_core::learned::DIM]>,
 }
 
 /// One filter config: what Envoy's config object points to. Lives until every stream of it
@@ -143,6 +147,19 @@ impl ConfigRt {
             guard: match cfg.filter.mode {
                 Mode::Guard => GuardCount::ALL.map(|c| handle.define_counter(c.name())),
                 Mode::Route => [0; GuardCount::ALL.len()],
+            },
+            learned: match cfg.filter.learned_weights {
+                Some(_) => cfg
+                    .filter
+                    .pools
+                    .iter()
+                    .map(|p| {
+                        ai_lb_filter_core::learned::WEIGHT_NAMES.map(|n| {
+                            handle.define_gauge(&format!("ailb.pool.{}.learned.{n}", p.name))
+                        })
+                    })
+                    .collect(),
+                None => Vec::new(),
             },
         };
         // Guard mode judges requests against the local pod and does nothing else (the wasm
@@ -490,6 +507,21 @@ fn export_gauges(rt: &ConfigRt, s: &Stream, now: u64) {
             .is_err()
     {
         return;
+    }
+    let learned = with_worker(rt, |w| {
+        (0..w.router.pool_count())
+            .map(|i| {
+                w.router
+                    .learned_model(i)
+                    .map(|m| m.gauges().map(|(_, v)| v).collect::<Vec<_>>())
+            })
+            .collect::<Vec<_>>()
+    })
+    .unwrap_or_default();
+    for (ids, vals) in rt.counters.learned.iter().zip(&learned) {
+        for (id, v) in ids.iter().zip(vals.iter().flatten()) {
+            s.set_gauge(*id, *v);
+        }
     }
     let rows = with_worker(rt, |w| {
         (0..w.router.pool_count())

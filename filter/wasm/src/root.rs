@@ -408,6 +408,12 @@ impl Root {
                     metrics.set(&format!("ailb.pool.{}.thresholds.{name}", p.name), v);
                 }
             }
+            // `learnedWeights`: this VM's model's weights (1_000_000 + 1000·w).
+            if let Some(m) = router.learned_model(i) {
+                for (name, v) in m.gauges() {
+                    metrics.set(&format!("ailb.pool.{}.learned.{name}", p.name), v);
+                }
+            }
             for row in router.pod_status(i, now) {
                 let m = metrics.pod(row.address);
                 if let Some(id) = m.score {
