@@ -265,16 +265,15 @@ impl LearnedModel {
         kept
     }
 
-    /// When the next update is due (the first one `updateIntervalMs` after the first call).
-    pub fn next_update_ms(&mut self, now_ms: u64) -> u64 {
-        *self
-            .next_update_ms
-            .get_or_insert(now_ms.saturating_add(self.cfg.update_interval_ms))
+    /// When the next update is due: None before the first update, which is due at once
+    /// (with nothing pending it only starts the clock).
+    pub fn next_update_ms(&self) -> Option<u64> {
+        self.next_update_ms
     }
 
     /// Whether an update is due at `now_ms`.
-    pub fn due(&mut self, now_ms: u64) -> bool {
-        now_ms >= self.next_update_ms(now_ms)
+    pub fn due(&self, now_ms: u64) -> bool {
+        self.next_update_ms.is_none_or(|n| now_ms >= n)
     }
 
     /// The model's health score for `x`, floored at `floor`; None while it falls back.

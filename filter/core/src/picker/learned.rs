@@ -33,7 +33,7 @@ pub(super) fn update_model(p: &mut PoolRt, counters: &mut Counters, now_ms: u64)
             }
         }
     }
-    m.next_update_ms(now_ms)
+    m.next_update_ms().unwrap_or(now_ms)
 }
 
 /// Sets the pod's features and the model's score for them, and puts that score in place of
