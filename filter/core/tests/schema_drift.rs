@@ -99,7 +99,7 @@ fn config_with(path: &str, value: &Value) -> Value {
 
 /// Config sections (dotted paths) that are off unless present; `{}` turns one on with its
 /// defaults.
-const OFF_UNLESS_PRESENT: [&str; 7] = [
+const OFF_UNLESS_PRESENT: [&str; 8] = [
     "admission",
     "bigRequestHold",
     "prefixAffinity",
@@ -107,6 +107,7 @@ const OFF_UNLESS_PRESENT: [&str; 7] = [
     "admission.derivedPriority",
     "admission.latencyAwareQuota",
     "breaker.adaptiveThresholds",
+    "learnedWeights",
 ];
 
 /// Sets the section at dotted `path` to `{}`, creating the objects above it.
