@@ -71,12 +71,12 @@ fn one_sgd_step_is_the_log_loss_gradient_with_l2_then_the_ema() {
     let z: f64 = w0.iter().zip(x.iter()).map(|(w, x)| w * x).sum::<f64>() + w0[DIM - 1];
     let err = sigmoid(z) - 0.2;
     assert!(near(r.mse.unwrap(), err * err));
-    for i in 0..DIM {
+    for (i, w) in w0.iter().enumerate() {
         let xi = x.get(i).copied().unwrap_or(1.0);
-        let t = w0[i] - 0.01 * (err * xi + 0.001 * w0[i]);
+        let t = w - 0.01 * (err * xi + 0.001 * w);
         assert!(near(m.trained()[i], t), "weight {i}");
         // The weights that score: EMA 0.3 of the trained ones over the previous.
-        assert!(near(m.weights()[i], 0.3 * t + 0.7 * w0[i]), "ema {i}");
+        assert!(near(m.weights()[i], 0.3 * t + 0.7 * w), "ema {i}");
     }
     assert_eq!(m.updates(), 1);
     assert_eq!(m.fallback(), None);
@@ -107,8 +107,8 @@ fn l2_decays_the_weights_of_features_a_sample_does_not_have() {
         m.push([0.0; 6], 0.5);
     }
     m.update(1_000, &[]);
-    for i in 0..DIM - 1 {
-        let want = w0[i] * (1.0 - 0.01 * 0.001_f64).powi(100);
+    for (i, w) in w0.iter().enumerate().take(DIM - 1) {
+        let want = w * (1.0 - 0.01 * 0.001_f64).powi(100);
         assert!((m.trained()[i] - want).abs() < 1e-12, "{i}");
     }
 }
