@@ -136,6 +136,14 @@ fn learned_moves_traffic_on(path: Path) {
         (900_000..=1_100_000).contains(&bias),
         "{path:?}: bias gauge {bias}"
     );
+    // The GPU weight starts at 1 (±0.01); the model learns it down here (pod0's idle GPU goes
+    // with slow answers), and the gauge shows the learned value, not the initial one.
+    let gpu = wait_stat_on(path, &envoy, "ailb.pool.default.learned.gpu");
+    let status_gpu = l["weights"]["gpu"].as_f64().unwrap_or(f64::NAN);
+    assert!(
+        status_gpu < 0.5 && gpu < 1_000_500,
+        "{path:?}: gpu weight {status_gpu} on the status page, gauge {gpu}"
+    );
 }
 
 /// The stat once it is above 0 (gauges and counters are exported every 0.5-1 s).
