@@ -511,8 +511,11 @@ fn export_gauges(rt: &ConfigRt, s: &Stream, now: u64) {
     let learned = with_worker(rt, |w| {
         (0..w.router.pool_count())
             .map(|i| {
+                // A model that has not trained (this worker steered nothing yet) leaves the
+                // gauges as another worker last set them.
                 w.router
                     .learned_model(i)
+                    .filter(|m| m.updates() > 0)
                     .map(|m| m.gauges().map(|(_, v)| v).collect::<Vec<_>>())
             })
             .collect::<Vec<_>>()
