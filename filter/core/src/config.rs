@@ -296,6 +296,9 @@ pub struct FilterConfig {
     pub admission: Option<AdmissionConfig>,
     /// Model-version routing and breaker domains ([`crate::versions`]; None = off).
     pub versions: Option<std::sync::Arc<crate::versions::VersionsConfig>>,
+    /// Learned weights: a per-pool model trained on outcomes scores the pods it has seen
+    /// enough of (None = off; see [`crate::learned`]).
+    pub learned_weights: Option<crate::learned::LearnedWeights>,
 }
 
 /// `maxBodyReadBytes` when unset: half of Envoy's default buffer limit (1 MiB).
@@ -563,6 +566,19 @@ struct RawConfig {
         )
     )]
     admission: Option<Value>,
+    /// Learned weights (online SGD): a linear model per pool over each pod's features (the
+    /// static formula's GPU, queue, p99 and memory terms, `1 − error rate`, decode speed
+    /// relative to the pool), trained on the outcomes of the pool's requests (a failure 0,
+    /// else `0.5·clamp(1 − TTFT/ttftSloMs) + 0.5·clamp(1 − e2e/e2eSloMs)`), predicts each pod's
+    /// health through a sigmoid; that replaces the static raw score of a pod with at least
+    /// `coldStartSamples` samples while the model is sound (it falls back to the static score,
+    /// counted, on a weight or loss that is not finite, an output under 0.001 for every pod, or
+    /// a loss that stays diverging). Cut-offs and breakers apply as before. Each Envoy worker
+    /// (wasm VM, native worker thread) learns on its own requests. Absent or null: off; `{}`:
+    /// on with every default.
+    #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(extend("default" = null)))]
+    learned_weights: Option<crate::learned::RawLearnedWeights>,
 }
 
 /// One pool of pods (one Envoy cluster) this filter steers.
@@ -1474,6 +1490,11 @@ impl TryFrom<RawConfig> for FilterConfig {
                 .map(crate::versions::VersionsConfig::try_from)
                 .transpose()?
                 .map(std::sync::Arc::new),
+            learned_weights: raw
+                .learned_weights
+                .as_ref()
+                .map(crate::learned::LearnedWeights::from_raw)
+                .transpose()?,
         })
     }
 }

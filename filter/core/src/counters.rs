@@ -77,6 +77,16 @@ pub struct Counters {
     /// `versions`: pinned requests answered 503 for a version no pod reports nor the config
     /// names (kept out of the per-version stats, which only known versions get).
     pub versions_rejected_unknown: u64,
+    /// `learnedWeights`: outcomes queued as training samples; samples dropped from a full
+    /// ring before an update; updates that trained on at least one sample; updates after which
+    /// the model fell back to the static score, by reason (a weight or the loss not finite,
+    /// an output under 0.001 for every pod, a loss diverging 3 updates in a row).
+    pub learned_samples: u64,
+    pub learned_samples_dropped: u64,
+    pub learned_updates: u64,
+    pub learned_fallback_not_finite: u64,
+    pub learned_fallback_all_zero: u64,
+    pub learned_fallback_diverging: u64,
     /// Breaker transitions by target state.
     pub breaker_opened: u64,
     pub breaker_half_opened: u64,
@@ -84,8 +94,18 @@ pub struct Counters {
 }
 
 impl Counters {
+    /// Counts an update of `learnedWeights` that fell back to the static score.
+    pub fn count_learned_fallback(&mut self, why: crate::learned::Fallback) {
+        use crate::learned::Fallback;
+        match why {
+            Fallback::NotFinite => self.learned_fallback_not_finite += 1,
+            Fallback::AllZero => self.learned_fallback_all_zero += 1,
+            Fallback::Diverging => self.learned_fallback_diverging += 1,
+        }
+    }
+
     /// How many counters [`Counters::iter`] lists.
-    pub const COUNT: usize = 32;
+    pub const COUNT: usize = 38;
 
     /// Counts one breaker transition into `to`.
     pub fn count_transition(&mut self, to: BreakerState) {
@@ -139,6 +159,18 @@ impl Counters {
             ("breaker_thresholds.static", self.breaker_thresholds_static),
             ("versions.unsplit", self.versions_unsplit),
             ("versions.rejected_unknown", self.versions_rejected_unknown),
+            ("learned.samples", self.learned_samples),
+            ("learned.samples_dropped", self.learned_samples_dropped),
+            ("learned.updates", self.learned_updates),
+            (
+                "learned.fallback.not_finite",
+                self.learned_fallback_not_finite,
+            ),
+            ("learned.fallback.all_zero", self.learned_fallback_all_zero),
+            (
+                "learned.fallback.diverging",
+                self.learned_fallback_diverging,
+            ),
             ("breaker.opened", self.breaker_opened),
             ("breaker.half_opened", self.breaker_half_opened),
             ("breaker.closed", self.breaker_closed),

@@ -42,6 +42,7 @@ pub mod config;
 pub mod counters;
 pub mod error;
 pub mod feed;
+pub mod learned;
 pub mod lifecycle;
 pub mod outcome;
 pub mod picker;

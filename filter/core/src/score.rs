@@ -75,6 +75,38 @@ fn clamp01(x: f64) -> f64 {
     }
 }
 
+/// The formula's four terms for one pod, each normalised to [0, 1] with 1 the best (an idle
+/// GPU, an empty queue, no latency, free memory); None for a signal the pod does not report.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Terms {
+    pub gpu: Option<f64>,
+    pub queue: Option<f64>,
+    pub p99: Option<f64>,
+    pub memory: Option<f64>,
+}
+
+/// The terms [`score_in_pool`] weighs (`gpu_fill`: the pool's mean GPU reading, for a pod
+/// that lacks its own). Also the features of `learnedWeights` ([`crate::learned`]).
+pub fn terms(signals: &PodSignals, cutoffs: &Cutoffs, gpu_fill: Option<f64>) -> Terms {
+    if !signals.has_metrics {
+        return Terms::default();
+    }
+    let gpu = signals
+        .gpu_load(cutoffs.gpu_signal)
+        .map(|(_, g)| g)
+        .or(gpu_fill);
+    Terms {
+        gpu: gpu.map(|g| 1.0 - clamp01(g)),
+        queue: signals
+            .waiting
+            .map(|w| 1.0 - clamp01(f64::from(w) / f64::from(cutoffs.max_queue.max(1)))),
+        p99: signals
+            .p99_ms
+            .map(|p| 1.0 - clamp01(p / (cutoffs.p99_timeout_ms.max(1) as f64))),
+        memory: signals.memory.map(|m| 1.0 - clamp01(m)),
+    }
+}
+
 /// Scores one pod at `now_ms` (monotonic host ms). Breaker cuts are applied by the picker.
 pub fn score(signals: &PodSignals, weights: &Weights, cutoffs: &Cutoffs, now_ms: u64) -> Score {
     score_in_pool(signals, weights, cutoffs, now_ms, None)
@@ -92,32 +124,21 @@ pub fn score_in_pool(
     now_ms: u64,
     gpu_fill: Option<f64>,
 ) -> Score {
-    let mut sum = 0.0;
-    let mut wsum = 0.0;
     let gpu = signals
         .gpu_load(cutoffs.gpu_signal)
         .filter(|_| signals.has_metrics);
-    if let Some(g) = gpu
-        .map(|(_, g)| g)
-        .or(gpu_fill.filter(|_| signals.has_metrics))
-    {
-        sum += weights.gpu * (1.0 - clamp01(g));
-        wsum += weights.gpu;
-    }
-    if signals.has_metrics {
-        if let Some(w) = signals.waiting {
-            let q = f64::from(w) / f64::from(cutoffs.max_queue.max(1));
-            sum += weights.queue * (1.0 - clamp01(q));
-            wsum += weights.queue;
-        }
-        if let Some(p) = signals.p99_ms {
-            let r = p / (cutoffs.p99_timeout_ms.max(1) as f64);
-            sum += weights.p99 * (1.0 - clamp01(r));
-            wsum += weights.p99;
-        }
-        if let Some(m) = signals.memory {
-            sum += weights.memory * (1.0 - clamp01(m));
-            wsum += weights.memory;
+    let t = terms(signals, cutoffs, gpu_fill);
+    let mut sum = 0.0;
+    let mut wsum = 0.0;
+    for (term, w) in [
+        (t.gpu, weights.gpu),
+        (t.queue, weights.queue),
+        (t.p99, weights.p99),
+        (t.memory, weights.memory),
+    ] {
+        if let Some(v) = term {
+            sum += w * v;
+            wsum += w;
         }
     }
     let has_terms = wsum > 0.0;

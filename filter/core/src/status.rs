@@ -31,6 +31,8 @@ pub fn scoreboard(router: &Router, now_ms: u64) -> Value {
                             "errorBackground": t.error_background,
                             "ttftBackgroundMs": t.ttft_background_ms,
                         })),
+                        "learned": s.learned,
+                        "learnedSamples": router.learned_model(i).map(|_| s.learned_samples),
                         "picks": s.picks,
                         "inflight": s.inflight,
                         "load": s.load,
@@ -76,6 +78,7 @@ pub fn scoreboard(router: &Router, now_ms: u64) -> Value {
                 "cluster": cfg.map(|c| c.cluster.as_str()),
                 "version": state.map(|s| s.version()),
                 "lastEventAgeMs": state.and_then(|s| s.last_event_ms()).map(|t| now_ms.saturating_sub(t)),
+                "learned": router.learned_model(i).map(learned_json),
                 "pods": pods,
             })
         })
@@ -87,6 +90,27 @@ pub fn scoreboard(router: &Router, now_ms: u64) -> Value {
         .map(|(k, v)| ((*k).to_string(), json!(v)))
         .collect();
     json!({ "pools": pools, "counters": counters })
+}
+
+/// A pool's `learnedWeights` model: the weights that score (by feature, and the bias), the
+/// weights as trained, whether it falls back to the static score and why, its updates, the
+/// last batch's mean squared error and the samples pending.
+fn learned_json(m: &crate::learned::LearnedModel) -> Value {
+    let named = |w: [f64; crate::learned::DIM]| {
+        crate::learned::WEIGHT_NAMES
+            .iter()
+            .zip(w)
+            .map(|(n, w)| ((*n).to_string(), json!(w)))
+            .collect::<serde_json::Map<String, Value>>()
+    };
+    json!({
+        "weights": named(m.weights()),
+        "trained": named(m.trained()),
+        "fallback": m.fallback().map(|f| f.as_str()),
+        "updates": m.updates(),
+        "lastMse": m.last_mse(),
+        "pending": m.pending(),
+    })
 }
 
 /// [`scoreboard`] as compact JSON text (fits a response header when the pool is small).

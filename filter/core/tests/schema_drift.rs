@@ -99,7 +99,7 @@ fn config_with(path: &str, value: &Value) -> Value {
 
 /// Config sections (dotted paths) that are off unless present; `{}` turns one on with its
 /// defaults.
-const OFF_UNLESS_PRESENT: [&str; 8] = [
+const OFF_UNLESS_PRESENT: [&str; 9] = [
     "admission",
     "bigRequestHold",
     "prefixAffinity",
@@ -108,6 +108,7 @@ const OFF_UNLESS_PRESENT: [&str; 8] = [
     "admission.latencyAwareQuota",
     "breaker.adaptiveThresholds",
     "versions",
+    "learnedWeights",
 ];
 
 /// Sets the section at dotted `path` to `{}`, creating the objects above it.

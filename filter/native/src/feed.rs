@@ -63,7 +63,7 @@ impl Slot {
 }
 
 /// What the feed thread shares with the workers.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Shared {
     pub pools: Vec<Slot>,
     /// `WatchPool` streams opened (`ailb.stream.opens`), that could not be opened (the agent
@@ -82,6 +82,22 @@ pub struct Shared {
     pub busy: Tally,
     /// Guard mode: the local pod's signals as last received (None: nothing yet).
     pub local: Mutex<Option<LocalSignals>>,
+}
+
+// By hand: `Default` is derived for arrays of at most 32 elements, and the core has more
+// counters than that.
+impl Default for Shared {
+    fn default() -> Self {
+        Self {
+            pools: Vec::new(),
+            stream_opens: Tally::default(),
+            stream_failures: Tally::default(),
+            stream_closes: Tally::default(),
+            feed_counters: std::array::from_fn(|_| Tally::default()),
+            busy: Tally::default(),
+            local: Mutex::new(None),
+        }
+    }
 }
 
 impl Shared {

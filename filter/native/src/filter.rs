@@ -75,6 +75,10 @@ pub struct Counters {
     /// closed, 1 half-open, 2 open) as that worker sees it.
     version: [LabeledCounter; VersionCounts::COUNT],
     version_state: LabeledGauge,
+    /// `learnedWeights` (empty when off): per pool, its model's weights in
+    /// [`ai_lb_filter_core::learned::WEIGHT_NAMES`] order (`ailb.pool.<pool>.learned.<name>`),
+    /// set once a second by one worker ([`export_gauges`]) from its own model.
+    learned: Vec<[usize; ai_lb_filter_core::learned::DIM]>,
 }
 
 /// One filter config: what Envoy's config object points to. Lives until every stream of it
@@ -153,6 +157,19 @@ impl ConfigRt {
             guard: match cfg.filter.mode {
                 Mode::Guard => GuardCount::ALL.map(|c| handle.define_counter(c.name())),
                 Mode::Route => [0; GuardCount::ALL.len()],
+            },
+            learned: match cfg.filter.learned_weights {
+                Some(_) => cfg
+                    .filter
+                    .pools
+                    .iter()
+                    .map(|p| {
+                        ai_lb_filter_core::learned::WEIGHT_NAMES.map(|n| {
+                            handle.define_gauge(&format!("ailb.pool.{}.learned.{n}", p.name))
+                        })
+                    })
+                    .collect(),
+                None => Vec::new(),
             },
         };
         // Guard mode judges requests against the local pod and does nothing else (the wasm
@@ -523,6 +540,24 @@ fn export_gauges(rt: &ConfigRt, s: &Stream, now: u64) {
             .is_err()
     {
         return;
+    }
+    let learned = with_worker(rt, |w| {
+        (0..w.router.pool_count())
+            .map(|i| {
+                // A model that has not trained (this worker steered nothing yet) leaves the
+                // gauges as another worker last set them.
+                w.router
+                    .learned_model(i)
+                    .filter(|m| m.updates() > 0)
+                    .map(|m| m.gauges().map(|(_, v)| v).collect::<Vec<_>>())
+            })
+            .collect::<Vec<_>>()
+    })
+    .unwrap_or_default();
+    for (ids, vals) in rt.counters.learned.iter().zip(&learned) {
+        for (id, v) in ids.iter().zip(vals.iter().flatten()) {
+            s.set_gauge(*id, *v);
+        }
     }
     let rows = with_worker(rt, |w| {
         (0..w.router.pool_count())

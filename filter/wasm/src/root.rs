@@ -391,6 +391,14 @@ impl Root {
             metrics.forget_pods_except(&live);
         }
         for (i, p) in self.pools.iter().enumerate() {
+            // `learnedWeights`: this VM's model's weights (1_000_000 + 1000·w), from every VM
+            // whose model has trained (one that steers; the VM holding the stream may steer
+            // nothing, e.g. Envoy's main-thread VM). With several, the last to write shows.
+            if let Some(m) = router.learned_model(i).filter(|m| m.updates() > 0) {
+                for (name, v) in m.gauges() {
+                    metrics.set(&format!("ailb.pool.{}.learned.{name}", p.name), v);
+                }
+            }
             if !p.holder {
                 continue;
             }

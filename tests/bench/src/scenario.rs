@@ -100,6 +100,10 @@ pub enum Fault {
     /// openings before the fault are false trips; the time from the fault to each sidecar's
     /// cut of pod 0 is the detection time (`ai_lb_adaptive` against `ai_lb`).
     Noisy,
+    /// Pod 0 (an h100) runs 2.5x slower, not shown by its GPU (no throttle reason) and under
+    /// the 3x of the pool median that `cutoffs.slowItlRatio` penalises: only its latency tells
+    /// (`misleading-slow`, issue 30 part 1: `ai_lb_learned` against `ai_lb`).
+    SlowMildSilent,
 }
 
 /// Background error rate of every pod in [`Fault::Noisy`], and a pod's during its burst;
@@ -205,14 +209,23 @@ pub struct Load {
 
 /// Parses `sharegpt-poisson-80`, `sharegpt-bursty-95`, `hol-poisson-80`, `prefix-poisson-80`,
 /// `prefix-bursty-80`, `multiturn-poisson-80`, `fault-slowdown`, `fault-slowdown-silent`,
-/// `fault-errors`, `fault-sigstop`, `fault-flap`, `fault-noisy`.
+/// `fault-errors`, `fault-sigstop`, `fault-flap`, `fault-noisy`, `misleading-slow`.
 pub fn parse_load(name: &str) -> Result<Load, Error> {
     let bad = || {
         format!(
             "unknown scenario {name:?}: expected calibrate, overhead, freshness, \
-             <sharegpt|hol|prefix|multiturn>-<poisson|bursty>-<percent of capacity>, or fault-<slowdown|slowdown-silent|errors|sigstop|flap|noisy>"
+             <sharegpt|hol|prefix|multiturn>-<poisson|bursty>-<percent of capacity>, or fault-<slowdown|slowdown-silent|errors|sigstop|flap|noisy>, misleading-slow"
         )
     };
+    if name == "misleading-slow" {
+        return Ok(Load {
+            name: name.into(),
+            workload: Workload::ShareGpt,
+            arrival: Arrival::Poisson,
+            load: 0.8,
+            fault: Some(Fault::SlowMildSilent),
+        });
+    }
     let parts: Vec<&str> = name.split('-').collect();
     let fault_kind = match parts.as_slice() {
         ["fault", kind] => Some(*kind),
@@ -911,6 +924,7 @@ pub fn run_policy(
             Fault::Slowdown5x => pool.control(0, r#"{"slowdown":5}"#)?,
             Fault::Slowdown5xSilent => pool.control(0, r#"{"slowdown":5,"throttle":false}"#)?,
             Fault::Errors50 => pool.control(0, r#"{"error_rate":0.5}"#)?,
+            Fault::SlowMildSilent => pool.control(0, r#"{"slowdown":2.5,"throttle":false}"#)?,
             Fault::Sigstop => pool.pods[0].proc.sigstop()?,
             Fault::Flap => {
                 pool.control(0, r#"{"error_rate":1.0}"#)?;
@@ -1322,6 +1336,12 @@ pub fn table(
         if let (Some(a), Some(e)) = (get("ai_lb"), get("epp")) {
             t.push_str(&ratio_rows(a, e, "ai_lb / epp"));
         }
+        if let (Some(m), Some(a)) = (get("ai_lb_learned"), get("ai_lb")) {
+            t.push_str(&ratio_rows(m, a, "ai_lb_learned / ai_lb"));
+        }
+        if let (Some(m), Some(l)) = (get("ai_lb_learned"), get("least_request")) {
+            t.push_str(&ratio_rows(m, l, "ai_lb_learned / least_request"));
+        }
         t.push('\n');
     }
     t.push_str("per-pod share of answered requests:\n\n| policy |");
@@ -1521,6 +1541,10 @@ mod tests {
         );
         assert!(parse_load("fault-slowdown-loud").is_err());
         assert_eq!(parse_load("fault-noisy").unwrap().fault, Some(Fault::Noisy));
+        assert_eq!(
+            parse_load("misleading-slow").unwrap().fault,
+            Some(Fault::SlowMildSilent)
+        );
         let e = parse_load("sharegpt-poisson-x").unwrap_err();
         assert!(e.contains("\"x\""), "{e}");
         assert!(parse_load("nonsense").unwrap_err().contains("nonsense"));

@@ -41,19 +41,23 @@ pub enum Policy {
     /// ai-lb with adaptive breaker thresholds on (`breaker.adaptiveThresholds: {}` added):
     /// to set against `ai_lb` in one run (`fault-noisy`).
     AiLbAdaptive,
+    /// ai-lb with learned weights on (`learnedWeights` added; [`with_learned_weights`]): to set
+    /// against `ai_lb` in one run (`misleading-slow`).
+    AiLbLearned,
 }
 
 impl Policy {
     /// The policies compared by default (the report's tables and ratios).
     pub const ALL: [Policy; 3] = [Policy::RoundRobin, Policy::LeastRequest, Policy::AiLb];
     /// Every policy `--policies` may name: the default three and the llm-d baseline.
-    pub const SELECTABLE: [Policy; 6] = [
+    pub const SELECTABLE: [Policy; 7] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::AiLb,
         Policy::Epp,
         Policy::AiLbRamp,
         Policy::AiLbAdaptive,
+        Policy::AiLbLearned,
     ];
 
     /// Parses a policy name as [`Policy::name`] writes it.
@@ -62,7 +66,7 @@ impl Policy {
             .into_iter()
             .find(|p| p.name() == s)
             .ok_or_else(|| {
-                format!("invalid value '{s}' for '--policies': expected round_robin, least_request, ai_lb, epp, ai_lb_ramp or ai_lb_adaptive")
+                format!("invalid value '{s}' for '--policies': expected round_robin, least_request, ai_lb, epp, ai_lb_ramp, ai_lb_adaptive or ai_lb_learned")
             })
     }
 
@@ -74,12 +78,16 @@ impl Policy {
             Policy::Epp => "epp",
             Policy::AiLbRamp => "ai_lb_ramp",
             Policy::AiLbAdaptive => "ai_lb_adaptive",
+            Policy::AiLbLearned => "ai_lb_learned",
         }
     }
 
     /// Whether the sidecar runs the ai-lb filter (its readiness, counters and cut watch apply).
     pub fn is_ailb(self) -> bool {
-        matches!(self, Policy::AiLb | Policy::AiLbRamp | Policy::AiLbAdaptive)
+        matches!(
+            self,
+            Policy::AiLb | Policy::AiLbRamp | Policy::AiLbAdaptive | Policy::AiLbLearned
+        )
     }
 }
 
@@ -525,7 +533,7 @@ pub fn plain_template(policy: Policy) -> Result<String, Error> {
     let lb = match policy {
         Policy::RoundRobin => "ROUND_ROBIN",
         Policy::LeastRequest => "LEAST_REQUEST",
-        Policy::AiLb | Policy::AiLbRamp | Policy::AiLbAdaptive => {
+        Policy::AiLb | Policy::AiLbRamp | Policy::AiLbAdaptive | Policy::AiLbLearned => {
             return Err("ai_lb uses envoy-config/envoy.yaml".into())
         }
         Policy::Epp => return Err("epp uses envoy-config/envoy-epp.yaml".into()),
@@ -561,6 +569,31 @@ pub fn with_adaptive_thresholds(config: &str) -> Result<String, Error> {
         Err(_) => serde_json::json!({}),
     };
     with_breaker_section(config, "adaptiveThresholds", section)
+}
+
+/// The `learnedWeights` section `ai_lb_learned` runs with when `AI_LB_BENCH_LEARNED` names
+/// none: the issue's defaults but for an update every second (a run lasts a minute or two, not
+/// the hours the 15 s default is meant for), a learning rate of 0.05 (0.01 moves a weight by
+/// about 0.0025 a sample: a few hundred samples per worker in a run would barely move it), and
+/// SLOs at the bench pool's scale (TTFT p99 about 1 s, e2e p99 several seconds).
+pub const BENCH_LEARNED: &str =
+    r#"{"updateIntervalMs":1000,"learningRate":0.05,"ttftSloMs":1000,"e2eSloMs":10000,"seed":42}"#;
+
+/// `config` with `learnedWeights` set: `AI_LB_BENCH_LEARNED` (a JSON object) or
+/// [`BENCH_LEARNED`].
+pub fn with_learned_weights(config: &str) -> Result<String, Error> {
+    let raw = std::env::var("AI_LB_BENCH_LEARNED").unwrap_or_else(|_| BENCH_LEARNED.to_string());
+    let section = serde_json::from_str::<serde_json::Value>(&raw)
+        .ok()
+        .filter(serde_json::Value::is_object)
+        .ok_or_else(|| format!("AI_LB_BENCH_LEARNED={raw:?}: not a JSON object"))?;
+    let mut v: serde_json::Value =
+        serde_json::from_str(config).map_err(|e| format!("the ai-lb filter config: {e}"))?;
+    let Some(top) = v.as_object_mut() else {
+        return Err("the ai-lb filter config is not a JSON object".into());
+    };
+    top.insert("learnedWeights".into(), section);
+    Ok(v.to_string())
 }
 
 /// `config` with `breaker.<section>` present (`value` unless it names one).
@@ -612,6 +645,7 @@ pub fn start_sidecar(
         Policy::AiLbAdaptive => {
             EnvoyOptions::new(with_adaptive_thresholds(&ailb_filter_config()?)?)
         }
+        Policy::AiLbLearned => EnvoyOptions::new(with_learned_weights(&ailb_filter_config()?)?),
         Policy::Epp => return start_epp_sidecar(upstreams, concurrency),
         p => {
             let mut o = EnvoyOptions::new("{}");

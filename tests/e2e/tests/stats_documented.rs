@@ -122,6 +122,33 @@ const NOT_EXERCISED_WASM: &[(&str, &str)] = &[
     (
         "ailb.pool.<pool>.thresholds.ttft_slo_ms",
         "needs `breaker.adaptiveThresholds` on, which this run leaves off (tests/filter_adaptive_thresholds.rs reads the status page with it on)",
+    ),    (
+        "ailb.pool.<pool>.learned.gpu",
+        "needs `learnedWeights` on, which this run leaves off (tests/filter_learned_weights.rs reads these gauges with it on)",
+    ),
+    (
+        "ailb.pool.<pool>.learned.queue",
+        "needs `learnedWeights` on, which this run leaves off (tests/filter_learned_weights.rs reads these gauges with it on)",
+    ),
+    (
+        "ailb.pool.<pool>.learned.p99",
+        "needs `learnedWeights` on, which this run leaves off (tests/filter_learned_weights.rs reads these gauges with it on)",
+    ),
+    (
+        "ailb.pool.<pool>.learned.memory",
+        "needs `learnedWeights` on, which this run leaves off (tests/filter_learned_weights.rs reads these gauges with it on)",
+    ),
+    (
+        "ailb.pool.<pool>.learned.errors",
+        "needs `learnedWeights` on, which this run leaves off (tests/filter_learned_weights.rs reads these gauges with it on)",
+    ),
+    (
+        "ailb.pool.<pool>.learned.speed",
+        "needs `learnedWeights` on, which this run leaves off (tests/filter_learned_weights.rs reads these gauges with it on)",
+    ),
+    (
+        "ailb.pool.<pool>.learned.bias",
+        "needs `learnedWeights` on, which this run leaves off (tests/filter_learned_weights.rs reads these gauges with it on)",
     ),
     (
         "ailb.version.<version>.picks",
@@ -160,10 +187,39 @@ const NOT_EXERCISED_WASM: &[(&str, &str)] = &[
         "needs `versions`, off here (tests/filter_versions.rs moves them on both data paths)",
     ),
 ];
-/// None: the native module defines every stat without a label (admission's among them) with
-/// its config, so each shows up at 0 before it moves.
-/// The per-version stats carry a label, so they appear only once counted.
+/// The native module defines every stat without a label (admission's among them) with its
+/// config, so each shows up at 0 before it moves; but for the gauges of `learnedWeights`,
+/// defined only with it on, and the per-version stats, which carry a label and so appear only
+/// once counted.
 const NOT_EXERCISED_NATIVE: &[(&str, &str)] = &[
+    (
+        "ailb.pool.<pool>.learned.gpu",
+        "needs `learnedWeights` on, which this run leaves off (tests/filter_learned_weights.rs reads these gauges with it on)",
+    ),
+    (
+        "ailb.pool.<pool>.learned.queue",
+        "needs `learnedWeights` on, which this run leaves off (tests/filter_learned_weights.rs reads these gauges with it on)",
+    ),
+    (
+        "ailb.pool.<pool>.learned.p99",
+        "needs `learnedWeights` on, which this run leaves off (tests/filter_learned_weights.rs reads these gauges with it on)",
+    ),
+    (
+        "ailb.pool.<pool>.learned.memory",
+        "needs `learnedWeights` on, which this run leaves off (tests/filter_learned_weights.rs reads these gauges with it on)",
+    ),
+    (
+        "ailb.pool.<pool>.learned.errors",
+        "needs `learnedWeights` on, which this run leaves off (tests/filter_learned_weights.rs reads these gauges with it on)",
+    ),
+    (
+        "ailb.pool.<pool>.learned.speed",
+        "needs `learnedWeights` on, which this run leaves off (tests/filter_learned_weights.rs reads these gauges with it on)",
+    ),
+    (
+        "ailb.pool.<pool>.learned.bias",
+        "needs `learnedWeights` on, which this run leaves off (tests/filter_learned_weights.rs reads these gauges with it on)",
+    ),
     (
         "ailb.version.<version>.picks",
         "needs `versions`, off here (tests/filter_versions.rs moves them on both data paths)",

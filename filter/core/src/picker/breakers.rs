@@ -263,6 +263,15 @@ impl Router {
         }
         let mut out = Vec::new();
         let admitted = rt.breaker.admits(&cfg.breaker);
+        // `learnedWeights`: the outcome is a training sample for the pool's model.
+        super::learned::sample(
+            p.learned.as_mut(),
+            rt,
+            failure.is_some(),
+            outcome.ttft_ms,
+            outcome.total_ms,
+            &mut self.counters,
+        );
         let per_model = model.filter(|_| rt.serves_several);
         let t = match per_model {
             Some(m) => {

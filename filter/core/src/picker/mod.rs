@@ -125,6 +125,7 @@ mod fail_open;
 mod hold;
 mod inflight;
 mod install;
+mod learned;
 mod load;
 mod pod;
 mod ranked;
@@ -209,6 +210,8 @@ struct PoolRt {
     own: OwnSends,
     /// This worker's breaker domains of the pool's model versions (`versions`).
     domains: crate::versions::Domains,
+    /// The pool's model (`learnedWeights`; None: off).
+    learned: Option<crate::learned::LearnedModel>,
 }
 
 /// The routing state of every configured pool. Single-threaded (one per wasm VM).
@@ -231,7 +234,14 @@ pub struct Router {
 impl Router {
     /// A router for every pool of `cfg`, with no agent data yet.
     pub fn new(cfg: FilterConfig) -> Self {
-        let pools = cfg.pools.iter().map(|_| PoolRt::default()).collect();
+        let pools = (0..cfg.pools.len())
+            .map(|i| PoolRt {
+                learned: cfg
+                    .learned_weights
+                    .map(|l| crate::learned::LearnedModel::new(l, i as u64)),
+                ..PoolRt::default()
+            })
+            .collect();
         Self {
             cfg,
             pools,

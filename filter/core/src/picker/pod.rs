@@ -108,6 +108,12 @@ pub(super) struct PodRt {
     /// Its breaker thresholds as adapted to its pool (`breaker.adaptiveThresholds`,
     /// [`crate::adaptive`]); None when that is off. Set at each refresh.
     pub(super) thresholds: Option<crate::adaptive::Effective>,
+    /// `learnedWeights`: its features as of its latest snapshot (None: that is off, or it has
+    /// no metrics), the model's score for them (None: falling back), and the samples this VM
+    /// has trained on from its outcomes (cold start until `coldStartSamples`).
+    pub(super) features: Option<crate::learned::Features>,
+    pub(super) learned: Option<f64>,
+    pub(super) learned_samples: u32,
 }
 
 impl PodRt {
@@ -161,6 +167,9 @@ impl PodRt {
             rel_speed: 1.0,
             itl_ms: None,
             thresholds: None,
+            features: None,
+            learned: None,
+            learned_samples: 0,
             itl_at_ms: 0,
             ramp: 1.0,
         }

@@ -149,7 +149,8 @@ impl Router {
             events: &mut self.events,
             signal_trips: &mut self.signal_trips,
         };
-        let mut next = u64::MAX;
+        // `learnedWeights`: the model moves before the pods are scored with it.
+        let mut next = super::learned::update_model(p, sinks.counters, now_ms);
         let mut mean_sum = 0.0;
         let mut mean_n = 0u32;
         for pod in p.pods.iter_mut() {
@@ -161,6 +162,7 @@ impl Router {
             };
             let weights = pool_cfg.weights_for(&pod.address);
             let mut s = score_in_pool(sig, weights, &cfg.cutoffs, now_ms, pool.gpu_fill);
+            super::learned::score_pod(pod, p.learned.as_ref(), sig, pool.gpu_fill, cfg, &mut s);
             if pod.judge_decode_speed(sig, pool.itl_median, &cfg.cutoffs, now_ms, &mut s) {
                 sinks.counters.slow_decode += 1;
             }

@@ -23,6 +23,10 @@ pub struct PodStatus<'a> {
     /// Its breaker thresholds as adapted to its pool (`breaker.adaptiveThresholds`), with the
     /// pool background they came from; None when that is off.
     pub thresholds: Option<crate::adaptive::Effective>,
+    /// `learnedWeights`: the model's score for its features (None: off, no features, or the
+    /// model falls back) and the samples this VM trained on from its outcomes.
+    pub learned: Option<f64>,
+    pub learned_samples: u32,
     pub picks: u64,
     pub inflight: u32,
     /// Estimated occupancy over capacity, as `twoChoices` compares it (see the module docs).
@@ -93,6 +97,11 @@ impl PodStatus<'_> {
 }
 
 impl Router {
+    /// The pool's model (`learnedWeights`; None when that is off or no such pool).
+    pub fn learned_model(&self, pool_idx: usize) -> Option<&crate::learned::LearnedModel> {
+        self.pools.get(pool_idx)?.learned.as_ref()
+    }
+
     /// The pool's breaker thresholds in force with `breaker.adaptiveThresholds` on: for each of
     /// `failureRate`, `agentErrorRate` and `ttftSloMs`, the median over its pods (each pod's own
     /// comes from the other pods' readings). None when that is off or the pool has no pods.
@@ -142,6 +151,8 @@ impl Router {
                         .and_then(|ramp| ramp.at(&r.breaker, now_ms))
                         .map_or(1.0, |s| s.share),
                     thresholds: r.thresholds,
+                    learned: r.learned,
+                    learned_samples: r.learned_samples,
                     picks: r.picks,
                     inflight: r.inflight,
                     load: r.load(),

@@ -374,6 +374,24 @@ fn gpu_cell(row: Option<&Value>) -> String {
     }
 }
 
+/// With `learnedWeights` in the filter config: the first pool's model as the status page's
+/// worker learned it (its weights that score, whether it falls back to the static score, its
+/// updates). None when the section is off.
+fn learned_line(board: &Value) -> Option<String> {
+    let l = board["pools"][0].get("learned").filter(|l| l.is_object())?;
+    let w = l["weights"].as_object()?;
+    let weights: Vec<String> = w
+        .iter()
+        .map(|(k, v)| format!("{k} {:+.2}", v.as_f64().unwrap_or(f64::NAN)))
+        .collect();
+    Some(format!(
+        "learned weights (that worker's model): {}; fallback: {}; updates {}\n",
+        weights.join(", "),
+        l["fallback"].as_str().unwrap_or("none"),
+        l["updates"].as_u64().unwrap_or(0)
+    ))
+}
+
 /// One second of the live table. The share columns and the counts under the table are
 /// Envoy's stats (every worker's); the columns from the status page (GPU, score, cut,
 /// breaker, cache, metrics age) are the view of the worker that answered it, which the table
@@ -444,6 +462,9 @@ fn print_table(
         "requests steered by ai-lb in the last second: {}, since the start: {}\n",
         shares.sum_last, shares.sum_total
     ));
+    if let Some(line) = learned_line(board) {
+        out.push_str(&line);
+    }
     let c = since_start;
     if c.opened_total() + c.half_opened + c.closed > 0 {
         out.push_str(&format!(
