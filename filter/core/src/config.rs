@@ -294,6 +294,8 @@ pub struct FilterConfig {
     /// Admission control, validated by [`AdmissionConfig::from_value`] (error paths start with
     /// `admission.`). None (absent or null in the JSON) = admission off.
     pub admission: Option<AdmissionConfig>,
+    /// Degrade before OOM ([`crate::pre_oom`]); None: `preOom.enabled` false.
+    pub pre_oom: Option<crate::pre_oom::PreOomConfig>,
 }
 
 /// `maxBodyReadBytes` when unset: half of Envoy's default buffer limit (1 MiB).
@@ -557,6 +559,14 @@ struct RawConfig {
         )
     )]
     admission: Option<Value>,
+    /// Degrade before OOM: while a pod's agent reports one of its GPUs about to run out of
+    /// memory (memory at 92 % or more and growing fast: agent flags `--oom-*`), the pod's share
+    /// falls linearly to `minShare`, and from `cutBeforeMs` before the projected OOM it gets no
+    /// new request, so none is in flight there when it would crash; restored as soon as the
+    /// agent stops reporting it. Absent: on with the defaults (it acts only on a state an agent
+    /// reports); `{"enabled": false}`: off.
+    #[serde(default)]
+    pre_oom: Option<crate::pre_oom::RawPreOom>,
 }
 
 /// One pool of pods (one Envoy cluster) this filter steers.
@@ -1462,6 +1472,7 @@ impl TryFrom<RawConfig> for FilterConfig {
                 .as_ref()
                 .map(AdmissionConfig::from_value)
                 .transpose()?,
+            pre_oom: raw.pre_oom.unwrap_or_default().validate()?,
         })
     }
 }

@@ -71,6 +71,10 @@ pub struct Counters {
     /// New snapshots of a pod whose thresholds stayed static for want of a background (fewer
     /// than `minPods` other pods with fresh readings).
     pub breaker_thresholds_static: u64,
+    /// `preOom`: pods whose agent started reporting a pre-OOM state (their share lowered), and
+    /// pods cut for it (`cutBeforeMs` before the projected OOM); once per episode each.
+    pub pre_oom_degraded: u64,
+    pub pre_oom_cut: u64,
     /// Breaker transitions by target state.
     pub breaker_opened: u64,
     pub breaker_half_opened: u64,
@@ -79,7 +83,7 @@ pub struct Counters {
 
 impl Counters {
     /// How many counters [`Counters::iter`] lists.
-    pub const COUNT: usize = 30;
+    pub const COUNT: usize = 32;
 
     /// Counts one breaker transition into `to`.
     pub fn count_transition(&mut self, to: BreakerState) {
@@ -131,6 +135,8 @@ impl Counters {
             ),
             ("breaker_thresholds.laxer", self.breaker_thresholds_laxer),
             ("breaker_thresholds.static", self.breaker_thresholds_static),
+            ("pre_oom.degraded", self.pre_oom_degraded),
+            ("pre_oom.cut", self.pre_oom_cut),
             ("breaker.opened", self.breaker_opened),
             ("breaker.half_opened", self.breaker_half_opened),
             ("breaker.closed", self.breaker_closed),

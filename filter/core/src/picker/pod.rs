@@ -108,6 +108,8 @@ pub(super) struct PodRt {
     /// Its breaker thresholds as adapted to its pool (`breaker.adaptiveThresholds`,
     /// [`crate::adaptive`]); None when that is off. Set at each refresh.
     pub(super) thresholds: Option<crate::adaptive::Effective>,
+    /// Where it stands in a pre-OOM episode (`preOom`, [`crate::pre_oom`]).
+    pub(super) pre_oom: crate::pre_oom::Phase,
 }
 
 impl PodRt {
@@ -163,6 +165,7 @@ impl PodRt {
             thresholds: None,
             itl_at_ms: 0,
             ramp: 1.0,
+            pre_oom: crate::pre_oom::Phase::Normal,
         }
     }
 
