@@ -134,6 +134,7 @@ fn degrade_before_oom(
         (Some(c), Some(p)) if s.cut.is_none() && sig.has_metrics => Some(judge(p, c, now_ms)),
         _ => None,
     };
+    let mut due = now_ms.saturating_add(PRE_OOM_REFRESH_MS);
     let phase = match judged {
         None => Phase::Normal,
         Some(Verdict::Cut) => {
@@ -144,6 +145,11 @@ fn degrade_before_oom(
         Some(Verdict::Degrade(share)) => {
             s.penalty *= share;
             s.value *= share;
+            // Refreshed again no later than its cut is due.
+            if let (Some(c), Some(p)) = (cfg.pre_oom.as_ref(), sig.pre_oom.as_ref()) {
+                let to_cut = p.time_to_oom_ms(now_ms).saturating_sub(c.cut_before_ms);
+                due = due.min(now_ms.saturating_add(to_cut.max(1)));
+            }
             Phase::Degraded
         }
     };
@@ -154,7 +160,7 @@ fn degrade_before_oom(
         counters.pre_oom_cut += 1;
     }
     pod.pre_oom = phase;
-    judged.map(|_| now_ms.saturating_add(PRE_OOM_REFRESH_MS))
+    judged.map(|_| due)
 }
 
 /// The mean GPU reading (`cutoffs.gpuSignal`, clamped to 0..=1) of the pool's pods with fresh
