@@ -1212,6 +1212,35 @@ mod tests {
     }
 
     #[test]
+    fn oom_watermark_flags_are_validated() {
+        let base = ["--serving-address", "10.0.0.1:8000"];
+        let with = |extra: &[&str]| {
+            let mut a: Vec<&str> = base.to_vec();
+            a.extend_from_slice(extra);
+            cfg(&a)
+        };
+        assert_eq!(
+            with(&[]).unwrap().oom,
+            Some(crate::watermark::WatermarkConfig::default())
+        );
+        assert_eq!(with(&["--oom-watermark", "off"]).unwrap().oom, None);
+        let c = with(&["--oom-countdown", "10s", "--oom-consecutive", "2"])
+            .unwrap()
+            .oom
+            .unwrap();
+        assert_eq!((c.countdown_ms, c.consecutive), (10_000, 2));
+        let e = with(&["--oom-rate-interval", "5ms"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--oom-rate-interval"), "{e}");
+        let e = with(&["--oom-watermark", "1.2"]).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            r#"invalid value "1.2" for --oom-watermark: expected a share of GPU memory in (0, 1], or off"#
+        );
+    }
+
+    #[test]
     fn bad_duration_names_flag_and_value() {
         let e = cfg(&[
             "--serving-address",
