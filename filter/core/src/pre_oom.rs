@@ -17,8 +17,13 @@
 //!   no new request, so the requests it is running can finish, its memory can fall, and none
 //!   is in flight there when it would crash.
 //! - The state clears when the agent stops reporting it (the growth fell): the next snapshot
-//!   without it restores the pod. A stale snapshot is cut as stale first (the normal rules),
-//!   so a pre-OOM state is never acted on past `cutoffs.stalenessMs`.
+//!   without it ends the cut, and the pod's share comes back linearly from `minShare` to
+//!   whole over `recoverMs` (0: at once). The agent clears the state as soon as one interval
+//!   grows slower than its threshold, which happens early while a cut pod drains, with its
+//!   memory still near the top; given its whole share back at once, it would grow again at
+//!   once and, three intervals later, be cut again a little higher each time until it
+//!   crashed. A stale snapshot is cut as stale first (the normal rules), so a pre-OOM state
+//!   is never acted on past `cutoffs.stalenessMs`.
 //!
 //! On by default: it acts only on a state the agent reports explicitly (and only agents with
 //! the watermark report it), and what it does is send a pod fewer requests for a few seconds,
@@ -38,6 +43,9 @@ pub struct PreOomConfig {
     pub cut_before_ms: u64,
     /// The least share of its weight a pod keeps while counting down (before the cut).
     pub min_share: f64,
+    /// After the state clears, the pod's share comes back from `min_share` to whole over
+    /// this long (ms); 0: at once.
+    pub recover_ms: u64,
 }
 
 impl Default for PreOomConfig {
@@ -45,7 +53,19 @@ impl Default for PreOomConfig {
         Self {
             cut_before_ms: 5000,
             min_share: 0.1,
+            recover_ms: 10_000,
         }
+    }
+}
+
+impl PreOomConfig {
+    /// The share a pod whose state cleared `since_ms` ago keeps (1: recovered).
+    pub fn recovering(&self, since_ms: u64) -> f64 {
+        if since_ms >= self.recover_ms {
+            return 1.0;
+        }
+        let f = since_ms as f64 / self.recover_ms as f64;
+        (self.min_share + (1.0 - self.min_share) * f).clamp(self.min_share, 1.0)
     }
 }
 
@@ -142,6 +162,8 @@ pub enum Phase {
     Normal,
     Degraded,
     Cut,
+    /// The state cleared at this time (ms): the share comes back over `recoverMs`.
+    Recovering(u64),
 }
 
 /// `preOom` as written; absent: on with the defaults.
@@ -174,6 +196,15 @@ pub struct RawPreOom {
         schemars(extend("default" = 0.1, "minimum" = 0, "maximum" = 1))
     )]
     pub min_share: Option<f64>,
+    /// After the agent stops reporting the state, the pod's share comes back linearly from
+    /// `minShare` to whole over this long (ms); 0: whole at once. A pod cleared while it still
+    /// holds most of its memory would otherwise grow again at once at its whole share.
+    #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 10_000, "minimum" = 0, "maximum" = 600_000))
+    )]
+    pub recover_ms: Option<u64>,
 }
 
 impl RawPreOom {
@@ -203,9 +234,21 @@ impl RawPreOom {
                 ))
             }
         };
+        let recover_ms = match self.recover_ms {
+            None => d.recover_ms,
+            Some(x) if x <= 600_000 => x,
+            Some(x) => {
+                return Err(ConfigError::new(
+                    "preOom.recoverMs",
+                    x,
+                    "must be within 0..=600000 (ms for the share to come back)",
+                ))
+            }
+        };
         Ok((self.enabled != Some(false)).then_some(PreOomConfig {
             cut_before_ms,
             min_share,
+            recover_ms,
         }))
     }
 }
@@ -233,6 +276,16 @@ mod tests {
         assert_eq!(judge(&s, &c, 9999), Verdict::Degrade(0.1), "minShare");
         assert_eq!(judge(&s, &c, 10_000), Verdict::Cut);
         assert_eq!(judge(&s, &c, 99_000), Verdict::Cut);
+    }
+
+    #[test]
+    fn the_share_comes_back_over_recover_ms() {
+        let c = PreOomConfig::default();
+        assert_eq!(c.recovering(0), 0.1);
+        assert!((c.recovering(5000) - 0.55).abs() < 1e-12);
+        assert_eq!(c.recovering(10_000), 1.0);
+        let now = PreOomConfig { recover_ms: 0, ..c };
+        assert_eq!(now.recovering(0), 1.0);
     }
 
     #[test]

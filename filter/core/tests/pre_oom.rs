@@ -1,6 +1,7 @@
 //! Degrade before OOM (`preOom`, issue 30 part 2): while a pod's agent reports a pre-OOM
 //! countdown its share falls, from `cutBeforeMs` before the projected OOM it gets no new
-//! request, the state clears when the agent stops reporting it, a stale snapshot is cut as
+//! request, the state clears when the agent stops reporting it (the share coming back over
+//! `recoverMs`), a stale snapshot is cut as
 //! stale (not acted on as pre-OOM), and with the section off nothing changes.
 //!
 //! Four idle pods of equal score under `proportional` draws, so a pod's share is its weight's
@@ -154,15 +155,33 @@ fn the_state_clears_when_the_agent_stops_reporting_it() {
     let mut r = router("");
     r.apply_pool_event(0, &event(2, Some((4_000, None)), 0), 2_000);
     assert_eq!(share_of_pod0(&mut r, 2_000, 1000), 0.0);
-    // The growth fell: the agent reports no state; the pod is back whole.
+    // The growth fell: the agent reports no state; the cut ends and the share comes back
+    // over recoverMs (10 s) from minShare (0.1).
+    r.apply_pool_event(0, &event(3, None, 0), 3_000);
+    let s = share_of_pod0(&mut r, 3_000, 4000);
+    assert!((s - 0.1 / 3.1).abs() < 0.02, "{s}");
+    assert_eq!(cut_of_pod0(&r, 3_000), None);
+    r.apply_pool_event(0, &event(4, None, 0), 8_000);
+    let s = share_of_pod0(&mut r, 8_000, 4000);
+    assert!((s - 0.55 / 3.55).abs() < 0.03, "{s}");
+    r.apply_pool_event(0, &event(5, None, 0), 13_000);
+    let s = share_of_pod0(&mut r, 13_000, 4000);
+    assert!((s - 0.25).abs() < 0.03, "{s}");
+    // A second episode counts again.
+    r.apply_pool_event(0, &event(6, Some((1_000, None)), 0), 14_000);
+    assert_eq!(share_of_pod0(&mut r, 14_000, 100), 0.0);
+    assert_eq!(r.counters().pre_oom_cut, 2);
+    assert_eq!(r.counters().pre_oom_degraded, 2);
+}
+
+#[test]
+fn with_recover_ms_0_the_pod_is_back_whole_at_once() {
+    let mut r = router(r#","preOom":{"recoverMs":0}"#);
+    r.apply_pool_event(0, &event(2, Some((4_000, None)), 0), 2_000);
+    assert_eq!(share_of_pod0(&mut r, 2_000, 1000), 0.0);
     r.apply_pool_event(0, &event(3, None, 0), 3_000);
     let s = share_of_pod0(&mut r, 3_000, 4000);
     assert!((s - 0.25).abs() < 0.03, "{s}");
-    assert_eq!(cut_of_pod0(&r, 3_000), None);
-    // A second episode counts again.
-    r.apply_pool_event(0, &event(4, Some((1_000, None)), 0), 4_000);
-    assert_eq!(share_of_pod0(&mut r, 4_000, 100), 0.0);
-    assert_eq!(r.counters().pre_oom_cut, 2);
 }
 
 #[test]

@@ -136,7 +136,27 @@ fn degrade_before_oom(
     };
     let mut due = now_ms.saturating_add(PRE_OOM_REFRESH_MS);
     let phase = match judged {
-        None => Phase::Normal,
+        // The state cleared (the agent stopped reporting it): the share comes back over
+        // `recoverMs`.
+        None => match (cfg.pre_oom.as_ref(), pod.pre_oom) {
+            (Some(c), Phase::Degraded | Phase::Cut) if s.cut.is_none() && c.recover_ms > 0 => {
+                s.penalty *= c.min_share;
+                s.value *= c.min_share;
+                pod.pre_oom = Phase::Recovering(now_ms);
+                return Some(due);
+            }
+            (Some(c), Phase::Recovering(at)) if s.cut.is_none() => {
+                let share = c.recovering(now_ms.saturating_sub(at));
+                if share >= 1.0 {
+                    pod.pre_oom = Phase::Normal;
+                    return None;
+                }
+                s.penalty *= share;
+                s.value *= share;
+                return Some(due);
+            }
+            _ => Phase::Normal,
+        },
         Some(Verdict::Cut) => {
             s.cut = Some(CutReason::PreOom);
             s.value = 0.0;
@@ -153,7 +173,7 @@ fn degrade_before_oom(
             Phase::Degraded
         }
     };
-    if pod.pre_oom == Phase::Normal && phase != Phase::Normal {
+    if matches!(pod.pre_oom, Phase::Normal | Phase::Recovering(_)) && phase != Phase::Normal {
         counters.pre_oom_degraded += 1;
     }
     if pod.pre_oom != Phase::Cut && phase == Phase::Cut {
