@@ -3,10 +3,12 @@
 //! source, with the agent's default watermark: 92 %, 800 MB/s, 3 intervals of 500 ms, a 15 s
 //! countdown) and a real Envoy with the wasm filter or the native module.
 //!
-//! Pod 0 gets the fake pod's `memory_growth` fault: its memory grows 0.5 GB/s for each running
-//! sequence over one, so under an even share of 8 concurrent clients it grows about
-//! 1.5 GB/s and would reach its total (an OOM crash: every request in flight fails) in about
-//! 6 s. With `preOom` on (the default) the agent reports the pre-OOM state, the filter cuts
+//! Pod 0 gets the fake pod's `memory_growth` fault: its memory grows 1 GB/s for each running
+//! sequence over four (and falls as fast for each under), so under an even share of 12
+//! concurrent clients (about 5 running) it grows about 1.2 GB/s and would reach its total (an
+//! OOM crash: every request in flight fails) in about 7 s. With the degrade on it is cut at
+//! about 4 GB past its preallocation (of 8.6), its share comes back over `recoverMs`, and the
+//! cycle repeats without a crash (set `PRE_OOM_TRACE=1` to print pod 0's memory and cut). With `preOom` on (the default) the agent reports the pre-OOM state, the filter cuts
 //! the pod before its projected OOM, its load and memory fall, and no request is lost. With
 //! `preOom: {enabled: false}` the same load crashes it with requests in flight.
 
@@ -52,7 +54,7 @@ impl Path {
 }
 
 const GROWTH: &str =
-    r#"{"memory_growth":{"bytes_per_s_per_seq":5e8,"sustained_seqs":1,"restart_ms":3000}}"#;
+    r#"{"memory_growth":{"bytes_per_s_per_seq":1e9,"sustained_seqs":4,"restart_ms":3000}}"#;
 
 /// Pod `i`'s `GET /control` body.
 fn control(pool: &PodPool, i: usize) -> Value {
@@ -71,15 +73,33 @@ struct Run {
     failed_in_flight: u64,
 }
 
-/// Keeps 8 requests of 64 tokens in flight through Envoy for `secs`, then reads pod 0's OOM
+/// Keeps 12 requests of 64 tokens in flight through Envoy for `secs`, then reads pod 0's OOM
 /// state.
 fn load(envoy: &Envoy, pool: &PodPool, secs: u64) -> Run {
     let ok = AtomicU64::new(0);
     let failed = AtomicU64::new(0);
     let stop = AtomicBool::new(false);
     let end = Instant::now() + Duration::from_secs(secs);
+    let t0 = Instant::now();
     std::thread::scope(|s| {
-        for _ in 0..8 {
+        if std::env::var_os("PRE_OOM_TRACE").is_some() {
+            s.spawn(|| {
+                while Instant::now() < end {
+                    let c = control(pool, 0);
+                    let row = row(&scoreboard(envoy), &pool.pod_addrs[0].to_string());
+                    eprintln!(
+                        "{:>6} ms extra {:.2} GB crashes {} | cut {} score {}",
+                        t0.elapsed().as_millis(),
+                        c["oom"]["extra_bytes"].as_f64().unwrap_or(0.0) / 1e9,
+                        c["oom"]["crashes"],
+                        row.as_ref().map_or(Value::Null, |r| r["cut"].clone()),
+                        row.as_ref().map_or(Value::Null, |r| r["score"].clone()),
+                    );
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+            });
+        }
+        for _ in 0..12 {
             s.spawn(|| {
                 while !stop.load(Ordering::Relaxed) && Instant::now() < end {
                     let r = HttpClient::new(envoy.listener).post_json(
@@ -114,7 +134,7 @@ fn start(path: Path, pre_oom: Value) -> (PodPool, Envoy) {
     // No retries and no breaker in the way: what the crash fails reaches the client, and the
     // only thing that keeps requests off pod 0 is preOom.
     let filter = config(json!({
-        "breaker": {"consecutiveFailures": 100000, "failureRate": 1.0, "agentErrorRate": 0},
+        "breaker": {"consecutiveFailures": 10000, "failureRate": 1.0, "agentErrorRate": 0},
         "preOom": pre_oom,
     }));
     let envoy = path.start(&pool, &filter);
