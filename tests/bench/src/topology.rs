@@ -41,19 +41,23 @@ pub enum Policy {
     /// ai-lb with adaptive breaker thresholds on (`breaker.adaptiveThresholds: {}` added):
     /// to set against `ai_lb` in one run (`fault-noisy`).
     AiLbAdaptive,
+    /// ai-lb with degrade-before-OOM off (`preOom: {"enabled": false}` added): to set against
+    /// `ai_lb` (where it is on by default) in one run (`fault-oom`).
+    AiLbNoPreoom,
 }
 
 impl Policy {
     /// The policies compared by default (the report's tables and ratios).
     pub const ALL: [Policy; 3] = [Policy::RoundRobin, Policy::LeastRequest, Policy::AiLb];
     /// Every policy `--policies` may name: the default three and the llm-d baseline.
-    pub const SELECTABLE: [Policy; 6] = [
+    pub const SELECTABLE: [Policy; 7] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::AiLb,
         Policy::Epp,
         Policy::AiLbRamp,
         Policy::AiLbAdaptive,
+        Policy::AiLbNoPreoom,
     ];
 
     /// Parses a policy name as [`Policy::name`] writes it.
@@ -62,7 +66,7 @@ impl Policy {
             .into_iter()
             .find(|p| p.name() == s)
             .ok_or_else(|| {
-                format!("invalid value '{s}' for '--policies': expected round_robin, least_request, ai_lb, epp, ai_lb_ramp or ai_lb_adaptive")
+                format!("invalid value '{s}' for '--policies': expected round_robin, least_request, ai_lb, epp, ai_lb_ramp, ai_lb_adaptive or ai_lb_no_preoom")
             })
     }
 
@@ -74,12 +78,16 @@ impl Policy {
             Policy::Epp => "epp",
             Policy::AiLbRamp => "ai_lb_ramp",
             Policy::AiLbAdaptive => "ai_lb_adaptive",
+            Policy::AiLbNoPreoom => "ai_lb_no_preoom",
         }
     }
 
     /// Whether the sidecar runs the ai-lb filter (its readiness, counters and cut watch apply).
     pub fn is_ailb(self) -> bool {
-        matches!(self, Policy::AiLb | Policy::AiLbRamp | Policy::AiLbAdaptive)
+        matches!(
+            self,
+            Policy::AiLb | Policy::AiLbRamp | Policy::AiLbAdaptive | Policy::AiLbNoPreoom
+        )
     }
 }
 
@@ -525,7 +533,7 @@ pub fn plain_template(policy: Policy) -> Result<String, Error> {
     let lb = match policy {
         Policy::RoundRobin => "ROUND_ROBIN",
         Policy::LeastRequest => "LEAST_REQUEST",
-        Policy::AiLb | Policy::AiLbRamp | Policy::AiLbAdaptive => {
+        Policy::AiLb | Policy::AiLbRamp | Policy::AiLbAdaptive | Policy::AiLbNoPreoom => {
             return Err("ai_lb uses envoy-config/envoy.yaml".into())
         }
         Policy::Epp => return Err("epp uses envoy-config/envoy-epp.yaml".into()),
@@ -561,6 +569,17 @@ pub fn with_adaptive_thresholds(config: &str) -> Result<String, Error> {
         Err(_) => serde_json::json!({}),
     };
     with_breaker_section(config, "adaptiveThresholds", section)
+}
+
+/// `config` with `preOom: {"enabled": false}` (degrade before OOM off; it is on by default).
+pub fn without_pre_oom(config: &str) -> Result<String, Error> {
+    let mut v: serde_json::Value =
+        serde_json::from_str(config).map_err(|e| format!("the ai-lb filter config: {e}"))?;
+    let Some(top) = v.as_object_mut() else {
+        return Err("the ai-lb filter config is not a JSON object".into());
+    };
+    top.insert("preOom".into(), serde_json::json!({"enabled": false}));
+    Ok(v.to_string())
 }
 
 /// `config` with `breaker.<section>` present (`value` unless it names one).
@@ -612,6 +631,7 @@ pub fn start_sidecar(
         Policy::AiLbAdaptive => {
             EnvoyOptions::new(with_adaptive_thresholds(&ailb_filter_config()?)?)
         }
+        Policy::AiLbNoPreoom => EnvoyOptions::new(without_pre_oom(&ailb_filter_config()?)?),
         Policy::Epp => return start_epp_sidecar(upstreams, concurrency),
         p => {
             let mut o = EnvoyOptions::new("{}");
