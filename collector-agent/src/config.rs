@@ -184,6 +184,25 @@ pub struct RawArgs {
     /// Open HTTP connections from one peer IP [default: 16].
     #[arg(long, env = "AI_LB_AGENT_HTTP_MAX_CONNECTIONS_PER_PEER")]
     pub http_max_connections_per_peer: Option<String>,
+    /// GPU-memory watermark (pre-OOM): share of a GPU's memory at or above which fast growth
+    /// starts a pre-OOM countdown, reported to the filters; `off` reports none [default: 0.92].
+    #[arg(long, env = "AI_LB_AGENT_OOM_WATERMARK")]
+    pub oom_watermark: Option<String>,
+    /// Growth of used GPU memory, in bytes per second, above which an interval counts
+    /// [default: 800000000].
+    #[arg(long, env = "AI_LB_AGENT_OOM_GROWTH_BYTES_PER_S")]
+    pub oom_growth_bytes_per_s: Option<String>,
+    /// Intervals in a row above the watermark and the growth rate that start the countdown
+    /// [default: 3].
+    #[arg(long, env = "AI_LB_AGENT_OOM_CONSECUTIVE")]
+    pub oom_consecutive: Option<String>,
+    /// Length of the pre-OOM countdown [default: 15s].
+    #[arg(long, env = "AI_LB_AGENT_OOM_COUNTDOWN")]
+    pub oom_countdown: Option<String>,
+    /// The interval the memory growth rate is taken over; at least --gpu-sample-interval
+    /// [default: 500ms].
+    #[arg(long, env = "AI_LB_AGENT_OOM_RATE_INTERVAL")]
+    pub oom_rate_interval: Option<String>,
 }
 
 /// The same keys in a config file (kebab-case, as the flags), all optional.
@@ -208,6 +227,11 @@ pub struct FileArgs {
     pub gpu_sample_interval: Option<String>,
     pub gpm_interval: Option<String>,
     pub source_stall_after: Option<String>,
+    pub oom_watermark: Option<serde_yaml::Value>,
+    pub oom_growth_bytes_per_s: Option<serde_yaml::Value>,
+    pub oom_consecutive: Option<serde_yaml::Value>,
+    pub oom_countdown: Option<String>,
+    pub oom_rate_interval: Option<String>,
     pub window: Option<String>,
     pub rate_window: Option<String>,
     pub recent_window: Option<String>,
@@ -289,6 +313,14 @@ impl RawArgs {
         fill(&mut self.gpu_sample_interval, file.gpu_sample_interval);
         fill(&mut self.gpm_interval, file.gpm_interval);
         fill(&mut self.source_stall_after, file.source_stall_after);
+        fill(&mut self.oom_watermark, file.oom_watermark.map(text));
+        fill(
+            &mut self.oom_growth_bytes_per_s,
+            file.oom_growth_bytes_per_s.map(text),
+        );
+        fill(&mut self.oom_consecutive, file.oom_consecutive.map(text));
+        fill(&mut self.oom_countdown, file.oom_countdown);
+        fill(&mut self.oom_rate_interval, file.oom_rate_interval);
         fill(&mut self.window, file.window);
         fill(&mut self.rate_window, file.rate_window);
         fill(&mut self.recent_window, file.recent_window);
@@ -445,6 +477,8 @@ pub struct AgentConfig {
     pub kv_events: Option<KvEventsConfig>,
     /// The caps on what peers may hold on the agent's ports.
     pub limits: PortLimits,
+    /// The GPU-memory watermark (`--oom-*`); None: `--oom-watermark off`.
+    pub oom: Option<crate::watermark::WatermarkConfig>,
 }
 
 impl AgentConfig {
@@ -842,6 +876,7 @@ impl TryFrom<RawArgs> for AgentConfig {
             }),
         };
         let limits = port_limits(&raw)?;
+        let oom = oom_watermark(&raw, gpu_sample_interval)?;
         Ok(AgentConfig {
             grpc_listen,
             http_listen,
@@ -871,8 +906,44 @@ impl TryFrom<RawArgs> for AgentConfig {
             peer_stale_after,
             kv_events,
             limits,
+            oom,
         })
     }
+}
+
+/// The `--oom-*` flags (see [`crate::watermark`]).
+fn oom_watermark(
+    raw: &RawArgs,
+    gpu_sample_interval: Duration,
+) -> Result<Option<crate::watermark::WatermarkConfig>, ConfigError> {
+    let ms = Duration::from_millis;
+    let countdown = raw
+        .oom_countdown
+        .as_deref()
+        .map(|v| duration_in("oom-countdown", Some(v), "15s", ms(1), ms(3_600_000)))
+        .transpose()?;
+    let interval = match raw.oom_rate_interval.as_deref() {
+        None => None,
+        Some(v) => {
+            let d = duration_in("oom-rate-interval", Some(v), "500ms", ms(1), ms(60_000))?;
+            if d < gpu_sample_interval {
+                return Err(invalid(
+                    "oom-rate-interval",
+                    v,
+                    &format!("a duration no shorter than --gpu-sample-interval ({gpu_sample_interval:?})"),
+                ));
+            }
+            Some(d)
+        }
+    };
+    crate::watermark::WatermarkConfig::from_flags(
+        raw.oom_watermark.as_deref(),
+        raw.oom_growth_bytes_per_s.as_deref(),
+        raw.oom_consecutive.as_deref(),
+        countdown,
+        interval,
+    )
+    .map_err(|(flag, value, expected)| invalid(flag, &value, expected))
 }
 
 /// An integer in `min..=max` (`default` when unset).
@@ -1159,6 +1230,35 @@ mod tests {
         assert_eq!(
             e.to_string(),
             r#"invalid value "-64" for --prefix-block-tokens: expected a positive integer up to 65536"#
+        );
+    }
+
+    #[test]
+    fn oom_watermark_flags_are_validated() {
+        let base = ["--serving-address", "10.0.0.1:8000"];
+        let with = |extra: &[&str]| {
+            let mut a: Vec<&str> = base.to_vec();
+            a.extend_from_slice(extra);
+            cfg(&a)
+        };
+        assert_eq!(
+            with(&[]).unwrap().oom,
+            Some(crate::watermark::WatermarkConfig::default())
+        );
+        assert_eq!(with(&["--oom-watermark", "off"]).unwrap().oom, None);
+        let c = with(&["--oom-countdown", "10s", "--oom-consecutive", "2"])
+            .unwrap()
+            .oom
+            .unwrap();
+        assert_eq!((c.countdown_ms, c.consecutive), (10_000, 2));
+        let e = with(&["--oom-rate-interval", "5ms"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--oom-rate-interval"), "{e}");
+        let e = with(&["--oom-watermark", "1.2"]).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            r#"invalid value "1.2" for --oom-watermark: expected a share of GPU memory in (0, 1], or off"#
         );
     }
 

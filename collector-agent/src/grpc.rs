@@ -599,6 +599,9 @@ pub fn start(cfg: &AgentConfig, args: StartArgs) -> std::io::Result<RunningAgent
     if let Some(stall) = cfg.source_stall_after {
         sampler = sampler.with_stall_after(stall);
     }
+    if let Some(oom) = cfg.oom {
+        sampler = sampler.with_oom_watermark(oom);
+    }
     let kv_feed = cfg.kv_events.clone().map(crate::kv_events::KvFeed::new);
     if let Some(feed) = &kv_feed {
         sampler = sampler.with_prefix_feed(feed.clone());

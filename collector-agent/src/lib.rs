@@ -11,4 +11,5 @@ pub mod ports;
 pub mod prometheus;
 pub mod sampler;
 pub mod sources;
+pub mod watermark;
 pub mod window;

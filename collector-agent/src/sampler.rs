@@ -407,6 +407,7 @@ fn gpus_moved(prev: &[GpuStats], next: &[GpuStats], ratio: f64) -> bool {
                 || a.ecc_uncorrected_errors != b.ecc_uncorrected_errors
                 || a.xid_errors != b.xid_errors
                 || a.last_xid != b.last_xid
+                || a.pre_oom.is_some() != b.pre_oom.is_some()
         })
 }
 
@@ -562,6 +563,8 @@ struct Outbox {
     thresholds: Thresholds,
     /// The pod's prefix cache from its KV events, when subscribed.
     prefix: Option<Arc<KvFeed>>,
+    /// The GPU-memory watermark (`--oom-*`), fed every GPU reading; None: off.
+    oom: Option<crate::watermark::GpuWatermarks>,
 }
 
 fn lock(out: &Mutex<Outbox>) -> std::sync::MutexGuard<'_, Outbox> {
@@ -606,6 +609,9 @@ impl Outbox {
                 .and_then(|i| i.models.first())
                 .map(|m| m.name.clone());
             snapshot.prefix_cache = feed.summary(model.as_deref(), now);
+        }
+        if let Some(oom) = self.oom.as_mut() {
+            oom.annotate(&mut snapshot.gpus, now);
         }
         let (meaningful, urgent) = match &self.baseline {
             None => (true, false),
@@ -664,6 +670,14 @@ impl Outbox {
             self.hub.count_source_sample(track.name, outcome.is_ok());
             match &outcome {
                 Ok(r) => {
+                    if let (Some(oom), Some(gpus)) = (self.oom.as_mut(), r.gpus.as_deref()) {
+                        for i in oom.observe(gpus, now) {
+                            self.hub.count_rejected(
+                                track.name,
+                                &format!("gpus[{i}].memory (oom watermark)"),
+                            );
+                        }
+                    }
                     for rej in &r.rejected {
                         self.hub.count_rejected(track.name, &rej.field);
                         tracing::debug!(source = track.name, field = %rej.field, value = %rej.value, reason = %rej.reason, "rejected value");
@@ -799,6 +813,7 @@ impl Sampler {
                 newest: None,
                 thresholds: Thresholds::default(),
                 prefix: None,
+                oom: None,
             })),
             sources,
             clock,
@@ -822,6 +837,13 @@ impl Sampler {
     /// Puts the pod's prefix-cache summary from `feed` into every snapshot.
     pub fn with_prefix_feed(self, feed: Arc<KvFeed>) -> Sampler {
         lock(&self.out).prefix = Some(feed);
+        self
+    }
+
+    /// Judges every GPU reading against the GPU-memory watermark ([`crate::watermark`]) and
+    /// reports its growth rate and pre-OOM state in every snapshot.
+    pub fn with_oom_watermark(self, cfg: crate::watermark::WatermarkConfig) -> Sampler {
+        lock(&self.out).oom = Some(crate::watermark::GpuWatermarks::new(cfg));
         self
     }
 

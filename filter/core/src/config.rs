@@ -299,6 +299,8 @@ pub struct FilterConfig {
     /// Learned weights: a per-pool model trained on outcomes scores the pods it has seen
     /// enough of (None = off; see [`crate::learned`]).
     pub learned_weights: Option<crate::learned::LearnedWeights>,
+    /// Degrade before OOM ([`crate::pre_oom`]); None: `preOom.enabled` false.
+    pub pre_oom: Option<crate::pre_oom::PreOomConfig>,
 }
 
 /// `maxBodyReadBytes` when unset: half of Envoy's default buffer limit (1 MiB).
@@ -579,6 +581,14 @@ struct RawConfig {
     #[serde(default)]
     #[cfg_attr(feature = "schema", schemars(extend("default" = null)))]
     learned_weights: Option<crate::learned::RawLearnedWeights>,
+    /// Degrade before OOM: while a pod's agent reports one of its GPUs about to run out of
+    /// memory (memory at 92 % or more and growing fast: agent flags `--oom-*`), the pod's share
+    /// falls linearly to `minShare`, and from `cutBeforeMs` before the projected OOM it gets no
+    /// new request, so none is in flight there when it would crash; restored as soon as the
+    /// agent stops reporting it. Absent: on with the defaults (it acts only on a state an agent
+    /// reports); `{"enabled": false}`: off.
+    #[serde(default)]
+    pre_oom: Option<crate::pre_oom::RawPreOom>,
 }
 
 /// One pool of pods (one Envoy cluster) this filter steers.
@@ -1495,6 +1505,7 @@ impl TryFrom<RawConfig> for FilterConfig {
                 .as_ref()
                 .map(crate::learned::LearnedWeights::from_raw)
                 .transpose()?,
+            pre_oom: raw.pre_oom.unwrap_or_default().validate()?,
         })
     }
 }

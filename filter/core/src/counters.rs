@@ -87,6 +87,10 @@ pub struct Counters {
     pub learned_fallback_not_finite: u64,
     pub learned_fallback_all_zero: u64,
     pub learned_fallback_diverging: u64,
+    /// `preOom`: pods whose agent started reporting a pre-OOM state (their share lowered), and
+    /// pods cut for it (`cutBeforeMs` before the projected OOM); once per episode each.
+    pub pre_oom_degraded: u64,
+    pub pre_oom_cut: u64,
     /// Breaker transitions by target state.
     pub breaker_opened: u64,
     pub breaker_half_opened: u64,
@@ -105,7 +109,7 @@ impl Counters {
     }
 
     /// How many counters [`Counters::iter`] lists.
-    pub const COUNT: usize = 38;
+    pub const COUNT: usize = 40;
 
     /// Counts one breaker transition into `to`.
     pub fn count_transition(&mut self, to: BreakerState) {
@@ -171,6 +175,8 @@ impl Counters {
                 "learned.fallback.diverging",
                 self.learned_fallback_diverging,
             ),
+            ("pre_oom.degraded", self.pre_oom_degraded),
+            ("pre_oom.cut", self.pre_oom_cut),
             ("breaker.opened", self.breaker_opened),
             ("breaker.half_opened", self.breaker_half_opened),
             ("breaker.closed", self.breaker_closed),

@@ -47,6 +47,7 @@ pub mod lifecycle;
 pub mod outcome;
 pub mod picker;
 pub mod pool;
+pub mod pre_oom;
 pub mod prefix;
 pub mod recovery;
 pub mod score;

@@ -31,6 +31,9 @@ pub enum CutReason {
     ModelServerDown,
     /// The pod's (or pod+model's) breaker is open, or half-open with its probes spent.
     Breaker(TripReason),
+    /// Its agent reports a GPU running out of memory within `preOom.cutBeforeMs`
+    /// ([`crate::pre_oom`]).
+    PreOom,
 }
 
 impl CutReason {
@@ -43,6 +46,7 @@ impl CutReason {
             CutReason::HardwareFault => "hardware_fault",
             CutReason::ModelServerDown => "model_server_down",
             CutReason::Breaker(r) => r.cut_name(),
+            CutReason::PreOom => "pre_oom",
         }
     }
 }

@@ -204,6 +204,9 @@ pub struct PodSignals {
     pub prefix: Option<crate::prefix::PrefixSet>,
     /// The model server's prefix-cache hit rate (prompt tokens) over the agent's window, 0..=1.
     pub prefix_hit_rate: Option<f64>,
+    /// The agent's pre-OOM state of the pod's GPU nearest to running out of memory (see
+    /// [`crate::pre_oom`]); None when no GPU reports one.
+    pub pre_oom: Option<crate::pre_oom::PreOomSignal>,
 }
 
 /// A pod's reported prefix-cache contents, validated: a block size in
@@ -297,7 +300,19 @@ impl PodSignals {
         let mut xid_total: Option<u64> = None;
         let mut ecc_total: Option<u64> = None;
         let mut slowdown = false;
+        let mut pre_oom: Option<crate::pre_oom::PreOomSignal> = None;
+        let sampled_at_ms = received_at_ms.saturating_sub(snap.age_ms);
         for (i, g) in snap.gpus.iter().enumerate() {
+            if let Some(p) = crate::pre_oom::from_gpu(i, g, sampled_at_ms, &mut issues) {
+                pre_oom = Some(pre_oom.map_or(p, |q| q.earlier(p)));
+            }
+            if let Some(r) = g.memory_growth_bytes_per_s.filter(|r| !r.is_finite()) {
+                issues.push(SignalIssue {
+                    field: format!("gpus[{i}].memory_growth_bytes_per_s"),
+                    value: r.to_string(),
+                    action: "not finite: dropped",
+                });
+            }
             slowdown |= g
                 .throttle_reasons
                 .is_some_and(|m| m & SLOWDOWN_REASONS != 0);
@@ -492,6 +507,7 @@ impl PodSignals {
             engine_sampled_at_ms: received_at_ms.saturating_sub(engine_age_ms),
             prefix,
             prefix_hit_rate,
+            pre_oom,
         };
         (Some(signals), issues)
     }

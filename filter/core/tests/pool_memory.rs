@@ -105,6 +105,8 @@ fn snapshot(i: usize, t: u64) -> PodSnapshot {
             tensor_activity: Some(util * 0.3),
             dram_activity: Some(util * 0.7),
             activity_source: ai_lb_proto::GpuActivitySource::Gpm as i32,
+            memory_growth_bytes_per_s: None,
+            pre_oom: None,
         }],
         inference: Some(InferenceStats {
             waiting: Some((w(2) * 4.0) as u32),

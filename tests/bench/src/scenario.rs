@@ -104,6 +104,25 @@ pub enum Fault {
     /// the 3x of the pool median that `cutoffs.slowItlRatio` penalises: only its latency tells
     /// (`misleading-slow`, issue 30 part 1: `ai_lb_learned` against `ai_lb`).
     SlowMildSilent,
+    /// Pod 0's GPU memory starts growing with its load (the fake pod's `memory_growth`): it
+    /// holds steady at 60 % of the sequences pod 0 runs when the fault starts, and each one
+    /// over grows it so that that load grows it about [`OOM_GROWTH_BYTES_PER_S`]; at the GPU's
+    /// total it OOM-crashes (every request in flight fails) and restarts after 5 s. Requests
+    /// lost to the crashes: `ai_lb` (`preOom` on by default) against `ai_lb_no_preoom`.
+    Oom,
+}
+
+/// How fast [`Fault::Oom`] grows pod 0's memory at the load it has when the fault starts.
+const OOM_GROWTH_BYTES_PER_S: f64 = 1.5e9;
+
+/// The `memory_growth` fault for a pod running `running` sequences now (see [`Fault::Oom`]).
+fn oom_fault(running: f64) -> String {
+    let running = running.max(2.0);
+    let sustained = 0.6 * running;
+    let per_seq = OOM_GROWTH_BYTES_PER_S / (running - sustained);
+    format!(
+        r#"{{"memory_growth":{{"bytes_per_s_per_seq":{per_seq},"sustained_seqs":{sustained},"restart_ms":5000}}}}"#
+    )
 }
 
 /// Background error rate of every pod in [`Fault::Noisy`], and a pod's during its burst;
@@ -214,7 +233,7 @@ pub fn parse_load(name: &str) -> Result<Load, Error> {
     let bad = || {
         format!(
             "unknown scenario {name:?}: expected calibrate, overhead, freshness, \
-             <sharegpt|hol|prefix|multiturn>-<poisson|bursty>-<percent of capacity>, or fault-<slowdown|slowdown-silent|errors|sigstop|flap|noisy>, misleading-slow"
+             <sharegpt|hol|prefix|multiturn>-<poisson|bursty>-<percent of capacity>, or fault-<slowdown|slowdown-silent|errors|sigstop|flap|noisy|oom>, misleading-slow"
         )
     };
     if name == "misleading-slow" {
@@ -240,6 +259,7 @@ pub fn parse_load(name: &str) -> Result<Load, Error> {
             "sigstop" => Fault::Sigstop,
             "flap" => Fault::Flap,
             "noisy" => Fault::Noisy,
+            "oom" => Fault::Oom,
             _ => return Err(bad()),
         };
         return Ok(Load {
@@ -937,13 +957,20 @@ pub fn run_policy(
                 }
                 pool.control(0, r#"{"error_rate":0.5}"#)?;
             }
+            Fault::Oom => {
+                let text = ai_lb_e2e::envoy::http_get(pool.addrs()[0], "/metrics")?.text();
+                let running = topology::gauge(&text, "vllm:num_requests_running");
+                let json = oom_fault(running);
+                eprintln!("[bench] fault-oom: pod 0 runs {running}: {json}");
+                pool.control(0, &json)?;
+            }
         }
         fault_done = true;
         // When each sidecar's routing cut the pod (a slowed pod is penalised, not cut).
         if policy.is_ailb()
             && matches!(
                 f,
-                Fault::Errors50 | Fault::Sigstop | Fault::Flap | Fault::Noisy
+                Fault::Errors50 | Fault::Sigstop | Fault::Flap | Fault::Noisy | Fault::Oom
             )
         {
             cut_watch = Some(crate::attempts::CutWatch::start(
@@ -1545,6 +1572,13 @@ mod tests {
             parse_load("misleading-slow").unwrap().fault,
             Some(Fault::SlowMildSilent)
         );
+        assert_eq!(parse_load("fault-oom").unwrap().fault, Some(Fault::Oom));
+        // The fault grows pod 0 at OOM_GROWTH_BYTES_PER_S at the load it has.
+        let f: serde_json::Value = serde_json::from_str(&oom_fault(20.0)).unwrap();
+        let g = &f["memory_growth"];
+        let rate = g["bytes_per_s_per_seq"].as_f64().unwrap()
+            * (20.0 - g["sustained_seqs"].as_f64().unwrap());
+        assert!((rate - OOM_GROWTH_BYTES_PER_S).abs() < 1.0, "{rate}");
         let e = parse_load("sharegpt-poisson-x").unwrap_err();
         assert!(e.contains("\"x\""), "{e}");
         assert!(parse_load("nonsense").unwrap_err().contains("nonsense"));

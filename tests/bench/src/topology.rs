@@ -44,13 +44,16 @@ pub enum Policy {
     /// ai-lb with learned weights on (`learnedWeights` added; [`with_learned_weights`]): to set
     /// against `ai_lb` in one run (`misleading-slow`).
     AiLbLearned,
+    /// ai-lb with degrade-before-OOM off (`preOom: {"enabled": false}` added): to set against
+    /// `ai_lb` (where it is on by default) in one run (`fault-oom`).
+    AiLbNoPreoom,
 }
 
 impl Policy {
     /// The policies compared by default (the report's tables and ratios).
     pub const ALL: [Policy; 3] = [Policy::RoundRobin, Policy::LeastRequest, Policy::AiLb];
     /// Every policy `--policies` may name: the default three and the llm-d baseline.
-    pub const SELECTABLE: [Policy; 7] = [
+    pub const SELECTABLE: [Policy; 8] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::AiLb,
@@ -58,6 +61,7 @@ impl Policy {
         Policy::AiLbRamp,
         Policy::AiLbAdaptive,
         Policy::AiLbLearned,
+        Policy::AiLbNoPreoom,
     ];
 
     /// Parses a policy name as [`Policy::name`] writes it.
@@ -66,7 +70,7 @@ impl Policy {
             .into_iter()
             .find(|p| p.name() == s)
             .ok_or_else(|| {
-                format!("invalid value '{s}' for '--policies': expected round_robin, least_request, ai_lb, epp, ai_lb_ramp, ai_lb_adaptive or ai_lb_learned")
+                format!("invalid value '{s}' for '--policies': expected round_robin, least_request, ai_lb, epp, ai_lb_ramp, ai_lb_adaptive, ai_lb_learned or ai_lb_no_preoom")
             })
     }
 
@@ -79,6 +83,7 @@ impl Policy {
             Policy::AiLbRamp => "ai_lb_ramp",
             Policy::AiLbAdaptive => "ai_lb_adaptive",
             Policy::AiLbLearned => "ai_lb_learned",
+            Policy::AiLbNoPreoom => "ai_lb_no_preoom",
         }
     }
 
@@ -86,7 +91,11 @@ impl Policy {
     pub fn is_ailb(self) -> bool {
         matches!(
             self,
-            Policy::AiLb | Policy::AiLbRamp | Policy::AiLbAdaptive | Policy::AiLbLearned
+            Policy::AiLb
+                | Policy::AiLbRamp
+                | Policy::AiLbAdaptive
+                | Policy::AiLbLearned
+                | Policy::AiLbNoPreoom
         )
     }
 }
@@ -533,9 +542,11 @@ pub fn plain_template(policy: Policy) -> Result<String, Error> {
     let lb = match policy {
         Policy::RoundRobin => "ROUND_ROBIN",
         Policy::LeastRequest => "LEAST_REQUEST",
-        Policy::AiLb | Policy::AiLbRamp | Policy::AiLbAdaptive | Policy::AiLbLearned => {
-            return Err("ai_lb uses envoy-config/envoy.yaml".into())
-        }
+        Policy::AiLb
+        | Policy::AiLbRamp
+        | Policy::AiLbAdaptive
+        | Policy::AiLbLearned
+        | Policy::AiLbNoPreoom => return Err("ai_lb uses envoy-config/envoy.yaml".into()),
         Policy::Epp => return Err("epp uses envoy-config/envoy-epp.yaml".into()),
     };
     Ok(t.replace("${LB_POLICY}", lb))
@@ -587,12 +598,26 @@ pub fn with_learned_weights(config: &str) -> Result<String, Error> {
         .ok()
         .filter(serde_json::Value::is_object)
         .ok_or_else(|| format!("AI_LB_BENCH_LEARNED={raw:?}: not a JSON object"))?;
+    with_top_section(config, "learnedWeights", section)
+}
+
+/// `config` with `preOom: {"enabled": false}` (degrade before OOM off; it is on by default).
+pub fn without_pre_oom(config: &str) -> Result<String, Error> {
+    with_top_section(config, "preOom", serde_json::json!({"enabled": false}))
+}
+
+/// `config` with its top-level `section` set to `value`.
+fn with_top_section(
+    config: &str,
+    section: &str,
+    value: serde_json::Value,
+) -> Result<String, Error> {
     let mut v: serde_json::Value =
         serde_json::from_str(config).map_err(|e| format!("the ai-lb filter config: {e}"))?;
     let Some(top) = v.as_object_mut() else {
         return Err("the ai-lb filter config is not a JSON object".into());
     };
-    top.insert("learnedWeights".into(), section);
+    top.insert(section.into(), value);
     Ok(v.to_string())
 }
 
@@ -646,6 +671,7 @@ pub fn start_sidecar(
             EnvoyOptions::new(with_adaptive_thresholds(&ailb_filter_config()?)?)
         }
         Policy::AiLbLearned => EnvoyOptions::new(with_learned_weights(&ailb_filter_config()?)?),
+        Policy::AiLbNoPreoom => EnvoyOptions::new(without_pre_oom(&ailb_filter_config()?)?),
         Policy::Epp => return start_epp_sidecar(upstreams, concurrency),
         p => {
             let mut o = EnvoyOptions::new("{}");

@@ -152,6 +152,8 @@ fn snapshot(i: usize, addr: SocketAddr, t: u64) -> PodSnapshot {
             tensor_activity: Some(util * 0.3),
             dram_activity: Some(util * 0.7),
             activity_source: ai_lb_proto::GpuActivitySource::Gpm as i32,
+            memory_growth_bytes_per_s: None,
+            pre_oom: None,
         }],
         inference: Some(InferenceStats {
             waiting: Some((wobble(i, t, 2) * 4.0) as u32),

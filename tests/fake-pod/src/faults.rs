@@ -32,6 +32,8 @@ pub struct Faults {
     pub last_xid: Option<u32>,
     /// Injected uncorrected ECC errors so far.
     pub ecc_errors: u64,
+    /// GPU memory that grows with load and ends in an OOM crash ([`crate::oom`]); None: off.
+    pub memory_growth: Option<crate::oom::MemoryGrowth>,
 }
 
 impl Default for Faults {
@@ -48,6 +50,7 @@ impl Default for Faults {
             xid_errors: 0,
             last_xid: None,
             ecc_errors: 0,
+            memory_growth: None,
         }
     }
 }
@@ -57,7 +60,7 @@ impl Default for Faults {
 pub enum ControlError {
     #[error("control body must be a JSON object: {0}")]
     NotAnObject(String),
-    #[error("unknown control field `{field}` (value {value}); known: slowdown, error_rate, hang, freeze, gpu_utilization, sm_occupancy, throttle, queue, xid, ecc_errors, reset")]
+    #[error("unknown control field `{field}` (value {value}); known: slowdown, error_rate, hang, freeze, gpu_utilization, sm_occupancy, throttle, queue, xid, ecc_errors, memory_growth, reset")]
     UnknownField { field: String, value: String },
     #[error("invalid value {value} for control field `{field}`: {reason}")]
     InvalidValue {
@@ -80,6 +83,53 @@ fn unit_interval(field: &str, v: &Value) -> Result<f64, ControlError> {
         Some(x) if (0.0..=1.0).contains(&x) => Ok(x),
         _ => Err(invalid(field, v, "must be a number between 0 and 1")),
     }
+}
+
+/// `memory_growth`: null (off) or `{"bytes_per_s_per_seq": > 0, "sustained_seqs": ≥ 0
+/// (default 0), "restart_ms": 0..=600000 (default 5000)}`.
+fn memory_growth(v: &Value) -> Result<Option<crate::oom::MemoryGrowth>, ControlError> {
+    const F: &str = "memory_growth";
+    if v.is_null() {
+        return Ok(None);
+    }
+    let o = v
+        .as_object()
+        .ok_or_else(|| invalid(F, v, "must be null or an object"))?;
+    for k in o.keys() {
+        if !matches!(
+            k.as_str(),
+            "bytes_per_s_per_seq" | "sustained_seqs" | "restart_ms"
+        ) {
+            return Err(invalid(
+                F,
+                v,
+                "unknown key (known: bytes_per_s_per_seq, sustained_seqs, restart_ms)",
+            ));
+        }
+    }
+    let bytes_per_s_per_seq = match o.get("bytes_per_s_per_seq").and_then(Value::as_f64) {
+        Some(x) if x.is_finite() && x > 0.0 => x,
+        _ => return Err(invalid(F, v, "bytes_per_s_per_seq must be a number > 0")),
+    };
+    let sustained_seqs = match o.get("sustained_seqs") {
+        None => 0.0,
+        Some(s) => match s.as_f64() {
+            Some(x) if x.is_finite() && x >= 0.0 => x,
+            _ => return Err(invalid(F, v, "sustained_seqs must be a number >= 0")),
+        },
+    };
+    let restart_ms = match o.get("restart_ms") {
+        None => 5000,
+        Some(s) => match s.as_u64() {
+            Some(x) if x <= 600_000 => x,
+            _ => return Err(invalid(F, v, "restart_ms must be an integer in 0..=600000")),
+        },
+    };
+    Ok(Some(crate::oom::MemoryGrowth {
+        bytes_per_s_per_seq,
+        sustained_seqs,
+        restart_ms,
+    }))
 }
 
 impl Faults {
@@ -161,6 +211,7 @@ impl Faults {
                     next.xid_errors += 1;
                     next.last_xid = Some(x);
                 }
+                "memory_growth" => next.memory_growth = memory_growth(v)?,
                 "ecc_errors" => {
                     let n = v
                         .as_u64()
@@ -189,6 +240,33 @@ mod tests {
         fn apply_t(&self, body: &Value) -> Result<Faults, ControlError> {
             self.apply(body, true)
         }
+    }
+
+    #[test]
+    fn memory_growth_is_validated_and_cleared_by_null() {
+        let f = Faults::default()
+            .apply_t(&json!({"memory_growth": {"bytes_per_s_per_seq": 1e8, "sustained_seqs": 4}}))
+            .unwrap();
+        assert_eq!(
+            f.memory_growth,
+            Some(crate::oom::MemoryGrowth {
+                bytes_per_s_per_seq: 1e8,
+                sustained_seqs: 4.0,
+                restart_ms: 5000
+            })
+        );
+        for bad in [
+            json!({"memory_growth": {"bytes_per_s_per_seq": 0}}),
+            json!({"memory_growth": {"bytes_per_s_per_seq": 1e8, "sustained_seqs": -1}}),
+            json!({"memory_growth": {"bytes_per_s_per_seq": 1e8, "restart_ms": 700000}}),
+            json!({"memory_growth": {"bytes_per_s_per_seq": 1e8, "grow": 1}}),
+            json!({"memory_growth": 3}),
+        ] {
+            let e = f.apply_t(&bad).unwrap_err().to_string();
+            assert!(e.contains("memory_growth"), "{e}");
+        }
+        let off = f.apply_t(&json!({"memory_growth": null})).unwrap();
+        assert_eq!(off.memory_growth, None);
     }
 
     #[test]

@@ -9,5 +9,6 @@ pub mod kv_cache;
 pub mod kv_events;
 pub mod metrics;
 pub mod model;
+pub mod oom;
 pub mod openai;
 pub mod server;

@@ -59,6 +59,10 @@ struct Inner {
     /// Where KV-cache events go, when published.
     kv_sink: Option<EventSink>,
     kv_events: Vec<KvEvent>,
+    /// GPU memory past the preallocation, and OOM crashes (the `memory_growth` fault).
+    oom: crate::oom::OomModel,
+    /// Bytes between vLLM's preallocation and the GPU's total.
+    oom_headroom: f64,
 }
 
 #[derive(Debug)]
@@ -93,6 +97,8 @@ impl AppState {
             events: Vec::new(),
             kv_sink: None,
             kv_events: Vec::new(),
+            oom: crate::oom::OomModel::default(),
+            oom_headroom: cfg.spec.memory_total_bytes as f64 * (1.0 - gpu::MEMORY_USED_FRACTION),
         };
         Ok(Arc::new(Self {
             cfg,
@@ -136,8 +142,38 @@ impl AppState {
 }
 
 impl Inner {
+    /// Advances the `memory_growth` fault's memory to `now`; at an OOM crash every request in
+    /// flight fails (its stream ends without its last token: a 503 or a reset stream) and the
+    /// engine's cache is emptied, as when vLLM's process dies.
+    fn check_oom(&mut self, now: f64) {
+        let running = self.engine.stats().running;
+        let crashed = self.oom.advance(
+            now,
+            running,
+            self.faults.memory_growth.as_ref(),
+            self.oom_headroom,
+        );
+        if crashed {
+            let ids: Vec<u64> = self.streams.keys().copied().collect();
+            self.oom.failed_in_flight += ids.len() as u64;
+            tracing::warn!(in_flight = ids.len(), "OOM crash (memory_growth fault)");
+            for id in ids {
+                self.abort(id);
+            }
+            self.engine.reset_prefix_cache();
+            self.flush_kv_events();
+        }
+    }
+
+    /// Whether the pod is down after an OOM crash.
+    fn oom_down(&mut self, now: f64) -> bool {
+        self.check_oom(now);
+        self.oom.down(now)
+    }
+
     /// Advances the model to `now` and delivers the produced tokens.
     fn step(&mut self, now: f64) {
+        self.check_oom(now);
         let mut events = std::mem::take(&mut self.events);
         events.clear();
         self.engine.advance_to(now, &mut events);
@@ -353,6 +389,11 @@ async fn generate(st: Arc<AppState>, kind: Kind, body: Bytes) -> Response {
     }
     {
         let mut g = st.lock();
+        if g.oom_down(st.now()) {
+            return error_response(&ApiError::unavailable(
+                "engine restarting after an OOM crash",
+            ));
+        }
         let roll: f64 = g.error_rng.random();
         if roll < g.faults.error_rate {
             g.metrics.finished(FinishReason::Error);
@@ -549,7 +590,12 @@ fn stream_response(
     let stream = futures::stream::unfold(ctx, |mut c| async move {
         match c.phase {
             Phase::Tokens => {
-                let ev = c.rx.recv().await?;
+                let Some(ev) = c.rx.recv().await else {
+                    // The engine dropped the request (an OOM crash): the stream breaks off, as
+                    // a dead vLLM's connection does, instead of ending cleanly.
+                    c.phase = Phase::End;
+                    return Some((Err(std::io::Error::other("engine died")), c));
+                };
                 let id = c.output.get(ev.index as usize).copied().unwrap_or(0);
                 let tok = token_text(id);
                 c.produced += 1;
@@ -610,7 +656,12 @@ async fn healthz() -> &'static str {
 
 async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     let text = {
-        let g = st.lock();
+        let mut g = st.lock();
+        if g.oom_down(st.now()) {
+            return error_response(&ApiError::unavailable(
+                "engine restarting after an OOM crash",
+            ));
+        }
         let s = g.engine.stats();
         let waiting = s.waiting as u64 + g.hung;
         let waiting = match g.faults.queue {
@@ -645,15 +696,22 @@ async fn sim_gpu(State(st): State<Arc<AppState>>) -> Response {
     let report = {
         let mut g = st.lock();
         let now = st.now();
+        g.check_oom(now);
         let signals = gpu::WindowSignals::of(&mut g.engine, now);
-        gpu::report(
+        let mut r = gpu::report(
             &st.cfg.spec,
             &st.cfg.pod_name,
             st.cfg.num_gpus,
             &signals,
             st.cfg.gpu_util_model,
             &g.faults,
-        )
+        );
+        for gpu in r.gpus.iter_mut() {
+            gpu.memory_used_bytes =
+                g.oom
+                    .used_bytes(gpu.memory_used_bytes, gpu.memory_total_bytes, now);
+        }
+        r
     };
     match serde_json::to_string(&report) {
         Ok(body) => json_response(StatusCode::OK, body),
@@ -715,10 +773,21 @@ fn faults_body(f: &Faults) -> String {
 /// `GET /control`: the faults in force, and `held_by_freeze`, how many requests the `freeze`
 /// fault holds now (so a test can see them held rather than sleep and hope they arrived).
 async fn get_control(State(st): State<Arc<AppState>>) -> Response {
-    let mut body = serde_json::to_value(&st.lock().faults).unwrap_or_default();
+    let (mut body, oom) = {
+        let mut g = st.lock();
+        let now = st.now();
+        let down = g.oom_down(now);
+        let mut oom = serde_json::to_value(&g.oom).unwrap_or_default();
+        if let Some(o) = oom.as_object_mut() {
+            o.insert("down".to_string(), down.into());
+        }
+        (serde_json::to_value(&g.faults).unwrap_or_default(), oom)
+    };
     if let Some(m) = body.as_object_mut() {
         let held = st.held_by_freeze.load(Ordering::Relaxed);
         m.insert("held_by_freeze".to_string(), held.into());
+        // The `memory_growth` fault's state: extra bytes, crashes, requests they failed.
+        m.insert("oom".to_string(), oom);
     }
     json_response(StatusCode::OK, body.to_string())
 }

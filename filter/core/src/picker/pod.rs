@@ -114,6 +114,8 @@ pub(super) struct PodRt {
     pub(super) features: Option<crate::learned::Features>,
     pub(super) learned: Option<f64>,
     pub(super) learned_samples: u32,
+    /// Where it stands in a pre-OOM episode (`preOom`, [`crate::pre_oom`]).
+    pub(super) pre_oom: crate::pre_oom::Phase,
 }
 
 impl PodRt {
@@ -172,6 +174,7 @@ impl PodRt {
             learned_samples: 0,
             itl_at_ms: 0,
             ramp: 1.0,
+            pre_oom: crate::pre_oom::Phase::Normal,
         }
     }
 

@@ -113,6 +113,76 @@ fn adapt_thresholds(p: &mut PoolRt, cfg: &FilterConfig, now_ms: u64) {
     }
 }
 
+/// How often a counting-down pod's share is recomputed (ms): its share falls with time, and
+/// its cut is due at a time of its own.
+const PRE_OOM_REFRESH_MS: u64 = 250;
+
+/// Applies `preOom` ([`crate::pre_oom`]) to a pod's score: its penalty lowered while its agent
+/// counts down, cut from `cutBeforeMs` before the projected OOM. Only a pod not already cut
+/// (a stale one is cut as stale). Counts each episode's start and cut once. Returns when the
+/// pool must be refreshed again for it (None: not counting down).
+fn degrade_before_oom(
+    pod: &mut PodRt,
+    sig: &crate::signals::PodSignals,
+    s: &mut crate::score::Score,
+    cfg: &FilterConfig,
+    now_ms: u64,
+    counters: &mut crate::counters::Counters,
+) -> Option<u64> {
+    use crate::pre_oom::{judge, Phase, Verdict};
+    let judged = match (cfg.pre_oom.as_ref(), sig.pre_oom.as_ref()) {
+        (Some(c), Some(p)) if s.cut.is_none() && sig.has_metrics => Some(judge(p, c, now_ms)),
+        _ => None,
+    };
+    let mut due = now_ms.saturating_add(PRE_OOM_REFRESH_MS);
+    let phase = match judged {
+        // The state cleared (the agent stopped reporting it): the share comes back over
+        // `recoverMs`.
+        None => match (cfg.pre_oom.as_ref(), pod.pre_oom) {
+            (Some(c), Phase::Degraded | Phase::Cut) if s.cut.is_none() && c.recover_ms > 0 => {
+                s.penalty *= c.min_share;
+                s.value *= c.min_share;
+                pod.pre_oom = Phase::Recovering(now_ms);
+                return Some(due);
+            }
+            (Some(c), Phase::Recovering(at)) if s.cut.is_none() => {
+                let share = c.recovering(now_ms.saturating_sub(at));
+                if share >= 1.0 {
+                    pod.pre_oom = Phase::Normal;
+                    return None;
+                }
+                s.penalty *= share;
+                s.value *= share;
+                return Some(due);
+            }
+            _ => Phase::Normal,
+        },
+        Some(Verdict::Cut) => {
+            s.cut = Some(CutReason::PreOom);
+            s.value = 0.0;
+            Phase::Cut
+        }
+        Some(Verdict::Degrade(share)) => {
+            s.penalty *= share;
+            s.value *= share;
+            // Refreshed again no later than its cut is due.
+            if let (Some(c), Some(p)) = (cfg.pre_oom.as_ref(), sig.pre_oom.as_ref()) {
+                let to_cut = p.time_to_oom_ms(now_ms).saturating_sub(c.cut_before_ms);
+                due = due.min(now_ms.saturating_add(to_cut.max(1)));
+            }
+            Phase::Degraded
+        }
+    };
+    if matches!(pod.pre_oom, Phase::Normal | Phase::Recovering(_)) && phase != Phase::Normal {
+        counters.pre_oom_degraded += 1;
+    }
+    if pod.pre_oom != Phase::Cut && phase == Phase::Cut {
+        counters.pre_oom_cut += 1;
+    }
+    pod.pre_oom = phase;
+    judged.map(|_| due)
+}
+
 /// The mean GPU reading (`cutoffs.gpuSignal`, clamped to 0..=1) of the pool's pods with fresh
 /// metrics that report one; None when none does.
 fn gpu_fill(state: &PoolState, cfg: &FilterConfig, now_ms: u64) -> Option<f64> {
@@ -163,6 +233,9 @@ impl Router {
             let weights = pool_cfg.weights_for(&pod.address);
             let mut s = score_in_pool(sig, weights, &cfg.cutoffs, now_ms, pool.gpu_fill);
             super::learned::score_pod(pod, p.learned.as_ref(), sig, pool.gpu_fill, cfg, &mut s);
+            if let Some(due) = degrade_before_oom(pod, sig, &mut s, cfg, now_ms, sinks.counters) {
+                next = next.min(due);
+            }
             if pod.judge_decode_speed(sig, pool.itl_median, &cfg.cutoffs, now_ms, &mut s) {
                 sinks.counters.slow_decode += 1;
             }
