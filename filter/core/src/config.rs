@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 
+#[cfg(feature = "schema")]
 use serde_json::Value;
 
 use crate::adaptive::AdaptiveThresholds;
