@@ -8,10 +8,10 @@
 //! to the pool (`min(1, pool median ITL / own ITL)`), plus a bias. The model predicts
 //! `health = sigmoid(b + Σ wᵢ·xᵢ)`, floored at `floor` so no healthy pod starves.
 //!
-//! The target of one request (a sample pairs it with the chosen pod's features as of its
-//! latest snapshot when the outcome arrives): 0 for a failure (as the breaker judges it), else
-//! `0.5·clamp(1 − TTFT/ttftSloMs, 0, 1) + 0.5·clamp(1 − e2e/e2eSloMs, 0, 1)`, the e2e term
-//! alone when no TTFT was seen.
+//! The target of one request (a sample pairs it with the chosen pod's features as its pick saw
+//! them, carried with the request, so a long request teaches the state it was sent into): 0 for
+//! a failure (as the breaker judges it), else `0.5·clamp(1 − TTFT/ttftSloMs, 0, 1) +
+//! 0.5·clamp(1 − e2e/e2eSloMs, 0, 1)`, the e2e term alone when no TTFT was seen.
 //!
 //! Safeguards: samples wait in a bounded ring per pool (the oldest dropped, counted) and are
 //! trained on every `updateIntervalMs`, one SGD step each on the log loss

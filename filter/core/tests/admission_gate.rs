@@ -392,6 +392,7 @@ fn under_saturation_sheddable_is_shed_and_standard_held_then_released_or_expired
         sent_ms: 1_200,
         probe: false,
         version: None,
+        features: None,
     };
     w.rt.resumed.insert(*id, r);
     let (ex, g, h) = &mut held[0];

@@ -602,3 +602,49 @@ fn absent_the_section_changes_nothing() {
     let j = scoreboard(&r, 1_000);
     assert!(j["pools"][0]["learned"].is_null());
 }
+
+/// A request trains the model on the pod's features as its pick saw them, not as they are
+/// when it ends: a pod that was idle at the pick and busy by the end teaches "idle → this
+/// outcome", exactly as a pod that stayed idle does.
+#[test]
+fn an_outcome_trains_on_the_features_its_pick_saw() {
+    const IDLE: Pod = Pod {
+        gpu: 0.1,
+        p99: 200.0,
+        err: 0.0,
+    };
+    const BUSY: Pod = Pod {
+        gpu: 0.9,
+        p99: 1_800.0,
+        err: 0.0,
+    };
+    let cfg = r#"{"updateIntervalMs":1000,"coldStartSamples":0}"#;
+    // Picked while idle; busy (a new snapshot) when its outcome arrives.
+    let mut moved = router(Some(cfg), &[IDLE, IDLE]);
+    let picked = moved
+        .learned_features(0, &addr(0))
+        .expect("features at the pick");
+    moved.apply_pool_event(0, &event(2, &[BUSY, IDLE]), 1_100);
+    moved.tick(1_100);
+    assert_ne!(
+        moved.learned_features(0, &addr(0)),
+        Some(picked),
+        "the pod's features moved"
+    );
+    // The same outcome on a pod that stayed idle, and on the busy pod without the pick's.
+    let mut stayed = router(Some(cfg), &[IDLE, IDLE]);
+    let mut latest = router(Some(cfg), &[IDLE, IDLE]);
+    latest.apply_pool_event(0, &event(2, &[BUSY, IDLE]), 1_100);
+    latest.tick(1_100);
+    for _ in 0..20 {
+        moved.on_outcome_picked(0, &addr(0), None, &ok(1_500, 9_000), 1_200, Some(picked));
+        stayed.on_outcome(0, &addr(0), None, &ok(1_500, 9_000), 1_200);
+        latest.on_outcome(0, &addr(0), None, &ok(1_500, 9_000), 1_200);
+    }
+    for r in [&mut moved, &mut stayed, &mut latest] {
+        r.tick(2_100);
+    }
+    let w = |r: &Router| r.learned_model(0).unwrap().weights();
+    assert_eq!(w(&moved), w(&stayed), "trained on the pick's features");
+    assert_ne!(w(&moved), w(&latest), "not on the features at the outcome");
+}

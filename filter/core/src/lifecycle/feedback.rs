@@ -151,7 +151,7 @@ where
         if let Some((_, o)) = pairs.iter().find(|(pod, _)| *pod == c) {
             rate_tripped = p
                 .router
-                .on_outcome(pool, c, ex.model.as_deref(), o, now)
+                .on_outcome_picked(pool, c, ex.model.as_deref(), o, now, st.features)
                 .iter()
                 .any(|e| e.to == BreakerState::Open && e.reason == Some(TripReason::FailureRate));
         }

@@ -22,6 +22,9 @@ pub struct Steered {
     pub probe: bool,
     /// The model version the request was routed to (`versions`; None: every pod competed).
     pub version: Option<String>,
+    /// The chosen pod's `learnedWeights` features when it was picked (None: that is off, or
+    /// the pod had none): its outcome trains the model on the state the pick saw.
+    pub features: Option<crate::learned::Features>,
 }
 
 /// A request pinned to a model version that cannot be served (see [`crate::versions`]).
@@ -164,11 +167,13 @@ where
             super::feedback::record_transitions(host, p.stats, name, chosen, &ts);
         }
     }
+    let features = p.router.learned_features(pool, chosen);
     Ok(Some(Steered {
         ranked: p.scratch.clone(),
         score,
         sent_ms: now,
         probe,
         version,
+        features,
     }))
 }

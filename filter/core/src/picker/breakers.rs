@@ -233,6 +233,8 @@ fn poll_breakers(
 impl Router {
     /// Records how a request to `pod` ended; feeds the pod's breaker (the pod+model breaker
     /// when the pod serves several models and `model` is given). Returns the transitions.
+    /// `learnedWeights` trains on the pod's latest features; [`Router::on_outcome_picked`]
+    /// passes those the pick saw.
     pub fn on_outcome(
         &mut self,
         pool_idx: usize,
@@ -240,6 +242,20 @@ impl Router {
         model: Option<&str>,
         outcome: &Outcome,
         now_ms: u64,
+    ) -> Vec<BreakerEvent> {
+        self.on_outcome_picked(pool_idx, pod, model, outcome, now_ms, None)
+    }
+
+    /// [`Router::on_outcome`] for a request whose pick saw the pod's `learnedWeights`
+    /// features `picked` ([`Router::learned_features`] at the pick; None: the pod's latest).
+    pub fn on_outcome_picked(
+        &mut self,
+        pool_idx: usize,
+        pod: &str,
+        model: Option<&str>,
+        outcome: &Outcome,
+        now_ms: u64,
+        picked: Option<crate::learned::Features>,
     ) -> Vec<BreakerEvent> {
         let cfg = &self.cfg;
         let Some(p) = self.pools.get_mut(pool_idx) else {
@@ -267,6 +283,7 @@ impl Router {
         super::learned::sample(
             p.learned.as_mut(),
             rt,
+            picked,
             failure.is_some(),
             outcome.ttft_ms,
             outcome.total_ms,

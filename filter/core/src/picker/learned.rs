@@ -71,10 +71,12 @@ pub(super) fn score_pod(
     }
 }
 
-/// Takes a sample from an outcome of `pod` (`failed`: as its breaker judged it).
+/// Takes a sample from an outcome of `pod` (`failed`: as its breaker judged it), paired with
+/// the features its pick saw (`picked`), else its latest.
 pub(super) fn sample(
     model: Option<&mut learned::LearnedModel>,
     rt: &mut PodRt,
+    picked: Option<learned::Features>,
     failed: bool,
     ttft_ms: Option<u64>,
     total_ms: Option<u64>,
@@ -83,7 +85,7 @@ pub(super) fn sample(
     let Some(m) = model else {
         return;
     };
-    let Some(x) = rt.features else {
+    let Some(x) = picked.or(rt.features) else {
         return;
     };
     let Some(y) = m.target(failed, ttft_ms, total_ms) else {
@@ -94,4 +96,16 @@ pub(super) fn sample(
         counters.learned_samples_dropped += 1;
     }
     rt.learned_samples = rt.learned_samples.saturating_add(1);
+}
+
+impl super::Router {
+    /// The `learnedWeights` features of `pod` in pool `pool_idx` as of its latest snapshot
+    /// (None: that is off, or the pod has none): what a request picked now would be trained
+    /// on when it ends ([`super::Router::on_outcome_picked`]).
+    pub fn learned_features(&self, pool_idx: usize, pod: &str) -> Option<learned::Features> {
+        let p = self.pools.get(pool_idx)?;
+        p.learned.as_ref()?;
+        let id = *p.by_addr.get(pod)?;
+        p.pods.get(id as usize)?.features
+    }
 }
