@@ -70,11 +70,17 @@ pub enum TripReason {
     /// The pod's agent reported an error rate of at least `failureRate` over at least
     /// `failureRateMinRequests` requests in its window (all clients' traffic).
     AgentErrorRate,
+    /// `breaker.truncation`: answers cut off in a row while the pod answers GPU out-of-memory
+    /// errors ([`crate::triggers`]).
+    Truncated,
+    /// `breaker.wellFormedProbes`: a half-open probe answered something other than
+    /// well-formed OpenAI JSON.
+    MalformedProbe,
 }
 
 impl TripReason {
     /// Every reason (for glue that defines one stat per reason up front).
-    pub const ALL: [TripReason; 8] = [
+    pub const ALL: [TripReason; 10] = [
         TripReason::HardwareFault,
         TripReason::ServerErrors,
         TripReason::Resets,
@@ -83,6 +89,8 @@ impl TripReason {
         TripReason::SlowTtft,
         TripReason::FailureRate,
         TripReason::AgentErrorRate,
+        TripReason::Truncated,
+        TripReason::MalformedProbe,
     ];
 
     pub fn as_str(&self) -> &'static str {
@@ -95,6 +103,8 @@ impl TripReason {
             TripReason::SlowTtft => "slow_ttft",
             TripReason::FailureRate => "failure_rate",
             TripReason::AgentErrorRate => "agent_error_rate",
+            TripReason::Truncated => "truncated",
+            TripReason::MalformedProbe => "malformed_probe",
         }
     }
 
@@ -109,6 +119,8 @@ impl TripReason {
             TripReason::SlowTtft => "breaker_slow_ttft",
             TripReason::FailureRate => "breaker_failure_rate",
             TripReason::AgentErrorRate => "breaker_agent_error_rate",
+            TripReason::Truncated => "breaker_truncated",
+            TripReason::MalformedProbe => "breaker_malformed_probe",
         }
     }
 
@@ -122,6 +134,8 @@ impl TripReason {
             TripReason::SlowTtft => 6,
             TripReason::FailureRate => 7,
             TripReason::AgentErrorRate => 8,
+            TripReason::Truncated => 9,
+            TripReason::MalformedProbe => 10,
         }
     }
 
@@ -136,6 +150,8 @@ impl TripReason {
             6 => Some(TripReason::SlowTtft),
             7 => Some(TripReason::FailureRate),
             8 => Some(TripReason::AgentErrorRate),
+            9 => Some(TripReason::Truncated),
+            10 => Some(TripReason::MalformedProbe),
             _ => return None,
         })
     }
@@ -153,6 +169,9 @@ pub struct Outcome {
     /// Time to the first response byte (≈ first token when streaming).
     pub ttft_ms: Option<u64>,
     pub total_ms: Option<u64>,
+    /// A half-open probe whose answer was not well-formed OpenAI JSON, under
+    /// `breaker.wellFormedProbes` ([`crate::triggers`]): a failure.
+    pub malformed: bool,
 }
 
 impl Outcome {
@@ -169,6 +188,8 @@ impl Outcome {
             Some(TripReason::ServerErrors)
         } else if matches!((self.ttft_ms, cfg.ttft_slo_ms), (Some(t), Some(slo)) if t > slo) {
             Some(TripReason::SlowTtft)
+        } else if self.malformed {
+            Some(TripReason::MalformedProbe)
         } else {
             None
         }
@@ -184,7 +205,8 @@ impl Outcome {
         ttft_ms: u64,
         cfg: &BreakerConfig,
     ) -> bool {
-        status.is_some()
+        cfg.well_formed_probes.is_none()
+            && status.is_some()
             && Outcome {
                 status,
                 ttft_ms: Some(ttft_ms),
@@ -446,7 +468,7 @@ impl Breaker {
         match self.state {
             BreakerState::Closed => true,
             BreakerState::HalfOpen => {
-                self.probes_issued < cfg.half_open_probes
+                self.probes_issued < cfg.probes_to_close()
                     && (self.probes_issued == 0 || self.probe_successes > 0)
             }
             BreakerState::Open => false,
@@ -487,7 +509,7 @@ impl Breaker {
             }
             (BreakerState::HalfOpen, None) => {
                 self.probe_successes = self.probe_successes.saturating_add(1);
-                if self.probe_successes >= cfg.half_open_probes {
+                if self.probe_successes >= cfg.probes_to_close() {
                     let reason = self.reason;
                     *self = Breaker {
                         opens: self.opens,
@@ -863,7 +885,7 @@ mod tests {
         assert_eq!(d.reason(), Some(TripReason::AgentErrorRate));
         // A tag from a newer build is refused, not misread.
         let mut bytes = b.encode();
-        bytes[2] = 9;
+        bytes[2] = 11;
         assert!(Breaker::decode(&bytes).is_none());
     }
 

@@ -154,6 +154,20 @@ pub struct BreakerConfig {
     /// move within ±`maxAdjust` of these with its pool's background ([`crate::adaptive`]).
     /// None = off (the static thresholds).
     pub adaptive_thresholds: Option<AdaptiveThresholds>,
+    /// `truncation`: truncated answers while the pod answers GPU out-of-memory errors open its
+    /// breaker ([`crate::triggers`]). None = off.
+    pub truncation: Option<crate::triggers::Truncation>,
+    /// `wellFormedProbes`: a half-open pod closes after this many probes in a row that passed
+    /// and answered well-formed OpenAI JSON ([`crate::triggers`]); it replaces
+    /// `half_open_probes`. None = off.
+    pub well_formed_probes: Option<u32>,
+}
+
+impl BreakerConfig {
+    /// Successful probes that close a half-open breaker (and probes admitted while half-open).
+    pub fn probes_to_close(&self) -> u32 {
+        self.well_formed_probes.unwrap_or(self.half_open_probes)
+    }
 }
 
 impl Default for BreakerConfig {
@@ -170,6 +184,8 @@ impl Default for BreakerConfig {
             agent_error_rate: 0.25,
             recovery_ramp: None,
             adaptive_thresholds: None,
+            truncation: None,
+            well_formed_probes: None,
         }
     }
 }

@@ -91,6 +91,14 @@ pub struct Counters {
     /// pods cut for it (`cutBeforeMs` before the projected OOM); once per episode each.
     pub pre_oom_degraded: u64,
     pub pre_oom_cut: u64,
+    /// `breaker.truncation` ([`crate::triggers`]): chosen pods' answers judged truncated,
+    /// answered a GPU out-of-memory error, truncated but not counted (the pod's memory-error
+    /// rate at or below `memoryErrorRate`), and answers too large to judge (the breaker then
+    /// behaves as without the option).
+    pub answers_truncated: u64,
+    pub answers_memory_errors: u64,
+    pub answers_truncated_ignored: u64,
+    pub answers_unjudged: u64,
     /// Breaker transitions by target state.
     pub breaker_opened: u64,
     pub breaker_half_opened: u64,
@@ -109,7 +117,7 @@ impl Counters {
     }
 
     /// How many counters [`Counters::iter`] lists.
-    pub const COUNT: usize = 40;
+    pub const COUNT: usize = 44;
 
     /// Counts one breaker transition into `to`.
     pub fn count_transition(&mut self, to: BreakerState) {
@@ -177,6 +185,10 @@ impl Counters {
             ),
             ("pre_oom.degraded", self.pre_oom_degraded),
             ("pre_oom.cut", self.pre_oom_cut),
+            ("answers.truncated", self.answers_truncated),
+            ("answers.memory_errors", self.answers_memory_errors),
+            ("answers.truncated_ignored", self.answers_truncated_ignored),
+            ("answers.unjudged", self.answers_unjudged),
             ("breaker.opened", self.breaker_opened),
             ("breaker.half_opened", self.breaker_half_opened),
             ("breaker.closed", self.breaker_closed),

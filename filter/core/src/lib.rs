@@ -53,6 +53,7 @@ pub mod recovery;
 pub mod score;
 pub mod signals;
 pub mod status;
+pub mod triggers;
 pub mod versions;
 
 pub use breaker::{Breaker, BreakerEvent, BreakerState, Outcome, TripReason};

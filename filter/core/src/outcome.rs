@@ -49,6 +49,7 @@ pub fn final_outcome(o: &Observed<'_>) -> Outcome {
             || d.contains("upstream_response_timeout"),
         ttft_ms: o.ttft_ms,
         total_ms: o.total_ms,
+        malformed: false,
     }
 }
 

@@ -99,7 +99,7 @@ fn config_with(path: &str, value: &Value) -> Value {
 
 /// Config sections (dotted paths) that are off unless present; `{}` turns one on with its
 /// defaults.
-const OFF_UNLESS_PRESENT: [&str; 9] = [
+const OFF_UNLESS_PRESENT: [&str; 10] = [
     "admission",
     "bigRequestHold",
     "prefixAffinity",
@@ -109,6 +109,7 @@ const OFF_UNLESS_PRESENT: [&str; 9] = [
     "breaker.adaptiveThresholds",
     "versions",
     "learnedWeights",
+    "breaker.truncation",
 ];
 
 /// Sets the section at dotted `path` to `{}`, creating the objects above it.

@@ -11,6 +11,13 @@ pub struct Faults {
     pub slowdown: f64,
     /// Fraction of requests answered 500 (0..1), decided by the seeded RNG.
     pub error_rate: f64,
+    /// Fraction of requests answered 500 with a CUDA out-of-memory error, as vLLM answers one
+    /// (`torch.OutOfMemoryError: CUDA out of memory. ...`), decided by the seeded RNG.
+    pub memory_error_rate: f64,
+    /// Fraction of answers cut off half-way: a stream ends (cleanly) after `max_tokens / 2`
+    /// tokens with no finish reason, usage or `[DONE]`; a non-streamed answer carries that
+    /// many tokens and `finish_reason: null`. Decided by the seeded RNG.
+    pub truncate_rate: f64,
     /// New requests are accepted but not answered while true.
     pub hang: bool,
     /// The API server stops answering anything, `/metrics` and `/v1/models` included (a wedged
@@ -41,6 +48,8 @@ impl Default for Faults {
         Self {
             slowdown: 1.0,
             error_rate: 0.0,
+            memory_error_rate: 0.0,
+            truncate_rate: 0.0,
             hang: false,
             freeze: false,
             gpu_utilization: None,
@@ -60,7 +69,7 @@ impl Default for Faults {
 pub enum ControlError {
     #[error("control body must be a JSON object: {0}")]
     NotAnObject(String),
-    #[error("unknown control field `{field}` (value {value}); known: slowdown, error_rate, hang, freeze, gpu_utilization, sm_occupancy, throttle, queue, xid, ecc_errors, memory_growth, reset")]
+    #[error("unknown control field `{field}` (value {value}); known: slowdown, error_rate, memory_error_rate, truncate_rate, hang, freeze, gpu_utilization, sm_occupancy, throttle, queue, xid, ecc_errors, memory_growth, reset")]
     UnknownField { field: String, value: String },
     #[error("invalid value {value} for control field `{field}`: {reason}")]
     InvalidValue {
@@ -155,6 +164,8 @@ impl Faults {
                     _ => return Err(invalid(field, v, "must be a number >= 1")),
                 },
                 "error_rate" => next.error_rate = unit_interval(field, v)?,
+                "memory_error_rate" => next.memory_error_rate = unit_interval(field, v)?,
+                "truncate_rate" => next.truncate_rate = unit_interval(field, v)?,
                 "hang" => {
                     next.hang = v
                         .as_bool()

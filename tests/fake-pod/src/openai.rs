@@ -140,6 +140,18 @@ impl ApiError {
         }
     }
 
+    /// vLLM's answer when the engine runs out of GPU memory on a request.
+    pub fn out_of_memory() -> Self {
+        Self {
+            status: 500,
+            kind: "InternalServerError",
+            message: "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. \
+                      GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is free."
+                .to_string(),
+            param: None,
+        }
+    }
+
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self {
             status: 503,
@@ -396,18 +408,28 @@ impl ResponseMeta {
 
     /// The non-streaming response body.
     pub fn full(&self, text: &str, usage: Usage) -> String {
+        self.full_with(text, usage, true)
+    }
+
+    /// The non-streaming body; `finished: false` gives `finish_reason: null` (cut off).
+    pub fn full_with(&self, text: &str, usage: Usage, finished: bool) -> String {
+        let finish = if finished {
+            serde_json::json!("length")
+        } else {
+            serde_json::Value::Null
+        };
         let choice = match self.kind {
             Kind::Chat => serde_json::json!({
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
                 "logprobs": null,
-                "finish_reason": "length",
+                "finish_reason": finish,
             }),
             Kind::Completion => serde_json::json!({
                 "index": 0,
                 "text": text,
                 "logprobs": null,
-                "finish_reason": "length",
+                "finish_reason": finish,
             }),
         };
         serde_json::json!({

@@ -399,7 +399,24 @@ async fn generate(st: Arc<AppState>, kind: Kind, body: Bytes) -> Response {
             g.metrics.finished(FinishReason::Error);
             return error_response(&ApiError::injected());
         }
+        // Drawn only when set, so the other faults' draws stay as they were.
+        if g.faults.memory_error_rate > 0.0 {
+            let roll: f64 = g.error_rng.random();
+            if roll < g.faults.memory_error_rate {
+                g.metrics.finished(FinishReason::Error);
+                return error_response(&ApiError::out_of_memory());
+            }
+        }
     }
+    let cut_at = {
+        let mut g = st.lock();
+        if g.faults.truncate_rate > 0.0 {
+            let roll: f64 = g.error_rng.random();
+            (roll < g.faults.truncate_rate).then_some(req.max_tokens / 2)
+        } else {
+            None
+        }
+    };
     if let Err(resp) = wait_while_hung(&st).await {
         return resp;
     }
@@ -457,9 +474,9 @@ async fn generate(st: Arc<AppState>, kind: Kind, body: Bytes) -> Response {
         done: false,
     };
     if req.stream {
-        stream_response(req, meta, output, rx, guard)
+        stream_response(req, meta, output, rx, guard, cut_at)
     } else {
-        full_response(req, meta, output, rx, guard).await
+        full_response(req, meta, output, rx, guard, cut_at).await
     }
 }
 
@@ -531,6 +548,7 @@ async fn full_response(
     output: Vec<u32>,
     mut rx: mpsc::UnboundedReceiver<TokenEvent>,
     mut guard: RequestGuard,
+    cut_at: Option<u32>,
 ) -> Response {
     // Only the last token is delivered for non-streaming requests.
     while let Some(ev) = rx.recv().await {
@@ -541,6 +559,15 @@ async fn full_response(
     }
     if !guard.done {
         return error_response(&ApiError::unavailable("engine stopped"));
+    }
+    if let Some(n) = cut_at {
+        // Cut off (the `truncate_rate` fault): half the answer, no finish reason. Answered when
+        // the whole would have been (only the last token reaches a non-streaming request).
+        let text = tokens_text(output.get(..n as usize).unwrap_or(&output));
+        return json_response(
+            StatusCode::OK,
+            meta.full_with(&text, Usage::new(req.prompt_tokens, n), false),
+        );
     }
     let produced = req.max_tokens;
     let text = tokens_text(&output);
@@ -565,6 +592,9 @@ struct StreamCtx {
     guard: RequestGuard,
     phase: Phase,
     produced: u32,
+    /// `truncate_rate`: the stream ends cleanly after this many tokens, with no finish reason,
+    /// usage or `[DONE]` (the guard aborts the rest in the engine).
+    cut_at: Option<u32>,
 }
 
 fn sse(data: &str) -> Result<Bytes, std::io::Error> {
@@ -577,6 +607,7 @@ fn stream_response(
     output: Vec<u32>,
     rx: mpsc::UnboundedReceiver<TokenEvent>,
     guard: RequestGuard,
+    cut_at: Option<u32>,
 ) -> Response {
     let ctx = StreamCtx {
         req,
@@ -586,10 +617,14 @@ fn stream_response(
         guard,
         phase: Phase::Tokens,
         produced: 0,
+        cut_at,
     };
     let stream = futures::stream::unfold(ctx, |mut c| async move {
         match c.phase {
             Phase::Tokens => {
+                if c.cut_at.is_some_and(|n| c.produced >= n) {
+                    return None;
+                }
                 let Some(ev) = c.rx.recv().await else {
                     // The engine dropped the request (an OOM crash): the stream breaks off, as
                     // a dead vLLM's connection does, instead of ending cleanly.

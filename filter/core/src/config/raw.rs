@@ -449,6 +449,25 @@ struct RawBreaker {
     /// thresholds). `{}`: on with the defaults.
     #[serde(default)]
     adaptive_thresholds: Option<RawAdaptiveThresholds>,
+    /// Truncated answers open the breaker while the pod answers GPU out-of-memory errors:
+    /// `consecutiveTruncated` answers in a row that ended with no finish reason (and fewer
+    /// tokens than the request's `max_tokens` when known), while the pod's GPU memory-error
+    /// rate (the share of its answers this Envoy worker saw over `failureRateWindowMs` that
+    /// were a 5xx naming CUDA out-of-memory) is above `memoryErrorRate`. The chosen pod's
+    /// answers are read as they stream. Absent: off. `{}`: on with the defaults.
+    #[serde(default)]
+    truncation: Option<crate::triggers::RawTruncation>,
+    /// A half-open pod closes only after this many probes in a row that passed and answered
+    /// well-formed OpenAI JSON (non-streamed: an object with a `choices` array; streamed: every
+    /// `data:` line such an object and a final `[DONE]`); a malformed probe answer counts as a
+    /// failure and re-opens it. Replaces `halfOpenProbes`; a probe is then judged at its
+    /// answer's end, not at its first byte. Absent: off.
+    #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = null, "minimum" = 1, "maximum" = 250))
+    )]
+    well_formed_probes: Option<u64>,
 }
 
 /// `bigRequestHold`.
@@ -934,6 +953,15 @@ impl TryFrom<RawConfig> for FilterConfig {
                 .as_ref()
                 .map(AdaptiveThresholds::from_raw)
                 .transpose()?,
+            truncation: raw
+                .breaker
+                .truncation
+                .as_ref()
+                .map(crate::triggers::Truncation::from_raw)
+                .transpose()?,
+            well_formed_probes: crate::triggers::well_formed_probes_from_raw(
+                raw.breaker.well_formed_probes,
+            )?,
         };
 
         let ema_alpha = match raw.ema_alpha {

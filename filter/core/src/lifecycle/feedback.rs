@@ -116,10 +116,13 @@ where
         ttft_ms: ex.ttft_ms,
         total_ms: Some(now.saturating_sub(ex.started_ms)),
     };
-    let pairs = attribute(&observed);
+    let mut pairs = attribute(&observed);
     let chosen = ex.chosen();
     let p = worker.parts();
     let name = pool_name(p.router, pool);
+    // `breaker.truncation` / `breaker.wellFormedProbes`: how the answering pod's answer ended.
+    let answered = upstream.as_deref();
+    let truncated_trip = judge_answer(ex, p.router, pool, answered, &mut pairs, now);
     // Whether the chosen pod's breaker had nothing to forget (Closed, no failure counted, as
     // of this worker's last copy of the shared breakers): a success then leaves the shared
     // breaker as it is, so it is not read and rewritten.
@@ -164,13 +167,19 @@ where
         let is_chosen = chosen == Some(*pod);
         if failure.is_some() {
             p.stats.failed(pod);
-        } else if is_chosen && !rate_tripped && clean_before {
+        } else if is_chosen
+            && !rate_tripped
+            && clean_before
+            && !(truncated_trip && answered == Some(*pod))
+        {
             continue;
         }
         let trip_rate = rate_tripped && is_chosen;
+        let trip_truncated = truncated_trip && answered == Some(*pod);
         // A probe whose success was recorded at its first byte is not recorded again; the
         // shared breaker is still read back, over what this worker counted above.
-        let on_record = is_chosen && ex.probe_passed && failure.is_none() && !trip_rate;
+        let on_record =
+            is_chosen && ex.probe_passed && failure.is_none() && !trip_rate && !trip_truncated;
         let update = &mut |b: &mut Breaker| {
             if on_record {
                 return None;
@@ -178,6 +187,8 @@ where
             let t = b.record(failure, now, &cfg);
             if t.is_none() && trip_rate && b.state() == BreakerState::Closed {
                 b.trip(TripReason::FailureRate, now, &cfg)
+            } else if t.is_none() && trip_truncated && b.state() == BreakerState::Closed {
+                b.trip(TripReason::Truncated, now, &cfg)
             } else {
                 t
             }
@@ -186,6 +197,38 @@ where
             record_transitions(host, p.stats, &name, pod, &ts);
         }
     }
+}
+
+/// Judges the answer the pod `answered` gave ([`crate::triggers`]): under
+/// `breaker.wellFormedProbes` a probe that passed otherwise but answered malformed JSON is
+/// marked a failure in `pairs`; under `breaker.truncation` the answer feeds the pod's
+/// truncation run and memory-error rate. Returns whether that opened the pod's breaker.
+fn judge_answer(
+    ex: &Exchange,
+    router: &mut crate::picker::Router,
+    pool: usize,
+    answered: Option<&str>,
+    pairs: &mut [(&str, Outcome)],
+    now: u64,
+) -> bool {
+    let (Some(scanner), Some(pod)) = (ex.answer.as_deref(), answered) else {
+        return false;
+    };
+    let cfg = router.config().breaker;
+    let probe = ex.steered.as_ref().is_some_and(|s| s.probe);
+    if probe && cfg.well_formed_probes.is_some() && ex.chosen() == Some(pod) {
+        if let Some((_, o)) = pairs.iter_mut().find(|(p, _)| *p == pod) {
+            // Only a probe the rest judged a success: a failure keeps its own reason.
+            if o.failure(&cfg).is_none() && !scanner.well_formed() {
+                o.malformed = true;
+            }
+        }
+    }
+    if cfg.truncation.is_none() || !pairs.iter().any(|(p, _)| *p == pod) {
+        return false;
+    }
+    let answer = scanner.classify(ex.max_output_tokens);
+    router.on_answer(pool, pod, answer, now)
 }
 
 /// Envoy's override_host sends attempt i to the i-th member of the ranked list, so the pod that

@@ -277,6 +277,9 @@ pub struct Exchange {
     debug: bool,
     /// The probe's success was recorded at its first byte (not again at its end).
     probe_passed: bool,
+    /// The chosen pod's answer as it streams, read when `breaker.truncation` is on or a
+    /// probe is judged by `breaker.wellFormedProbes` ([`crate::triggers`]).
+    answer: Option<Box<crate::triggers::AnswerScanner>>,
     /// The end was handled (the in-flight count closed, the breakers fed).
     ended: bool,
 }
@@ -312,6 +315,7 @@ impl Exchange {
             attempts: None,
             debug: false,
             probe_passed: false,
+            answer: None,
             ended: false,
         }
     }
@@ -617,6 +621,11 @@ impl Exchange {
         if end_of_stream && self.ttft_ms.is_none() {
             self.ttft_ms = Some(host.now_ms().saturating_sub(self.started_ms));
         }
+        let bcfg = worker.router().config().breaker;
+        let probe = self.steered.as_ref().is_some_and(|s| s.probe);
+        if bcfg.truncation.is_some() || (probe && bcfg.well_formed_probes.is_some()) {
+            self.answer = Some(Box::new(crate::triggers::AnswerScanner::new(self.status)));
+        }
         if self.debug {
             if let Some(h) = worker.router().config().debug_header.clone() {
                 let score = self.steered.as_ref().map_or(0.0, |s| s.score);
@@ -654,6 +663,11 @@ impl Exchange {
         }
         if end_of_stream {
             self.response_complete = true;
+        }
+        if let Some(a) = self.answer.as_mut() {
+            if let Some(chunk) = host.response_chunk(size) {
+                a.feed(&chunk);
+            }
         }
         gate.on_response_body(host, worker, size, end_of_stream);
     }

@@ -33,6 +33,10 @@ fn agent_min_requests(b: &Breaker, now_ms: u64, cfg: &BreakerConfig) -> u32 {
     }
 }
 
+fn counters_transition(counters: &mut Counters, t: Transition) {
+    counters.count_transition(t.to);
+}
+
 fn push_event(
     events: &mut Vec<BreakerEvent>,
     counters: &mut Counters,
@@ -352,6 +356,53 @@ impl Router {
             update_pod(p, id, cfg);
         }
         out
+    }
+
+    /// `breaker.truncation`: records how the chosen pod's answer ended ([`crate::triggers`]) and
+    /// opens its breaker (`Truncated`) when its run of truncated answers reaches
+    /// `consecutiveTruncated` while its memory-error rate is above `memoryErrorRate`. Returns
+    /// whether it tripped (the glue carries that into the shared breaker). Off: nothing.
+    pub fn on_answer(
+        &mut self,
+        pool_idx: usize,
+        pod: &str,
+        answer: crate::triggers::Answer,
+        now_ms: u64,
+    ) -> bool {
+        use crate::triggers::Answer;
+        let Some(tcfg) = self.cfg.breaker.truncation else {
+            return false;
+        };
+        let bcfg = self.breaker_config_for(pool_idx, pod);
+        let Some(p) = self.pools.get_mut(pool_idx) else {
+            return false;
+        };
+        let Some(&id) = p.by_addr.get(pod) else {
+            return false;
+        };
+        let Some(rt) = p.pods.get_mut(id as usize) else {
+            return false;
+        };
+        match answer {
+            Answer::Truncated => self.counters.answers_truncated += 1,
+            Answer::MemoryError => self.counters.answers_memory_errors += 1,
+            Answer::Unjudged => self.counters.answers_unjudged += 1,
+            _ => {}
+        }
+        let step = rt
+            .truncation
+            .record(answer, now_ms, bcfg.failure_rate_window_ms, &tcfg);
+        if step.ignored {
+            self.counters.answers_truncated_ignored += 1;
+        }
+        if !step.trip {
+            return false;
+        }
+        if let Some(t) = rt.breaker.trip(TripReason::Truncated, now_ms, &bcfg) {
+            counters_transition(&mut self.counters, t);
+            p.dirty = true;
+        }
+        true
     }
 
     /// The breaker settings `pod` is judged by: the configured ones, with its thresholds as

@@ -79,6 +79,8 @@ pub(super) struct PodRt {
     pub(super) breaker: Breaker,
     /// This VM's recent outcomes of the pod, for the failure-rate trip.
     pub(super) window: FailureWindow,
+    /// `breaker.truncation`: this VM's run of truncated answers and memory-error rate.
+    pub(super) truncation: crate::triggers::TruncationTracker,
     /// When this VM last saw a request to the pod fail.
     pub(super) last_failure_ms: Option<u64>,
     pub(super) model_breakers: Vec<(String, Breaker)>,
@@ -160,6 +162,7 @@ impl PodRt {
             picks: 0,
             breaker: Breaker::default(),
             window: FailureWindow::default(),
+            truncation: crate::triggers::TruncationTracker::default(),
             last_failure_ms: None,
             model_breakers: Vec::new(),
             serves_several: false,
