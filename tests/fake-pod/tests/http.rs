@@ -939,3 +939,63 @@ async fn sigterm_shuts_down_gracefully() {
         .unwrap();
     assert!(status.success(), "{status:?}");
 }
+
+#[tokio::test]
+async fn truncate_and_memory_error_faults_answer_as_a_memory_starved_vllm() {
+    let pod = Pod::start(&[]).await;
+    // memory_error_rate 1: vLLM's 500 naming CUDA out-of-memory.
+    assert_eq!(
+        pod.control(json!({"memory_error_rate": 1.0}))
+            .await
+            .status(),
+        200
+    );
+    let r = pod.post("/v1/chat/completions", chat("x", 4)).await;
+    assert_eq!(r.status(), 500);
+    let v: Value = r.json().await.unwrap();
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("CUDA out of memory") && msg.contains("OutOfMemoryError"),
+        "{msg}"
+    );
+
+    // truncate_rate 1: a stream of max_tokens / 2 tokens, no finish reason, usage or [DONE].
+    pod.control(json!({"memory_error_rate": 0, "truncate_rate": 1.0}))
+        .await;
+    let mut body = chat("hello", 8);
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let r = pod.post("/v1/chat/completions", body).await;
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.unwrap();
+    let data: Vec<Value> = text
+        .split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .map(|e| serde_json::from_str(e.strip_prefix("data: ").unwrap()).expect("JSON, no [DONE]"))
+        .collect();
+    assert_eq!(data.len(), 4, "{text}");
+    assert!(data
+        .iter()
+        .all(|c| c["choices"][0]["finish_reason"].is_null()));
+    // Not streamed: half the tokens and finish_reason null.
+    let r = pod.post("/v1/chat/completions", chat("hello", 8)).await;
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], Value::Null);
+    assert_eq!(v["usage"]["completion_tokens"], 4);
+
+    for bad in [
+        json!({"truncate_rate": 1.5}),
+        json!({"memory_error_rate": -1}),
+    ] {
+        assert_eq!(pod.control(bad).await.status(), 400);
+    }
+    // Off again: whole answers.
+    pod.control(json!({"truncate_rate": 0})).await;
+    let v: Value = pod
+        .post("/v1/chat/completions", chat("hello", 8))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+}
