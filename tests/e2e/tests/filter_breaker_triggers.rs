@@ -6,7 +6,12 @@
 //! healthy. Pod0's breaker opens for `truncated`; pod1's and pod2's stay closed (pod1's
 //! truncations are counted as not counting, its memory-error rate being 0).
 //!
-//! The route here retries resets and connect failures but not 5xx: a 5xx Envoy retried on
+//! And whether `breaker.wellFormedProbes` holds a half-open pod out while its probes answer
+//! something other than OpenAI JSON: pod0, cut for 500s, then answers 200s that are not JSON;
+//! each probe re-opens it (`malformed_probe`) and it never closes, until its answers are
+//! well-formed again and it closes.
+//!
+//! The truncation test's route retries resets and connect failures but not 5xx: a 5xx Envoy retried on
 //! another pod never reaches the filter (its body is not passed to filters), so under the
 //! default `retry_on: 5xx` a pod's memory errors are read only when every attempt failed
 //! (documented in docs/operations.md).
@@ -111,6 +116,79 @@ fn truncating_pod_with_memory_errors_is_cut_on(path: Path) {
     }
     assert_eq!(path.stat(&envoy, "ailb.answers.unjudged"), 0);
     eprintln!("{path:?}: pod0 cut after {sent} requests");
+}
+
+/// Sends requests on `client` until `done`, at most `secs`.
+fn drive(
+    envoy: &Envoy,
+    client: &mut HttpClient,
+    secs: u64,
+    what: &str,
+    done: impl Fn(&Envoy) -> bool,
+) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    let mut i = 0u32;
+    while !done(envoy) {
+        send(client, i % 2 == 0);
+        i += 1;
+        assert!(
+            Instant::now() < deadline,
+            "{what}: not within {secs} s; status: {}\nlog:\n{}",
+            scoreboard(envoy),
+            envoy.log_tail(30)
+        );
+    }
+}
+
+fn malformed_probes_hold_the_pod_out_on(path: Path) {
+    let pool = PodPool::start(3, 0.01).unwrap();
+    for i in 0..3 {
+        pool.control(i, r#"{"sm_occupancy":0.3}"#).unwrap();
+    }
+    let filter = config(json!({
+        "breaker": {"consecutiveFailures": 2, "failureRate": 1.0, "agentErrorRate": 0,
+                    "baseCooldownMs": 500, "maxCooldownMs": 500, "halfOpenProbes": 1,
+                    "wellFormedProbes": 3}
+    }));
+    let envoy = path.start(&pool, &filter);
+    wait_scoreboard(&envoy, "every pod fresh", 30, |sb| all_fresh(sb, &pool));
+    let mut client = HttpClient::new(envoy.listener);
+    pool.control(0, r#"{"error_rate":1.0}"#).unwrap();
+    drive(&envoy, &mut client, 30, "pod0 cut for its 500s", |e| {
+        path.stat(e, "ailb.breaker_opened.server_errors") >= 1
+    });
+    // Healed but answering 200s that are not JSON: every probe re-opens it.
+    pool.control(0, r#"{"error_rate":0,"malformed_rate":1.0}"#)
+        .unwrap();
+    drive(
+        &envoy,
+        &mut client,
+        30,
+        "two malformed probes re-open pod0",
+        |e| path.stat(e, "ailb.breaker_opened.malformed_probe") >= 2,
+    );
+    assert_eq!(
+        path.stat(&envoy, "ailb.breaker_closed"),
+        0,
+        "{path:?}: pod0 never closed on malformed probes"
+    );
+    // Well-formed again: it closes.
+    pool.control(0, r#"{"malformed_rate":0}"#).unwrap();
+    drive(
+        &envoy,
+        &mut client,
+        30,
+        "pod0 closes on well-formed probes",
+        |e| breaker_of(e, &pool, 0) == "closed",
+    );
+    assert!(path.stat(&envoy, "ailb.breaker_closed") >= 1);
+}
+
+#[test]
+fn a_half_open_pod_answering_malformed_json_stays_out_until_its_answers_are_well_formed() {
+    for path in BOTH {
+        malformed_probes_hold_the_pod_out_on(path);
+    }
 }
 
 #[test]

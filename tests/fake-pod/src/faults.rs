@@ -18,6 +18,10 @@ pub struct Faults {
     /// tokens with no finish reason, usage or `[DONE]`; a non-streamed answer carries that
     /// many tokens and `finish_reason: null`. Decided by the seeded RNG.
     pub truncate_rate: f64,
+    /// Fraction of requests answered 200 with a body that is not OpenAI JSON (a broken proxy
+    /// or server in front of the engine): `text/plain` `upstream engine error`, streamed or
+    /// not. Decided by the seeded RNG.
+    pub malformed_rate: f64,
     /// New requests are accepted but not answered while true.
     pub hang: bool,
     /// The API server stops answering anything, `/metrics` and `/v1/models` included (a wedged
@@ -50,6 +54,7 @@ impl Default for Faults {
             error_rate: 0.0,
             memory_error_rate: 0.0,
             truncate_rate: 0.0,
+            malformed_rate: 0.0,
             hang: false,
             freeze: false,
             gpu_utilization: None,
@@ -69,7 +74,7 @@ impl Default for Faults {
 pub enum ControlError {
     #[error("control body must be a JSON object: {0}")]
     NotAnObject(String),
-    #[error("unknown control field `{field}` (value {value}); known: slowdown, error_rate, memory_error_rate, truncate_rate, hang, freeze, gpu_utilization, sm_occupancy, throttle, queue, xid, ecc_errors, memory_growth, reset")]
+    #[error("unknown control field `{field}` (value {value}); known: slowdown, error_rate, memory_error_rate, truncate_rate, malformed_rate, hang, freeze, gpu_utilization, sm_occupancy, throttle, queue, xid, ecc_errors, memory_growth, reset")]
     UnknownField { field: String, value: String },
     #[error("invalid value {value} for control field `{field}`: {reason}")]
     InvalidValue {
@@ -166,6 +171,7 @@ impl Faults {
                 "error_rate" => next.error_rate = unit_interval(field, v)?,
                 "memory_error_rate" => next.memory_error_rate = unit_interval(field, v)?,
                 "truncate_rate" => next.truncate_rate = unit_interval(field, v)?,
+                "malformed_rate" => next.malformed_rate = unit_interval(field, v)?,
                 "hang" => {
                     next.hang = v
                         .as_bool()

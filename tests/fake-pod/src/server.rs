@@ -400,6 +400,17 @@ async fn generate(st: Arc<AppState>, kind: Kind, body: Bytes) -> Response {
             return error_response(&ApiError::injected());
         }
         // Drawn only when set, so the other faults' draws stay as they were.
+        if g.faults.malformed_rate > 0.0 {
+            let roll: f64 = g.error_rng.random();
+            if roll < g.faults.malformed_rate {
+                return (
+                    StatusCode::OK,
+                    [(header::CONTENT_TYPE, "text/plain")],
+                    "upstream engine error",
+                )
+                    .into_response();
+            }
+        }
         if g.faults.memory_error_rate > 0.0 {
             let roll: f64 = g.error_rng.random();
             if roll < g.faults.memory_error_rate {

@@ -941,7 +941,7 @@ async fn sigterm_shuts_down_gracefully() {
 }
 
 #[tokio::test]
-async fn truncate_and_memory_error_faults_answer_as_a_memory_starved_vllm() {
+async fn truncate_memory_error_and_malformed_faults() {
     let pod = Pod::start(&[]).await;
     // memory_error_rate 1: vLLM's 500 naming CUDA out-of-memory.
     assert_eq!(
@@ -983,9 +983,19 @@ async fn truncate_and_memory_error_faults_answer_as_a_memory_starved_vllm() {
     assert_eq!(v["choices"][0]["finish_reason"], Value::Null);
     assert_eq!(v["usage"]["completion_tokens"], 4);
 
+    // malformed_rate 1: a 200 that is not JSON.
+    pod.control(json!({"truncate_rate": 0, "malformed_rate": 1.0}))
+        .await;
+    let r = pod.post("/v1/chat/completions", chat("hello", 8)).await;
+    assert_eq!(r.status(), 200);
+    assert!(serde_json::from_str::<Value>(&r.text().await.unwrap()).is_err());
+    pod.control(json!({"malformed_rate": 0, "truncate_rate": 1.0}))
+        .await;
+
     for bad in [
         json!({"truncate_rate": 1.5}),
         json!({"memory_error_rate": -1}),
+        json!({"malformed_rate": 2}),
     ] {
         assert_eq!(pod.control(bad).await.status(), 400);
     }
