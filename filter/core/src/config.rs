@@ -130,7 +130,7 @@ pub struct BreakerConfig {
     pub base_cooldown_ms: u64,
     /// Cap of the doubling cooldown (≥ base).
     pub max_cooldown_ms: u64,
-    /// Probes admitted while half-open, the first alone and the rest once it has succeeded (a pod that still fails costs one request per cooldown); that many successes close the breaker. A probe succeeds at its first response byte (status below 500, first token within `ttftSloMs`), so long streamed answers do not keep a recovered pod half-open; a later reset still counts as a failure.
+    /// Probes admitted while half-open, the first alone and the rest once it has succeeded (a pod that still fails costs one request per cooldown); that many successes close the breaker. A probe succeeds at its first response byte (status below 500, first token within `ttftSloMs`), so long streamed answers do not keep a recovered pod half-open; a later reset still counts as a failure. `wellFormedProbes`, when set, replaces it (and judges each probe at its answer's end).
     pub half_open_probes: u32,
     /// A response whose time to first token exceeds this counts as a failure. None = off.
     pub ttft_slo_ms: Option<u64>,

@@ -383,7 +383,7 @@ struct RawBreaker {
         schemars(extend("default" = 60_000, "minimum" = 1))
     )]
     max_cooldown_ms: Option<u64>,
-    /// Probes admitted while half-open, the first alone and the rest once it has succeeded (a pod that still fails costs one request per cooldown); that many successes close the breaker. A probe succeeds at its first response byte (status below 500, first token within `ttftSloMs`), so long streamed answers do not keep a recovered pod half-open; a later reset still counts as a failure.
+    /// Probes admitted while half-open, the first alone and the rest once it has succeeded (a pod that still fails costs one request per cooldown); that many successes close the breaker. A probe succeeds at its first response byte (status below 500, first token within `ttftSloMs`), so long streamed answers do not keep a recovered pod half-open; a later reset still counts as a failure. `wellFormedProbes`, when set, replaces it (and judges each probe at its answer's end).
     #[serde(default)]
     #[cfg_attr(
         feature = "schema",
