@@ -689,6 +689,27 @@ fn a_pod_truncating_answers_with_memory_errors_is_cut_and_a_healthy_one_is_not()
 }
 
 #[test]
+fn an_answer_reset_mid_stream_is_a_failure_not_a_truncated_generation() {
+    let mut w = worker(r#"{"truncation":{}}"#);
+    let mut h = MockHost::at(1_010);
+    let mut ex = Exchange::new();
+    ex.on_request_headers(&mut h, &mut w, &mut NoGate, true);
+    let pod = ex.chosen().expect("steered").to_string();
+    h.upstream = Some(pod);
+    h.code = Some(200);
+    h.resp.insert(":status".into(), "200".into());
+    ex.on_response_headers(&mut h, &mut w, &mut NoGate, false);
+    h.chunk = Some(sse(2, None, None, false).into_bytes());
+    ex.on_response_body(&mut h, &mut w, &mut NoGate, 10, false);
+    h.details = Some("upstream_reset_after_response_started{remote_reset}".into());
+    ex.on_end(&mut h, &mut w, &mut NoGate);
+    assert_eq!(w.router.counters().answers_truncated, 0);
+    // The same answer ending cleanly is judged truncated.
+    request(&mut w, 1_100, &|_| (200, sse(2, None, None, false)));
+    assert_eq!(w.router.counters().answers_truncated, 1);
+}
+
+#[test]
 fn truncations_without_memory_errors_and_the_option_off_cut_nothing() {
     for breaker in [r#"{"truncation":{}}"#, r#"{}"#] {
         let mut w = worker(breaker);

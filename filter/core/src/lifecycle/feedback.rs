@@ -224,7 +224,9 @@ fn judge_answer(
             }
         }
     }
-    if cfg.truncation.is_none() || !pairs.iter().any(|(p, _)| *p == pod) {
+    // An answer that did not go through whole (a reset, a timeout) is judged by its failure,
+    // not as a truncated generation.
+    if cfg.truncation.is_none() || !ex.response_complete || !pairs.iter().any(|(p, _)| *p == pod) {
         return false;
     }
     let answer = scanner.classify(ex.max_output_tokens);
