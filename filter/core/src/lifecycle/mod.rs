@@ -621,7 +621,7 @@ impl Exchange {
         if end_of_stream && self.ttft_ms.is_none() {
             self.ttft_ms = Some(host.now_ms().saturating_sub(self.started_ms));
         }
-        let bcfg = worker.router().config().breaker;
+        let bcfg = &worker.router().config().breaker;
         let probe = self.steered.as_ref().is_some_and(|s| s.probe);
         if bcfg.truncation.is_some() || (probe && bcfg.well_formed_probes.is_some()) {
             self.answer = Some(Box::new(crate::triggers::AnswerScanner::new(self.status)));
