@@ -17,14 +17,14 @@ use ai_lb_filter_core::config::FilterConfig;
 use ai_lb_filter_core::lifecycle::admission::{
     self, AdmissionGate, AdmissionParts, AdmissionRt, AdmissionStats, AdmissionWorker, Woken,
 };
-use ai_lb_filter_core::lifecycle::{BreakerStore, Exchange, Next, Parts, Stats, Steered, Worker};
+use ai_lb_filter_core::lifecycle::{BreakerStore, Exchange, Next, Parts, Steered, Worker};
 use ai_lb_filter_core::picker::Router;
 use ai_lb_proto::{
     GpuStats, InferenceStats, PeerState, PeerStatus, PodIdentity, PodSnapshot, PoolEvent,
 };
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
-use support::MockHost;
+use support::{MockHost, NoStats};
 
 const PODS: [&str; 2] = ["10.0.0.1:8000", "10.0.0.2:8000"];
 
@@ -81,14 +81,6 @@ impl Recorded {
     fn get(&self, name: &str) -> u64 {
         self.0.get(name).copied().unwrap_or(0)
     }
-}
-
-struct NoStats;
-
-impl Stats for NoStats {
-    fn picked(&mut self, _pod: &str) {}
-    fn failed(&mut self, _pod: &str) {}
-    fn transitions(&mut self, _pod: &str, _ts: &[Transition]) {}
 }
 
 struct MockWorker {

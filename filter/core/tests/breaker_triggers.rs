@@ -11,9 +11,9 @@ mod support;
 
 use std::collections::HashMap;
 
-use ai_lb_filter_core::breaker::{Breaker, BreakerState, Outcome, Transition, TripReason};
+use ai_lb_filter_core::breaker::{Breaker, BreakerState, Outcome, TripReason};
 use ai_lb_filter_core::config::{BreakerConfig, FilterConfig};
-use ai_lb_filter_core::lifecycle::{BreakerStore, Exchange, NoGate, Parts, Stats, Worker};
+use ai_lb_filter_core::lifecycle::{BreakerStore, Exchange, NoGate, Parts, Worker};
 use ai_lb_filter_core::picker::Router;
 use ai_lb_filter_core::triggers::{Answer, AnswerScanner, Truncation, TruncationTracker};
 use ai_lb_proto::{
@@ -21,7 +21,7 @@ use ai_lb_proto::{
 };
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
-use support::MockHost;
+use support::{MapStore, MockHost, NoStats};
 
 // ---- classification ------------------------------------------------------------------
 
@@ -485,44 +485,6 @@ fn a_malformed_probe_answer_is_a_failure_that_reopens() {
 // ---- through the lifecycle -----------------------------------------------------------
 
 const PODS: [&str; 3] = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"];
-
-#[derive(Default)]
-struct MapStore {
-    by_pod: HashMap<String, Breaker>,
-}
-
-impl BreakerStore for MapStore {
-    fn sync(&mut self, router: &mut Router, pool: usize, _now: u64) {
-        for (pod, b) in &self.by_pod {
-            router.set_breaker(pool, pod, None, *b);
-        }
-    }
-    fn update(
-        &mut self,
-        router: &mut Router,
-        pool: usize,
-        pod: &str,
-        now: u64,
-        update: &mut dyn FnMut(&mut Breaker) -> Option<Transition>,
-    ) -> Option<Vec<Transition>> {
-        let cfg = router.config().breaker;
-        let mut b = self.by_pod.get(pod).copied().unwrap_or_default();
-        let mut ts: Vec<Transition> = b.poll(now, &cfg).into_iter().collect();
-        ts.extend(update(&mut b));
-        self.by_pod.insert(pod.into(), b);
-        router.set_breaker(pool, pod, None, b);
-        Some(ts)
-    }
-}
-
-#[derive(Default)]
-struct NoStats;
-
-impl Stats for NoStats {
-    fn picked(&mut self, _: &str) {}
-    fn failed(&mut self, _: &str) {}
-    fn transitions(&mut self, _: &str, _: &[Transition]) {}
-}
 
 struct MockWorker {
     router: Router,

@@ -9,8 +9,6 @@
 
 mod support;
 
-use std::collections::HashMap;
-
 use ai_lb_filter_core::breaker::{Breaker, BreakerState, Transition};
 use ai_lb_filter_core::config::FilterConfig;
 use ai_lb_filter_core::lifecycle::{
@@ -23,44 +21,9 @@ use ai_lb_proto::{
 };
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
-use support::MockHost;
+use support::{MapStore, MockHost};
 
 const PODS: [&str; 3] = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"];
-
-/// Shared breakers in a map (as the native module keeps them), no epoch.
-#[derive(Default)]
-struct MapStore {
-    by_pod: HashMap<String, Breaker>,
-    writes: usize,
-}
-
-impl BreakerStore for MapStore {
-    fn sync(&mut self, router: &mut Router, pool: usize, _now: u64) {
-        for (pod, b) in &self.by_pod {
-            router.set_breaker(pool, pod, None, *b);
-        }
-    }
-    fn update(
-        &mut self,
-        router: &mut Router,
-        pool: usize,
-        pod: &str,
-        now: u64,
-        update: &mut dyn FnMut(&mut Breaker) -> Option<Transition>,
-    ) -> Option<Vec<Transition>> {
-        let cfg = router.config().breaker;
-        let before = self.by_pod.get(pod).copied().unwrap_or_default();
-        let mut b = before;
-        let mut ts: Vec<Transition> = b.poll(now, &cfg).into_iter().collect();
-        ts.extend(update(&mut b));
-        if b != before {
-            self.by_pod.insert(pod.into(), b);
-            self.writes += 1;
-        }
-        router.set_breaker(pool, pod, None, b);
-        Some(ts)
-    }
-}
 
 #[derive(Default)]
 struct Counted {

@@ -1,13 +1,16 @@
 //! A proxy for one request as the core's lifecycle tests see it ([`MockHost`]): headers in
 //! maps, what the core did recorded. Shared by the tests that drive `lifecycle::Exchange` with
-//! no Envoy (`lifecycle.rs`, `admission_gate.rs`).
+//! no Envoy (`lifecycle.rs`, `admission_gate.rs`, `breaker_triggers.rs`), with the shared
+//! breakers in a map ([`MapStore`]) and stats that record nothing ([`NoStats`]).
 #![allow(dead_code)]
 
 use std::borrow::Cow;
 use std::cell::Cell;
 use std::collections::HashMap;
 
-use ai_lb_filter_core::lifecycle::Host;
+use ai_lb_filter_core::breaker::{Breaker, Transition};
+use ai_lb_filter_core::lifecycle::{BreakerStore, Host, Stats};
+use ai_lb_filter_core::picker::Router;
 
 /// A local reply: status, headers, body.
 pub type Reply = (u16, Vec<(String, String)>, String);
@@ -133,4 +136,50 @@ impl Host for MockHost {
     fn response_chunk(&self, _size: usize) -> Option<Vec<u8>> {
         self.chunk.clone()
     }
+}
+
+/// Shared breakers in a map (as the native module keeps them), no epoch; `writes` counts the
+/// updates that changed one.
+#[derive(Default)]
+pub struct MapStore {
+    pub by_pod: HashMap<String, Breaker>,
+    pub writes: usize,
+}
+
+impl BreakerStore for MapStore {
+    fn sync(&mut self, router: &mut Router, pool: usize, _now: u64) {
+        for (pod, b) in &self.by_pod {
+            router.set_breaker(pool, pod, None, *b);
+        }
+    }
+    fn update(
+        &mut self,
+        router: &mut Router,
+        pool: usize,
+        pod: &str,
+        now: u64,
+        update: &mut dyn FnMut(&mut Breaker) -> Option<Transition>,
+    ) -> Option<Vec<Transition>> {
+        let cfg = router.config().breaker;
+        let before = self.by_pod.get(pod).copied().unwrap_or_default();
+        let mut b = before;
+        let mut ts: Vec<Transition> = b.poll(now, &cfg).into_iter().collect();
+        ts.extend(update(&mut b));
+        if b != before {
+            self.by_pod.insert(pod.into(), b);
+            self.writes += 1;
+        }
+        router.set_breaker(pool, pod, None, b);
+        Some(ts)
+    }
+}
+
+/// Stats that record nothing.
+#[derive(Default)]
+pub struct NoStats;
+
+impl Stats for NoStats {
+    fn picked(&mut self, _: &str) {}
+    fn failed(&mut self, _: &str) {}
+    fn transitions(&mut self, _: &str, _: &[Transition]) {}
 }
