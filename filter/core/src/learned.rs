@@ -1,31 +1,42 @@
-//! Learned weights (`learnedWeights`): a linear model per pool, trained online by stochastic
-//! gradient descent on the outcomes of the pool's requests, whose output replaces the static
-//! formula's raw score for pods it has seen enough of.
+//! Learned weights (`learnedWeights`): a linear correction of the static formula per pool,
+//! trained online by stochastic gradient descent on the outcomes of the pool's requests.
 //!
-//! Features (each in [0, 1], 1 the best, centred to `x − 0.5` so a feature a pod does not
-//! report weighs nothing): the static formula's four terms ([`crate::score::terms`]: GPU,
-//! queue, p99, memory), `1 − error rate` (the agent's window), and the decode speed relative
-//! to the pool (`min(1, pool median ITL / own ITL)`), plus a bias. The model predicts
-//! `health = sigmoid(b + Σ wᵢ·xᵢ)`, floored at `floor` so no healthy pod starves.
+//! The model is logistic regression with the static score as its offset:
+//! `health = sigmoid(logit(static) + Σ wᵢ·xᵢ + b)`. Its weights start at 0 (a seeded jitter of
+//! at most ±0.01), so an untrained model is the static formula, and training can only move a pod
+//! away from its static score where the outcomes say the formula is wrong. What scores a pod is
+//! `sigmoid(logit(static) + Σ wᵢ·xᵢ)`, floored at `floor` so no healthy pod starves: the bias
+//! is trained (it absorbs how far the static scale sits from the outcomes' scale) but does not
+//! score, because the picker shares traffic in proportion to the scores and a shift common to
+//! every pod would only squeeze or stretch the static ratios (the first design, which replaced
+//! the static score with a model from even weights, flattened them: p99 TTFT 1.83x static's
+//! with no fault, bench-results/misleading-slow/README.md).
 //!
-//! The target of one request (a sample pairs it with the chosen pod's features as its pick saw
-//! them, carried with the request, so a long request teaches the state it was sent into): 0 for
-//! a failure (as the breaker judges it), else `0.5·clamp(1 − TTFT/ttftSloMs, 0, 1) +
-//! 0.5·clamp(1 − e2e/e2eSloMs, 0, 1)`, the e2e term alone when no TTFT was seen.
+//! Features (0 for a reading a pod does not have): the static formula's four terms
+//! ([`crate::score::terms`]: GPU, queue, p99, memory) and `1 − error rate` (the agent's window),
+//! each centred to `x − 0.5`; the decode speed relative to the pool (`min(1, pool median ITL /
+//! own ITL)`, centred); and `ttft`, what this sidecar saw and no metric shows: the log of the
+//! pool median over the pod's own smoothed TTFT of its recent requests as this worker saw them
+//! (`min(0, ln(median / own))`, down to −3, 0 for a pod at or under the median or without recent
+//! outcomes). A pod whose answers come late for a reason its metrics do not show (a CPU-starved
+//! API server, a slow network path) is told apart by that feature alone.
+//!
+//! The target of one request (a sample pairs it with the chosen pod's features and static score
+//! as its pick saw them, carried with the request, so a long request teaches the state it was
+//! sent into): 0 for a failure (as the breaker judges it), else `0.5·clamp(1 − TTFT/ttftSloMs,
+//! 0, 1) + 0.5·clamp(1 − e2e/e2eSloMs, 0, 1)`, the e2e term alone when no TTFT was seen.
 //!
 //! Safeguards: samples wait in a bounded ring per pool (the oldest dropped, counted) and are
 //! trained on every `updateIntervalMs`, one SGD step each on the log loss
 //! (`w ← w − lr·((p − y)·x + l2·w)`), each weight clipped to `±clip`. The weights that score
-//! are an EMA (`emaAlpha`) of the trained ones, taken at each update. Initial weights are even
-//! (1 per feature, 0 bias) with a seeded jitter of at most ±0.01, so runs reproduce. A pod
-//! with fewer than `coldStartSamples` samples keeps the static score. The model falls back to
-//! the static score for the whole pool (counted by reason) when an update leaves a weight or
-//! the loss not finite (the weights restart from their initial values), when it predicts under
-//! 0.001 for every pod of the pool (all-zero output), or when the batch's mean squared error
-//! stays above 0.25 (worse than any constant guess of 0.5 could be) for 3 updates in a row
-//! (diverging); the next sound update lifts the fallback. Cut-offs and breakers are applied
-//! outside the model, as before: a pod cut or refused by its breaker gets nothing whatever the
-//! model says.
+//! are an EMA (`emaAlpha`) of the trained ones, taken at each update. A pod with fewer than
+//! `coldStartSamples` samples keeps the static score. The model falls back to the static score
+//! for the whole pool (counted by reason) when an update leaves a weight or the loss not finite
+//! (the weights restart from their initial values), when it scores under 0.001 every pod of
+//! the pool (all-zero output), or when the batch's mean squared error stays above 0.25 (worse
+//! than any constant guess of 0.5 could be) for 3 updates in a row (diverging); the next sound
+//! update lifts the fallback. Cut-offs and breakers are applied outside the model, as before: a
+//! pod cut or refused by its breaker gets nothing whatever the model says.
 
 use std::collections::VecDeque;
 
@@ -35,12 +46,18 @@ use crate::error::ConfigError;
 use crate::score::Terms;
 
 /// The features, in weight order (the bias last).
-pub const FEATURES: [&str; 6] = ["gpu", "queue", "p99", "memory", "errors", "speed"];
+pub const FEATURES: [&str; 7] = ["gpu", "queue", "p99", "memory", "errors", "speed", "ttft"];
 /// Weights: one per feature and the bias.
 pub const DIM: usize = FEATURES.len() + 1;
 /// The weights' names, for stats and the status page.
-pub const WEIGHT_NAMES: [&str; DIM] = ["gpu", "queue", "p99", "memory", "errors", "speed", "bias"];
+pub const WEIGHT_NAMES: [&str; DIM] = [
+    "gpu", "queue", "p99", "memory", "errors", "speed", "ttft", "bias",
+];
 
+/// The static score is clamped to `[STATIC_EPS, 1 − STATIC_EPS]` before its logit.
+pub const STATIC_EPS: f64 = 1e-3;
+/// The `ttft` feature's lowest value (a pod e^3 ≈ 20 times slower than the median).
+pub const TTFT_FEATURE_MIN: f64 = -3.0;
 /// A prediction under this for every pod is an all-zero output.
 pub const ALL_ZERO: f64 = 1e-3;
 /// A batch's mean squared error over this is a diverging update.
@@ -105,24 +122,54 @@ impl Fallback {
     }
 }
 
-/// One pod's centred features (a feature it does not report is 0).
-pub type Features = [f64; FEATURES.len()];
+/// One pod's model input at one moment: its features (a reading it does not have is 0) and
+/// the logit of its static score, the model's offset.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Features {
+    pub x: [f64; FEATURES.len()],
+    pub offset: f64,
+}
 
-/// A pod's features from its static terms, its agent's error rate and its decode speed
-/// relative to the pool (its ITL over the pool median; None: unknown).
-pub fn features(terms: &Terms, error_rate: Option<f64>, rel_speed: Option<f64>) -> Features {
+/// The offset of a static score: its logit, the score clamped to `[STATIC_EPS, 1 −
+/// STATIC_EPS]` (a score that is not finite counts as 0.5, an offset of 0).
+pub fn offset_of(static_raw: f64) -> f64 {
+    let s = if static_raw.is_finite() {
+        static_raw.clamp(STATIC_EPS, 1.0 - STATIC_EPS)
+    } else {
+        0.5
+    };
+    (s / (1.0 - s)).ln()
+}
+
+/// A pod's features from its static terms, its agent's error rate, its decode speed relative
+/// to the pool (its ITL over the pool median; None: unknown), its observed TTFT relative to the
+/// pool (its smoothed TTFT over the pool median; None: unknown) and its static raw score.
+pub fn features(
+    terms: &Terms,
+    error_rate: Option<f64>,
+    rel_speed: Option<f64>,
+    rel_ttft: Option<f64>,
+    static_raw: f64,
+) -> Features {
     let c = |v: Option<f64>| {
         v.filter(|x| x.is_finite())
             .map_or(0.0, |x| x.clamp(0.0, 1.0) - 0.5)
     };
-    [
-        c(terms.gpu),
-        c(terms.queue),
-        c(terms.p99),
-        c(terms.memory),
-        c(error_rate.map(|e| 1.0 - e)),
-        c(rel_speed.filter(|r| *r > 0.0).map(|r| (1.0 / r).min(1.0))),
-    ]
+    let ttft = rel_ttft
+        .filter(|r| r.is_finite() && *r > 0.0)
+        .map_or(0.0, |r| (-r.ln()).clamp(TTFT_FEATURE_MIN, 0.0));
+    Features {
+        x: [
+            c(terms.gpu),
+            c(terms.queue),
+            c(terms.p99),
+            c(terms.memory),
+            c(error_rate.map(|e| 1.0 - e)),
+            c(rel_speed.filter(|r| *r > 0.0).map(|r| (1.0 / r).min(1.0))),
+            ttft,
+        ],
+        offset: offset_of(static_raw),
+    }
 }
 
 /// What an update did.
@@ -138,7 +185,7 @@ pub struct UpdateReport {
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Sample {
-    x: Features,
+    f: Features,
     y: f64,
 }
 
@@ -170,21 +217,26 @@ fn sigmoid(z: f64) -> f64 {
     1.0 / (1.0 + (-z).exp())
 }
 
-fn logit(w: &[f64; DIM], x: &Features) -> f64 {
+/// The correction `Σ wᵢ·xᵢ` (no bias).
+fn correction(w: &[f64; DIM], f: &Features) -> f64 {
+    w.iter().zip(f.x.iter()).map(|(w, x)| w * x).sum::<f64>()
+}
+
+/// The model's logit for `f`: offset, correction and bias.
+fn logit(w: &[f64; DIM], f: &Features) -> f64 {
     let bias = w.last().copied().unwrap_or(0.0);
-    w.iter().zip(x.iter()).map(|(w, x)| w * x).sum::<f64>() + bias
+    f.offset + correction(w, f) + bias
 }
 
 impl LearnedModel {
-    /// A model with even initial weights (1 per feature, 0 bias) jittered by at most ±0.01
+    /// A model whose initial weights are 0 (the static formula) jittered by at most ±0.01
     /// from `cfg.seed` (`salt` separates pools).
     pub fn new(cfg: LearnedWeights, salt: u64) -> Self {
         let mut state = cfg.seed ^ salt.wrapping_mul(0xd6e8_feb8_6659_fd93);
-        let mut init = [1.0; DIM];
-        for (i, w) in init.iter_mut().enumerate() {
+        let mut init = [0.0; DIM];
+        for w in init.iter_mut() {
             let u = (splitmix(&mut state) >> 11) as f64 / (1u64 << 53) as f64;
-            let base = if i + 1 == DIM { 0.0 } else { 1.0 };
-            *w = base + (u - 0.5) * 0.02;
+            *w = (u - 0.5) * 0.02;
         }
         Self {
             cfg,
@@ -248,14 +300,14 @@ impl LearnedModel {
 
     /// Queues a sample for the next update. False when the ring was full and its oldest
     /// sample was dropped.
-    pub fn push(&mut self, x: Features, y: f64) -> bool {
+    pub fn push(&mut self, f: Features, y: f64) -> bool {
         let mut kept = true;
         while self.pending.len() >= self.cfg.max_pending.max(1) {
             self.pending.pop_front();
             kept = false;
         }
         self.pending.push_back(Sample {
-            x,
+            f,
             y: if y.is_finite() {
                 y.clamp(0.0, 1.0)
             } else {
@@ -276,13 +328,20 @@ impl LearnedModel {
         self.next_update_ms.is_none_or(|n| now_ms >= n)
     }
 
-    /// The model's health score for `x`, floored at `floor`; None while it falls back.
-    pub fn predict(&self, x: &Features) -> Option<f64> {
+    /// The score of a pod with features `f`: its static score corrected by the weights that
+    /// score, `sigmoid(offset + Σ wᵢ·xᵢ)` (no bias: [module docs](self)), floored at `floor`;
+    /// None while the model falls back.
+    pub fn predict(&self, f: &Features) -> Option<f64> {
         if self.fallback.is_some() {
             return None;
         }
-        let p = sigmoid(logit(&self.smoothed, x));
+        let p = sigmoid(f.offset + correction(&self.smoothed, f));
         p.is_finite().then(|| p.max(self.cfg.floor).min(1.0))
+    }
+
+    /// The health the model predicts for `f`, bias included (what it is trained to match).
+    pub fn health(&self, f: &Features) -> f64 {
+        sigmoid(logit(&self.smoothed, f))
     }
 
     /// Trains on the pending samples when due (one SGD step each), takes the EMA, and judges
@@ -302,11 +361,11 @@ impl LearnedModel {
         let (lr, l2, clip) = (self.cfg.learning_rate, self.cfg.l2, self.cfg.clip);
         let mut sq = 0.0;
         for s in self.pending.drain(..) {
-            let p = sigmoid(logit(&self.trained, &s.x));
+            let p = sigmoid(logit(&self.trained, &s.f));
             let err = p - s.y;
             sq += err * err;
             for (i, w) in self.trained.iter_mut().enumerate() {
-                let x = s.x.get(i).copied().unwrap_or(1.0);
+                let x = s.f.x.get(i).copied().unwrap_or(1.0);
                 let g = err * x + l2 * *w;
                 // `clamp` keeps a NaN: the check below catches it.
                 *w = (*w - lr * g).clamp(-clip, clip);
@@ -336,7 +395,7 @@ impl LearnedModel {
             let all_zero = !pool.is_empty()
                 && pool
                     .iter()
-                    .all(|x| sigmoid(logit(&self.smoothed, x)) < ALL_ZERO);
+                    .all(|f| sigmoid(f.offset + correction(&self.smoothed, f)) < ALL_ZERO);
             if all_zero {
                 Some(Fallback::AllZero)
             } else if self.diverging >= DIVERGE_UPDATES {

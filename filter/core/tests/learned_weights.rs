@@ -31,8 +31,22 @@ fn sigmoid(z: f64) -> f64 {
     1.0 / (1.0 + (-z).exp())
 }
 
-const GOOD: Features = [0.5; 6];
-const BAD: Features = [-0.5; 6];
+/// Features `x` (7 of them) on a pod whose static score is `static_raw`.
+fn feat(x: [f64; 7], static_raw: f64) -> Features {
+    Features {
+        x,
+        offset: learned::offset_of(static_raw),
+    }
+}
+
+const GOOD: Features = Features {
+    x: [0.5; 7],
+    offset: 0.0,
+};
+const BAD: Features = Features {
+    x: [-0.5; 7],
+    offset: 0.0,
+};
 
 #[test]
 fn the_defaults_are_the_documents_figures() {
@@ -48,31 +62,45 @@ fn the_defaults_are_the_documents_figures() {
 }
 
 #[test]
+fn an_untrained_model_is_the_static_formula() {
+    let m = LearnedModel::new(cfg("{}"), 0);
+    // Initial weights are 0 within a seeded ±0.01.
+    assert!(
+        m.weights().iter().all(|w| w.abs() <= 0.01),
+        "{:?}",
+        m.weights()
+    );
+    for s in [0.05, 0.3, 0.5, 0.9] {
+        let f = feat([0.5, -0.5, 0.2, 0.0, 0.5, 0.1, -1.0], s);
+        let p = m.predict(&f).unwrap();
+        // At most 0.01 · Σ|x| (2.8) off in logit: within 0.007 of the static score.
+        assert!((p - s).abs() < 0.007, "static {s}, untrained {p}");
+    }
+}
+
+#[test]
 fn one_sgd_step_is_the_log_loss_gradient_with_l2_then_the_ema() {
     let c = cfg(r#"{"updateIntervalMs":1000}"#);
     let mut m = LearnedModel::new(c, 0);
     let w0 = m.weights();
-    // Initial weights are even: 1 per feature, 0 bias, within a seeded ±0.01.
-    for (i, w) in w0.iter().enumerate() {
-        let base = if i + 1 == DIM { 0.0 } else { 1.0 };
-        assert!((w - base).abs() <= 0.01, "{w0:?}");
-    }
-    let x: Features = [0.5, -0.25, 0.1, 0.0, 0.5, 0.3];
+    let f = feat([0.5, -0.25, 0.1, 0.0, 0.5, 0.3, -0.7], 0.6);
     // The first update, with nothing pending, starts the clock.
     assert!(m.due(0));
     assert_eq!(m.update(0, &[]).trained, 0);
     assert_eq!(m.next_update_ms(), Some(1_000));
-    m.push(x, 0.2);
+    m.push(f, 0.2);
     assert!(!m.due(500));
     assert_eq!(m.update(999, &[]).trained, 0, "not due before the interval");
     assert_eq!(m.weights(), w0);
-    let r = m.update(1_000, &[x]);
+    let r = m.update(1_000, &[f]);
     assert_eq!(r.trained, 1);
-    let z: f64 = w0.iter().zip(x.iter()).map(|(w, x)| w * x).sum::<f64>() + w0[DIM - 1];
+    // The static score is the offset; the bias is trained with the weights.
+    let z: f64 =
+        f.offset + w0.iter().zip(f.x.iter()).map(|(w, x)| w * x).sum::<f64>() + w0[DIM - 1];
     let err = sigmoid(z) - 0.2;
     assert!(near(r.mse.unwrap(), err * err));
     for (i, w) in w0.iter().enumerate() {
-        let xi = x.get(i).copied().unwrap_or(1.0);
+        let xi = f.x.get(i).copied().unwrap_or(1.0);
         let t = w - 0.01 * (err * xi + 0.001 * w);
         assert!(near(m.trained()[i], t), "weight {i}");
         // The weights that score: EMA 0.3 of the trained ones over the previous.
@@ -80,6 +108,28 @@ fn one_sgd_step_is_the_log_loss_gradient_with_l2_then_the_ema() {
     }
     assert_eq!(m.updates(), 1);
     assert_eq!(m.fallback(), None);
+}
+
+/// The bias learns how far the static scale sits from the outcomes' but does not score: a
+/// shift common to every pod would only squeeze the static ratios the picker shares by.
+#[test]
+fn the_bias_is_trained_but_does_not_score() {
+    let mut m = LearnedModel::new(
+        cfg(r#"{"updateIntervalMs":1000,"learningRate":0.5,"emaAlpha":1}"#),
+        0,
+    );
+    let (lo, hi) = (feat([0.0; 7], 0.2), feat([0.0; 7], 0.4));
+    // Outcomes far better than the static scale says, for every pod alike.
+    for _ in 0..2_000 {
+        m.push(lo, 0.95);
+        m.push(hi, 0.95);
+    }
+    m.update(1_000, &[lo, hi]);
+    let bias = m.weights()[DIM - 1];
+    assert!(bias > 1.0, "the bias moved: {:?}", m.weights());
+    assert!(m.health(&lo) > 0.7, "health includes it");
+    let (a, b) = (m.predict(&lo).unwrap(), m.predict(&hi).unwrap());
+    assert!((a - 0.2).abs() < 0.01 && (b - 0.4).abs() < 0.01, "{a} {b}");
 }
 
 #[test]
@@ -104,7 +154,7 @@ fn l2_decays_the_weights_of_features_a_sample_does_not_have() {
     let mut m = LearnedModel::new(cfg(r#"{"updateIntervalMs":1000}"#), 3);
     let w0 = m.trained();
     for _ in 0..100 {
-        m.push([0.0; 6], 0.5);
+        m.push(feat([0.0; 7], 0.5), 0.5);
     }
     m.update(1_000, &[]);
     for (i, w) in w0.iter().enumerate().take(DIM - 1) {
@@ -150,7 +200,10 @@ fn the_same_seed_and_inputs_give_the_same_weights() {
         for k in 0..5u64 {
             for i in 0..50u32 {
                 let v = f64::from(i % 7) / 7.0 - 0.5;
-                m.push([v, -v, 0.1, 0.2, v / 2.0, 0.0], f64::from(i % 3) / 2.0);
+                m.push(
+                    feat([v, -v, 0.1, 0.2, v / 2.0, 0.0, -v.abs()], 0.5 + v / 2.0),
+                    f64::from(i % 3) / 2.0,
+                );
             }
             m.update(1_000 * (k + 1), &[GOOD]);
         }
@@ -186,7 +239,7 @@ fn the_floor_keeps_a_bad_pod_above_zero() {
 fn a_weight_that_is_not_finite_falls_back_and_restarts_from_the_initial_weights() {
     let mut m = LearnedModel::new(cfg(r#"{"updateIntervalMs":1000}"#), 0);
     let w0 = m.weights();
-    m.push([f64::NAN, 0.0, 0.0, 0.0, 0.0, 0.0], 1.0);
+    m.push(feat([f64::NAN, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], 0.5), 1.0);
     let r = m.update(1_000, &[GOOD]);
     assert_eq!(r.fallback, Some(Fallback::NotFinite));
     assert_eq!(m.predict(&GOOD), None, "the static score applies");
@@ -205,12 +258,12 @@ fn an_all_zero_output_falls_back() {
         ),
         0,
     );
-    // Every request of every pod fails: the bias sinks until no pod scores.
+    // Every request of every pod fails, and every pod reads the same: the corrections sink
+    // until no pod scores.
     for _ in 0..20_000 {
         m.push(GOOD, 0.0);
-        m.push(BAD, 0.0);
     }
-    let r = m.update(1_000, &[GOOD, BAD]);
+    let r = m.update(1_000, &[GOOD]);
     assert_eq!(r.fallback, Some(Fallback::AllZero));
     assert_eq!(m.predict(&GOOD), None);
 }
@@ -218,22 +271,23 @@ fn an_all_zero_output_falls_back() {
 #[test]
 fn a_loss_diverging_three_updates_in_a_row_falls_back() {
     let mut m = LearnedModel::new(cfg(r#"{"updateIntervalMs":1000}"#), 0);
-    // The model starts at ~0.95 for a good pod; every request of it fails.
+    // The static formula scores the pod 0.95; every request of it fails.
+    let good = feat([0.5; 7], 0.95);
     for k in 1..=3u64 {
         for _ in 0..10 {
-            m.push(GOOD, 0.0);
+            m.push(good, 0.0);
         }
-        let r = m.update(1_000 * k, &[GOOD]);
+        let r = m.update(1_000 * k, &[good]);
         assert!(r.mse.unwrap() > learned::DIVERGE_MSE);
         let want = (k == 3).then_some(Fallback::Diverging);
         assert_eq!(r.fallback, want, "update {k}");
     }
-    assert_eq!(m.predict(&GOOD), None);
+    assert_eq!(m.predict(&good), None);
     // One update no worse than a constant guess lifts it.
     for _ in 0..10 {
-        m.push(GOOD, 0.9);
+        m.push(good, 0.9);
     }
-    assert_eq!(m.update(4_000, &[GOOD]).fallback, None);
+    assert_eq!(m.update(4_000, &[good]).fallback, None);
 }
 
 #[test]
@@ -255,22 +309,30 @@ fn the_pending_ring_is_bounded() {
 }
 
 #[test]
-fn features_are_the_static_terms_error_rate_and_relative_speed_centred() {
+fn features_are_the_static_terms_error_rate_speed_and_observed_ttft() {
     let t = ai_lb_filter_core::score::Terms {
         gpu: Some(0.8),
         queue: Some(1.0),
         p99: None,
         memory: Some(0.25),
     };
-    let x = learned::features(&t, Some(0.1), Some(2.0));
-    let want = [0.3, 0.5, 0.0, -0.25, 0.4, 0.0];
-    for (a, b) in x.iter().zip(want) {
-        assert!((a - b).abs() < 1e-12, "{x:?}");
+    let f = learned::features(&t, Some(0.1), Some(2.0), Some(4.0), 0.75);
+    let want = [0.3, 0.5, 0.0, -0.25, 0.4, 0.0, -(4.0_f64.ln())];
+    for (a, b) in f.x.iter().zip(want) {
+        assert!((a - b).abs() < 1e-12, "{f:?}");
     }
-    // Faster than the median counts as the median; NaN counts as missing.
-    let x = learned::features(&t, Some(f64::NAN), Some(0.5));
-    assert_eq!(x[4], 0.0);
-    assert_eq!(x[5], 0.5);
+    assert!((f.offset - 3.0_f64.ln()).abs() < 1e-12, "logit of 0.75");
+    // Faster than the median counts as the median; NaN counts as missing; an observed TTFT
+    // at or under the median is 0, and one 100 times it is held at -3.
+    let f = learned::features(&t, Some(f64::NAN), Some(0.5), Some(0.5), 0.5);
+    assert_eq!(f.x[4], 0.0);
+    assert_eq!(f.x[5], 0.5);
+    assert_eq!(f.x[6], 0.0);
+    assert_eq!(f.offset, 0.0);
+    let f = learned::features(&t, None, None, Some(100.0), f64::NAN);
+    assert_eq!(f.x[6], learned::TTFT_FEATURE_MIN);
+    assert_eq!(f.offset, 0.0, "a score that is not finite is no offset");
+    assert!(learned::features(&t, None, None, None, 0.0).offset < -6.0);
 }
 
 #[test]
@@ -435,27 +497,38 @@ const SAME: Pod = Pod {
 
 #[test]
 fn a_pod_keeps_its_static_score_until_30_samples() {
-    let mut r = router(Some(r#"{"updateIntervalMs":1000}"#), &[SAME, SAME]);
-    let (static_raw, learned, n) = row(&r, 0, 1_000);
+    let mut r = router(
+        Some(r#"{"updateIntervalMs":1000,"learningRate":0.5}"#),
+        &[SAME, SAME],
+    );
+    let (static_raw, _, _) = row(&r, 0, 1_000);
+    // Pod 1's slow outcomes train the model, so its score for pod 0 moves off the static one.
+    for _ in 0..200 {
+        r.on_outcome(0, &addr(1), None, &ok(1_900, 29_000), 1_000);
+    }
+    r.apply_pool_event(0, &event(2, &[SAME, SAME]), 2_000);
+    r.tick(2_000);
+    let (_, learned, n) = row(&r, 0, 2_000);
     assert_eq!(n, 0);
-    let learned = learned.unwrap();
-    assert!((learned - static_raw).abs() > 1e-3, "distinguishable");
+    assert!(
+        (learned.unwrap() - static_raw).abs() > 1e-3,
+        "distinguishable: {learned:?} against {static_raw}"
+    );
     for k in 0..30u64 {
-        r.on_outcome(0, &addr(0), None, &ok(100, 1_000), 1_000);
-        // A new snapshot re-scores the pool.
-        r.apply_pool_event(0, &event(2 + k, &[SAME, SAME]), 1_001 + k);
-        r.tick(1_001 + k);
-        let (raw, l, n) = row(&r, 0, 1_001 + k);
+        r.on_outcome(0, &addr(0), None, &ok(100, 1_000), 2_000);
+        // A new snapshot re-scores the pool (the model's next update is not due yet).
+        r.apply_pool_event(0, &event(3 + k, &[SAME, SAME]), 2_001 + k);
+        r.tick(2_001 + k);
+        let (raw, l, n) = row(&r, 0, 2_001 + k);
         assert_eq!(n as u64, k + 1);
         if k + 1 < 30 {
             assert_eq!(raw, static_raw, "cold at {n} samples");
         } else {
             assert_eq!(Some(raw), l, "learned at {n} samples");
+            assert_ne!(raw, static_raw);
         }
     }
-    // The other pod, with no samples, keeps its static score.
-    assert_eq!(row(&r, 1, 1_100).0, static_raw);
-    assert_eq!(r.counters().learned_samples, 30);
+    assert_eq!(r.counters().learned_samples, 230);
 }
 
 #[test]
@@ -546,32 +619,32 @@ fn cut_offs_and_breakers_stay_outside_the_model() {
 #[test]
 fn a_degenerate_model_falls_back_to_the_static_score_and_is_counted() {
     let mut r = router(
-        Some(
-            r#"{"updateIntervalMs":1000,"coldStartSamples":0,"learningRate":1,"l2":0,"clip":20,"emaAlpha":1,"maxPendingSamples":65536}"#,
-        ),
+        Some(r#"{"updateIntervalMs":1000,"coldStartSamples":0}"#),
         &[SAME, SAME],
     );
     let static_raw = router(None, &[SAME, SAME]).pod_status(0, 1_000)[0].raw;
+    assert!(
+        static_raw > 0.6,
+        "the static formula rates both pods well: {static_raw}"
+    );
     let mut now = 1_000;
-    // Every request fails: the model's output goes to zero for every pod.
-    for k in 0..30u64 {
+    // Every request takes far past both SLOs (target 0) from pods the static formula rates
+    // well: at the default learning rate the loss stays over 0.25, three updates in a row.
+    for k in 0..3u64 {
         for i in 0..2 {
-            for _ in 0..5_000 {
+            for _ in 0..10 {
                 r.on_outcome(0, &addr(i), None, &ok(100_000, 100_000), now);
             }
         }
         now += 1_000;
         r.apply_pool_event(0, &event(2 + k, &[SAME, SAME]), now);
         r.tick(now);
-        if r.learned_model(0).unwrap().fallback().is_some() {
-            break;
-        }
     }
     assert_eq!(
         r.learned_model(0).unwrap().fallback(),
-        Some(Fallback::AllZero)
+        Some(Fallback::Diverging)
     );
-    assert!(r.counters().learned_fallback_all_zero >= 1);
+    assert_eq!(r.counters().learned_fallback_diverging, 1);
     // The pods are scored by the static formula meanwhile.
     r.apply_pool_event(0, &event(100, &[SAME, SAME]), now + 1);
     r.tick(now + 1);
@@ -579,7 +652,7 @@ fn a_degenerate_model_falls_back_to_the_static_score_and_is_counted() {
     assert_eq!(learned, None);
     assert_eq!(raw, static_raw);
     let j = scoreboard(&r, now + 1);
-    assert_eq!(j["pools"][0]["learned"]["fallback"], "all_zero");
+    assert_eq!(j["pools"][0]["learned"]["fallback"], "diverging");
 }
 
 #[test]
@@ -647,4 +720,54 @@ fn an_outcome_trains_on_the_features_its_pick_saw() {
     let w = |r: &Router| r.learned_model(0).unwrap().weights();
     assert_eq!(w(&moved), w(&stayed), "trained on the pick's features");
     assert_ne!(w(&moved), w(&latest), "not on the features at the outcome");
+}
+
+/// A pod whose answers come late for a reason none of its metrics shows (its API server's CPU
+/// starved, say) reads like the others to the static formula; only this sidecar's observed
+/// TTFT tells it apart, and the model learns to weigh that.
+#[test]
+fn the_model_learns_from_the_observed_ttft_what_no_metric_shows() {
+    let pods = [SAME; 4];
+    let cfg = r#"{"updateIntervalMs":1000,"learningRate":0.05,"ttftSloMs":1000,"e2eSloMs":10000,"seed":3}"#;
+    let mut stat = router(None, &pods);
+    let s = shares(&mut stat, 4, 1_000);
+    assert!(
+        s.iter().all(|n| (2_000..3_000).contains(n)),
+        "static shares evenly: {s:?}"
+    );
+    let mut r = router(Some(cfg), &pods);
+    let mut now = 1_000;
+    for k in 0..30u64 {
+        for _ in 0..20 {
+            r.on_outcome(0, &addr(0), None, &ok(1_500, 4_000), now);
+            for i in 1..4 {
+                r.on_outcome(0, &addr(i), None, &ok(150, 2_500), now);
+            }
+        }
+        now += 1_000;
+        r.apply_pool_event(0, &event(2 + k, &pods), now);
+        r.tick(now);
+    }
+    let m = r.learned_model(0).unwrap();
+    assert_eq!(m.fallback(), None);
+    let w = m.weights();
+    assert!(w[6] > 0.5, "the ttft weight grew: {w:?}");
+    let st = r.pod_status(0, now);
+    assert!(
+        st[0].learned.unwrap() < 0.5 * st[1].learned.unwrap(),
+        "{:?} {:?}",
+        st[0].learned,
+        st[1].learned
+    );
+    let s = shares(&mut r, 4, now);
+    assert!(
+        s[0] * 2 < s[1],
+        "learned moves traffic off the slow pod: {s:?}"
+    );
+    // A pod the pool stopped hearing from is not judged on old outcomes for ever: 30 s on,
+    // its observed TTFT no longer counts.
+    let quiet = now + 31_000;
+    r.apply_pool_event(0, &event(100, &pods), quiet);
+    r.tick(quiet);
+    assert_eq!(r.learned_features(0, &addr(0)).unwrap().x[6], 0.0);
 }

@@ -104,6 +104,12 @@ pub enum Fault {
     /// the 3x of the pool median that `cutoffs.slowItlRatio` penalises: only its latency tells
     /// (`misleading-slow`, issue 30 part 1: `ai_lb_learned` against `ai_lb`).
     SlowMildSilent,
+    /// Pod 0's API server front end turns slow ([`FRONTEND_MS`] a request, one at a time,
+    /// before its engine sees the request: a CPU-starved server process): requests queue where
+    /// no metric of the pod shows them, so its engine looks less busy than it is and the static
+    /// formula sends it more (`misleading-frontend`, issue 30 part 1: `ai_lb_learned` against
+    /// `ai_lb`; least_request sees its own requests pile up there).
+    FrontendSlow,
     /// Pod 0's GPU memory starts growing with its load (the fake pod's `memory_growth`): it
     /// holds steady at 60 % of the sequences pod 0 runs when the fault starts, and each one
     /// over grows it so that that load grows it about [`OOM_GROWTH_BYTES_PER_S`]; at the GPU's
@@ -111,6 +117,10 @@ pub enum Fault {
     /// lost to the crashes: `ai_lb` (`preOom` on by default) against `ai_lb_no_preoom`.
     Oom,
 }
+
+/// [`Fault::FrontendSlow`]'s time per request in pod 0's front end (ms): at most 8.3 requests
+/// a second get through, against the 5–6 a second its share of an 80 % load brings an h100.
+const FRONTEND_MS: u64 = 120;
 
 /// How fast [`Fault::Oom`] grows pod 0's memory at the load it has when the fault starts.
 const OOM_GROWTH_BYTES_PER_S: f64 = 1.5e9;
@@ -228,21 +238,27 @@ pub struct Load {
 
 /// Parses `sharegpt-poisson-80`, `sharegpt-bursty-95`, `hol-poisson-80`, `prefix-poisson-80`,
 /// `prefix-bursty-80`, `multiturn-poisson-80`, `fault-slowdown`, `fault-slowdown-silent`,
-/// `fault-errors`, `fault-sigstop`, `fault-flap`, `fault-noisy`, `misleading-slow`.
+/// `fault-errors`, `fault-sigstop`, `fault-flap`, `fault-noisy`, `misleading-slow`,
+/// `misleading-frontend`.
 pub fn parse_load(name: &str) -> Result<Load, Error> {
     let bad = || {
         format!(
             "unknown scenario {name:?}: expected calibrate, overhead, freshness, \
-             <sharegpt|hol|prefix|multiturn>-<poisson|bursty>-<percent of capacity>, or fault-<slowdown|slowdown-silent|errors|sigstop|flap|noisy|oom>, misleading-slow"
+             <sharegpt|hol|prefix|multiturn>-<poisson|bursty>-<percent of capacity>, or fault-<slowdown|slowdown-silent|errors|sigstop|flap|noisy|oom>, misleading-<slow|frontend>"
         )
     };
-    if name == "misleading-slow" {
+    let misleading = match name {
+        "misleading-slow" => Some(Fault::SlowMildSilent),
+        "misleading-frontend" => Some(Fault::FrontendSlow),
+        _ => None,
+    };
+    if let Some(fault) = misleading {
         return Ok(Load {
             name: name.into(),
             workload: Workload::ShareGpt,
             arrival: Arrival::Poisson,
             load: 0.8,
-            fault: Some(Fault::SlowMildSilent),
+            fault: Some(fault),
         });
     }
     let parts: Vec<&str> = name.split('-').collect();
@@ -945,6 +961,9 @@ pub fn run_policy(
             Fault::Slowdown5xSilent => pool.control(0, r#"{"slowdown":5,"throttle":false}"#)?,
             Fault::Errors50 => pool.control(0, r#"{"error_rate":0.5}"#)?,
             Fault::SlowMildSilent => pool.control(0, r#"{"slowdown":2.5,"throttle":false}"#)?,
+            Fault::FrontendSlow => {
+                pool.control(0, &format!(r#"{{"frontend_ms":{FRONTEND_MS}}}"#))?
+            }
             Fault::Sigstop => pool.pods[0].proc.sigstop()?,
             Fault::Flap => {
                 pool.control(0, r#"{"error_rate":1.0}"#)?;
@@ -1573,6 +1592,10 @@ mod tests {
             Some(Fault::SlowMildSilent)
         );
         assert_eq!(parse_load("fault-oom").unwrap().fault, Some(Fault::Oom));
+        assert_eq!(
+            parse_load("misleading-frontend").unwrap().fault,
+            Some(Fault::FrontendSlow)
+        );
         // The fault grows pod 0 at OOM_GROWTH_BYTES_PER_S at the load it has.
         let f: serde_json::Value = serde_json::from_str(&oom_fault(20.0)).unwrap();
         let g = &f["memory_growth"];

@@ -22,6 +22,12 @@ pub struct Faults {
     /// or server in front of the engine): `text/plain` `upstream engine error`, streamed or
     /// not. Decided by the seeded RNG.
     pub malformed_rate: f64,
+    /// The API server's front end takes this long (ms) per request, one request at a time,
+    /// before the request reaches the engine: a CPU-starved server process (tokenisation and
+    /// request handling on a throttled CPU) or a slow path in front of the engine. Requests
+    /// queue for it, and no engine metric shows the wait (queue, running and the latency
+    /// histograms start at the engine). 0: off.
+    pub frontend_ms: u64,
     /// New requests are accepted but not answered while true.
     pub hang: bool,
     /// The API server stops answering anything, `/metrics` and `/v1/models` included (a wedged
@@ -55,6 +61,7 @@ impl Default for Faults {
             memory_error_rate: 0.0,
             truncate_rate: 0.0,
             malformed_rate: 0.0,
+            frontend_ms: 0,
             hang: false,
             freeze: false,
             gpu_utilization: None,
@@ -74,7 +81,7 @@ impl Default for Faults {
 pub enum ControlError {
     #[error("control body must be a JSON object: {0}")]
     NotAnObject(String),
-    #[error("unknown control field `{field}` (value {value}); known: slowdown, error_rate, memory_error_rate, truncate_rate, malformed_rate, hang, freeze, gpu_utilization, sm_occupancy, throttle, queue, xid, ecc_errors, memory_growth, reset")]
+    #[error("unknown control field `{field}` (value {value}); known: slowdown, error_rate, memory_error_rate, truncate_rate, malformed_rate, frontend_ms, hang, freeze, gpu_utilization, sm_occupancy, throttle, queue, xid, ecc_errors, memory_growth, reset")]
     UnknownField { field: String, value: String },
     #[error("invalid value {value} for control field `{field}`: {reason}")]
     InvalidValue {
@@ -172,6 +179,16 @@ impl Faults {
                 "memory_error_rate" => next.memory_error_rate = unit_interval(field, v)?,
                 "truncate_rate" => next.truncate_rate = unit_interval(field, v)?,
                 "malformed_rate" => next.malformed_rate = unit_interval(field, v)?,
+                "frontend_ms" => match v.as_u64() {
+                    Some(x) if x <= 60_000 => next.frontend_ms = x,
+                    _ => {
+                        return Err(invalid(
+                            field,
+                            v,
+                            "must be an integer within 0..=60000 (ms)",
+                        ))
+                    }
+                },
                 "hang" => {
                     next.hang = v
                         .as_bool()
@@ -353,6 +370,8 @@ mod tests {
             (json!({"slowdown": 0.5}), "slowdown", "0.5"),
             (json!({"error_rate": 1.5}), "error_rate", "1.5"),
             (json!({"hang": "yes"}), "hang", "\"yes\""),
+            (json!({"frontend_ms": -1}), "frontend_ms", "-1"),
+            (json!({"frontend_ms": 60001}), "frontend_ms", "60001"),
             (json!({"freeze": 1}), "freeze", "1"),
             (json!({"gpu_utilization": -0.1}), "gpu_utilization", "-0.1"),
             (json!({"sm_occupancy": 1.5}), "sm_occupancy", "1.5"),

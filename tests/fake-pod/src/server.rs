@@ -39,6 +39,8 @@ pub struct AppState {
     inner: Mutex<Inner>,
     wake: Notify,
     hang: watch::Sender<bool>,
+    /// The `frontend_ms` fault's one-at-a-time front end.
+    frontend: tokio::sync::Mutex<()>,
     /// The `freeze` fault: every route but `/sim/gpu` and `/control` waits while it is set.
     freeze: watch::Sender<bool>,
     /// Requests the `freeze` fault holds now (`GET /control` shows it as `held_by_freeze`).
@@ -108,6 +110,7 @@ impl AppState {
             inner: Mutex::new(inner),
             wake: Notify::new(),
             hang: watch::Sender::new(false),
+            frontend: tokio::sync::Mutex::new(()),
             freeze: watch::Sender::new(false),
             held_by_freeze: AtomicU64::new(0),
             shutdown: watch::Sender::new(false),
@@ -354,6 +357,20 @@ impl Drop for RequestGuard {
     }
 }
 
+/// The `frontend_ms` fault: the request waits its turn at the one-at-a-time front end, then
+/// takes `frontend_ms` there, before the engine sees it (no metric counts it).
+async fn frontend(st: &AppState) {
+    if st.lock().faults.frontend_ms == 0 {
+        return;
+    }
+    let _turn = st.frontend.lock().await;
+    // Read again at its turn: a cleared fault lets the queue through at once.
+    let ms = st.lock().faults.frontend_ms;
+    if ms > 0 {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+}
+
 /// Counts a request held by the `hang` fault in `num_requests_waiting`.
 struct HungGuard(Arc<AppState>);
 
@@ -374,6 +391,7 @@ async fn generate(st: Arc<AppState>, kind: Kind, body: Bytes) -> Response {
             return error_response(&ApiError::not_found_model(m));
         }
     }
+    frontend(&st).await;
     if !st.cfg.engine.fits(req.prompt_tokens, req.max_tokens) {
         return error_response(&ApiError::bad_request(
             format!(

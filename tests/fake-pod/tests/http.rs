@@ -1009,3 +1009,59 @@ async fn truncate_memory_error_and_malformed_faults() {
         .unwrap();
     assert_eq!(v["choices"][0]["finish_reason"], "length");
 }
+
+#[tokio::test]
+async fn frontend_delay_queues_requests_where_no_metric_sees_them() {
+    let pod = Pod::start(&["--pod-name", "pod-fe"]).await;
+    let r = pod.control(json!({"frontend_ms": 300})).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(pod.get_json("/control").await["frontend_ms"], 300);
+    // Three at once: the front end takes them one at a time, 300 ms each.
+    let started = Instant::now();
+    let send = |c: &'static str| {
+        let http = pod.http.clone();
+        let url = pod.url("/v1/chat/completions");
+        tokio::spawn(async move {
+            let r = http.post(url).json(&chat(c, 2)).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            started.elapsed()
+        })
+    };
+    let handles = [send("a"), send("b"), send("c")];
+    // While they wait in the front end the engine counts none of them.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let m = pod.metrics().await;
+    assert_eq!(sample(&m, &series("vllm:num_requests_waiting")), 0.0);
+    assert_eq!(sample(&m, &series("vllm:num_requests_running")), 0.0);
+    let mut took = Vec::new();
+    for h in handles {
+        took.push(h.await.unwrap());
+    }
+    took.sort();
+    for (i, t) in took.iter().enumerate() {
+        let floor = Duration::from_millis(300 * (i as u64 + 1));
+        assert!(
+            *t >= floor,
+            "request {i} answered after {t:?}, before {floor:?}"
+        );
+    }
+    // The engine's TTFT histogram starts at the engine: it holds none of the front end's wait.
+    let m = pod.metrics().await;
+    let ttft_sum = sample(&m, &series("vllm:time_to_first_token_seconds_sum"));
+    assert!(
+        ttft_sum < 0.3,
+        "TTFT sum {ttft_sum} s counts the front end's 1.8 s of waiting"
+    );
+    pod.control(json!({"frontend_ms": 0})).await;
+    assert_eq!(pod.get_json("/control").await["frontend_ms"], 0);
+    // Bad values are refused, naming the field and value.
+    for v in [json!(-1), json!(60_001), json!("x")] {
+        let r = pod.control(json!({ "frontend_ms": v })).await;
+        assert_eq!(r.status(), 400);
+        let v: Value = r.json().await.unwrap();
+        assert!(v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("frontend_ms"));
+    }
+}

@@ -199,16 +199,19 @@ pub(super) struct RawConfig {
         )
     )]
     admission: Option<Value>,
-    /// Learned weights (online SGD): a linear model per pool over each pod's features (the
-    /// static formula's GPU, queue, p99 and memory terms, `1 − error rate`, decode speed
-    /// relative to the pool), trained on the outcomes of the pool's requests (a failure 0,
-    /// else `0.5·clamp(1 − TTFT/ttftSloMs) + 0.5·clamp(1 − e2e/e2eSloMs)`), predicts each pod's
-    /// health through a sigmoid; that replaces the static raw score of a pod with at least
-    /// `coldStartSamples` samples while the model is sound (it falls back to the static score,
-    /// counted, on a weight or loss that is not finite, an output under 0.001 for every pod, or
-    /// a loss that stays diverging). Cut-offs and breakers apply as before. Each Envoy worker
-    /// (wasm VM, native worker thread) learns on its own requests. Absent or null: off; `{}`:
-    /// on with every default.
+    /// Learned weights (online SGD): a linear correction of the static score per pool,
+    /// logistic regression with the static score's logit as its offset, over each pod's
+    /// features (the static formula's GPU, queue, p99 and memory terms, `1 − error rate`,
+    /// decode speed relative to the pool, and the TTFT this sidecar observed from the pod
+    /// relative to the pool, which no metric shows), trained on the outcomes of the pool's
+    /// requests (a failure 0, else `0.5·clamp(1 − TTFT/ttftSloMs) + 0.5·clamp(1 − e2e/e2eSloMs)`).
+    /// Its weights start at 0, so untrained it is the static formula; a pod with at least
+    /// `coldStartSamples` samples is scored `sigmoid(logit(static) + Σ w·x)` (the bias is
+    /// trained, not scored) while the model is sound (it falls back to the static score,
+    /// counted, on a weight or loss that is not finite, an output under 0.001 for every pod,
+    /// or a loss that stays diverging). Cut-offs and breakers apply as before. Each Envoy
+    /// worker (wasm VM, native worker thread) learns on its own requests. Absent or null: off;
+    /// `{}`: on with every default.
     #[serde(default)]
     #[cfg_attr(feature = "schema", schemars(extend("default" = null)))]
     learned_weights: Option<crate::learned::RawLearnedWeights>,

@@ -292,6 +292,7 @@ impl Router {
             outcome.ttft_ms,
             outcome.total_ms,
             &mut self.counters,
+            now_ms,
         );
         let per_model = model.filter(|_| rt.serves_several);
         let t = match per_model {

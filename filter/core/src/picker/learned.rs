@@ -1,6 +1,7 @@
 //! `learnedWeights` in the picker ([`crate::learned`]): the pool's model is updated when due
-//! at a refresh, scores the pods past their cold start in place of the static raw score, and
-//! takes a sample from each outcome of a pod with features.
+//! at a refresh, corrects the static raw score of the pods past their cold start, and takes a
+//! sample from each outcome of a pod with features (which also moves the pod's observed TTFT,
+//! its `ttft` feature).
 
 use crate::counters::Counters;
 use crate::learned;
@@ -10,6 +11,42 @@ use crate::signals::PodSignals;
 use super::pod::PodRt;
 use super::PoolRt;
 use crate::config::FilterConfig;
+
+/// How long a pod's observed TTFT counts after its latest outcome (ms): a pod the pool has
+/// stopped sending to is not judged for ever on what it did then.
+pub(super) const TTFT_HOLD_MS: u64 = 30_000;
+/// The weight of a new outcome in a pod's observed TTFT.
+const TTFT_ALPHA: f64 = 0.2;
+/// Pods with a recent observed TTFT needed for a pool median (fewer: no `ttft` feature).
+const MIN_TTFT_PODS: usize = 3;
+
+/// Each pod's observed TTFT relative to the pool's median of those (pods with an outcome in
+/// the last [`TTFT_HOLD_MS`], at least [`MIN_TTFT_PODS`]), when the model is on.
+pub(super) fn set_rel_ttfts(p: &mut PoolRt, now_ms: u64) {
+    if p.learned.is_none() {
+        return;
+    }
+    let recent = |r: &PodRt| {
+        r.seen_ttft_ms
+            .filter(|_| now_ms.saturating_sub(r.seen_ttft_at_ms) <= TTFT_HOLD_MS)
+    };
+    let mut seen: Vec<f64> = p.pods.iter().filter_map(recent).collect();
+    let median = if seen.len() >= MIN_TTFT_PODS {
+        seen.sort_unstable_by(f64::total_cmp);
+        let n = seen.len();
+        let hi = seen.get(n / 2).copied().unwrap_or(0.0);
+        let lo = seen.get((n - 1) / 2).copied().unwrap_or(hi);
+        Some((lo + hi) / 2.0).filter(|m| *m > 0.0)
+    } else {
+        None
+    };
+    for pod in p.pods.iter_mut() {
+        pod.rel_ttft = match (median, recent(pod)) {
+            (Some(m), Some(t)) => Some(t.max(1.0) / m),
+            _ => None,
+        };
+    }
+}
 
 /// Trains the pool's model when an update is due (on the features of its pods that are not
 /// cut as of the last refresh), counting the update and any fallback. Returns when the next
@@ -59,7 +96,7 @@ pub(super) fn score_pod(
     }
     let t = terms(sig, &cfg.cutoffs, gpu_fill);
     // Its decode speed relative to the pool (1, the median's, when unknown).
-    let x = learned::features(&t, sig.error_rate, Some(pod.rel_speed));
+    let x = learned::features(&t, sig.error_rate, Some(pod.rel_speed), pod.rel_ttft, s.raw);
     pod.features = Some(x);
     pod.learned = m.predict(&x);
     if pod.learned_samples < m.config().cold_start_samples {
@@ -72,7 +109,8 @@ pub(super) fn score_pod(
 }
 
 /// Takes a sample from an outcome of `pod` (`failed`: as its breaker judged it), paired with
-/// the features its pick saw (`picked`), else its latest.
+/// the features its pick saw (`picked`), else its latest; and moves the pod's observed TTFT.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn sample(
     model: Option<&mut learned::LearnedModel>,
     rt: &mut PodRt,
@@ -81,10 +119,20 @@ pub(super) fn sample(
     ttft_ms: Option<u64>,
     total_ms: Option<u64>,
     counters: &mut Counters,
+    now_ms: u64,
 ) {
     let Some(m) = model else {
         return;
     };
+    if let Some(t) = ttft_ms.filter(|_| !failed) {
+        let t = t as f64;
+        let fresh = now_ms.saturating_sub(rt.seen_ttft_at_ms) <= TTFT_HOLD_MS;
+        rt.seen_ttft_ms = Some(match rt.seen_ttft_ms.filter(|_| fresh) {
+            Some(e) => TTFT_ALPHA * t + (1.0 - TTFT_ALPHA) * e,
+            None => t,
+        });
+        rt.seen_ttft_at_ms = now_ms;
+    }
     let Some(x) = picked.or(rt.features) else {
         return;
     };

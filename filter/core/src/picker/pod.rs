@@ -116,6 +116,12 @@ pub(super) struct PodRt {
     pub(super) features: Option<crate::learned::Features>,
     pub(super) learned: Option<f64>,
     pub(super) learned_samples: u32,
+    /// `learnedWeights`: the TTFT of its requests as this VM saw them, smoothed (ms), and when
+    /// the latest came (ms); its `ttft` feature while recent ([`super::learned::TTFT_HOLD_MS`]).
+    pub(super) seen_ttft_ms: Option<f64>,
+    pub(super) seen_ttft_at_ms: u64,
+    /// That smoothed TTFT over the pool's median of those (None: not recent, or no median).
+    pub(super) rel_ttft: Option<f64>,
     /// Where it stands in a pre-OOM episode (`preOom`, [`crate::pre_oom`]).
     pub(super) pre_oom: crate::pre_oom::Phase,
 }
@@ -175,6 +181,9 @@ impl PodRt {
             features: None,
             learned: None,
             learned_samples: 0,
+            seen_ttft_ms: None,
+            seen_ttft_at_ms: 0,
+            rel_ttft: None,
             itl_at_ms: 0,
             ramp: 1.0,
             pre_oom: crate::pre_oom::Phase::Normal,

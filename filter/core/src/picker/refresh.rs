@@ -221,6 +221,7 @@ impl Router {
         };
         // `learnedWeights`: the model moves before the pods are scored with it.
         let mut next = super::learned::update_model(p, sinks.counters, now_ms);
+        super::learned::set_rel_ttfts(p, now_ms);
         let mut mean_sum = 0.0;
         let mut mean_n = 0u32;
         for pod in p.pods.iter_mut() {
