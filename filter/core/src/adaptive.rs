@@ -17,12 +17,9 @@
 //! SLO), the base half-way. Both rates take one factor, judged against the lower of them in use
 //! (`agentErrorRate`, unless it is 0): one worker's failure window sees fewer outcomes than the
 //! agent, so it is at least as noisy. For that rate the factor reads `threshold = (1 − m)·base +
-//! (2m / noisyAt)·background` up to the cap: with the defaults (m 0.3, errorNoisyAt 0.5), 1.2
+//! (2m / noisyAt)·background` up to the cap: with the defaults (m 0.3, errorNoisyAt 0.4), 1.5
 //! times the background above 0.7 of the base, so the threshold never falls below the pool's
-//! own background. (`errorNoisyAt` was 0.4 at first: 1.5 times the background raised an 8 %
-//! pool's threshold so far that a pod going to 50 % was cut 1.66x later than with the static
-//! one; at 0.5 the same noise gave 0.36x the false trips and 0.81x the detection time,
-//! bench-results/fault-noisy/README.md.) Deterministic: the same pool state gives every worker and every sidecar the
+//! own background. Deterministic: the same pool state gives every worker and every sidecar the
 //! same thresholds, so nothing more is stored in the shared breaker.
 
 use serde::Deserialize;
@@ -51,7 +48,7 @@ impl Default for AdaptiveThresholds {
     fn default() -> Self {
         Self {
             max_adjust: 0.3,
-            error_noisy_at: 0.5,
+            error_noisy_at: 0.4,
             latency_noisy_at: 1.0,
             min_pods: 2,
             min_requests: 20,
@@ -242,7 +239,7 @@ pub struct RawAdaptiveThresholds {
     #[serde(default)]
     #[cfg_attr(
         feature = "schema",
-        schemars(extend("default" = 0.5, "exclusiveMinimum" = 0, "maximum" = 1))
+        schemars(extend("default" = 0.4, "exclusiveMinimum" = 0, "maximum" = 1))
     )]
     pub error_noisy_at: Option<f64>,
     /// The pool's background TTFT p99 (the median of the other pods' TTFT p99 as their agents

@@ -118,9 +118,25 @@ pub enum Fault {
     Oom,
 }
 
-/// [`Fault::FrontendSlow`]'s time per request in pod 0's front end (ms): at most 8.3 requests
-/// a second get through, against the 5–6 a second its share of an 80 % load brings an h100.
-const FRONTEND_MS: u64 = 120;
+/// [`Fault::FrontendSlow`]'s time per request in pod 0's front end (ms): at most 5 requests a
+/// second get through, under the 5.5–6 a second an even share of an 80 % load brings an h100,
+/// so a policy that keeps sending it its share builds a queue there without bound.
+/// `AI_LB_BENCH_FRONTEND_MS` sets another (120 left every policy's share under what it passes).
+const FRONTEND_MS: u64 = 200;
+
+fn frontend_ms() -> Result<u64, Error> {
+    match std::env::var("AI_LB_BENCH_FRONTEND_MS") {
+        Err(_) => Ok(FRONTEND_MS),
+        Ok(v) => v
+            .parse::<u64>()
+            .ok()
+            .filter(|ms| *ms <= 60_000)
+            .ok_or_else(|| {
+                format!("AI_LB_BENCH_FRONTEND_MS={v:?}: not an integer within 0..=60000 (ms)")
+                    .into()
+            }),
+    }
+}
 
 /// How fast [`Fault::Oom`] grows pod 0's memory at the load it has when the fault starts.
 const OOM_GROWTH_BYTES_PER_S: f64 = 1.5e9;
@@ -962,7 +978,7 @@ pub fn run_policy(
             Fault::Errors50 => pool.control(0, r#"{"error_rate":0.5}"#)?,
             Fault::SlowMildSilent => pool.control(0, r#"{"slowdown":2.5,"throttle":false}"#)?,
             Fault::FrontendSlow => {
-                pool.control(0, &format!(r#"{{"frontend_ms":{FRONTEND_MS}}}"#))?
+                pool.control(0, &format!(r#"{{"frontend_ms":{}}}"#, frontend_ms()?))?
             }
             Fault::Sigstop => pool.pods[0].proc.sigstop()?,
             Fault::Flap => {

@@ -150,7 +150,7 @@ fn thresholds_follow_the_pool_on(path: Path) {
     pool.control(0, r#"{"error_rate":0.0}"#).unwrap();
 
     // Every pod fails a fifth of its requests: pods 1-3 see a background of about 0.2 (over
-    // the agents' windows), past errorNoisyAt · 0.25 = 0.125, so their thresholds go up.
+    // the agents' windows), past errorNoisyAt · 0.25 = 0.1, so their thresholds go up.
     for i in 0..4 {
         pool.control(i, r#"{"error_rate":0.2}"#).unwrap();
     }
