@@ -119,3 +119,42 @@ fn faster_pods_of_a_mixed_pool_take_more_than_an_even_share() {
         "even pool's share {all_alike}"
     );
 }
+
+/// Requests a pod holds before its engine (an API server starved of CPU) are in no metric it
+/// reports; this VM's own requests in flight there still count, so a reading that misses them
+/// does not make the pod look empty.
+#[test]
+fn own_requests_in_flight_count_when_the_pods_reading_misses_them() {
+    let itl = [8.0; 8];
+    let mut r = router(&itl, &[0; 8]);
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let size = RequestSize {
+        weight: 1.0,
+        kv_tokens: 400.0,
+        output_tokens: 200.0,
+    };
+    // Six requests sent to pod 0 (none ends), before its next reading.
+    for k in 0..6 {
+        r.on_request_start(0, &addr(0), size, 1_000 + k);
+    }
+    // The next reading shows none of them: they wait in front of the engine.
+    r.apply_pool_event(0, &event(&itl, &[0; 8], 2), 1_100);
+    let st = r.pod_status(0, 1_100);
+    let pod0 = st.iter().find(|p| p.address == addr(0)).unwrap();
+    assert_eq!(pod0.inflight, 6);
+    assert!(
+        pod0.load >= 6.0 / 8.0 - 1e-9,
+        "pod 0 counts its 6 of 8 seats taken, not the reading's 0: load {}",
+        pod0.load
+    );
+    // So a new request goes to an idle pod, not to it.
+    let mut on_pod0 = 0;
+    for k in 0..20 {
+        let Decision::Steer { ranked, .. } = r.decide_for(0, None, size, 1_200 + k, &mut rng)
+        else {
+            panic!("no steer")
+        };
+        on_pod0 += usize::from(r.address(0, &ranked, ranked.first().unwrap()).unwrap() == addr(0));
+    }
+    assert_eq!(on_pod0, 0, "picks of pod 0 with seven idle pods beside it");
+}

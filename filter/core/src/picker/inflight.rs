@@ -5,6 +5,48 @@ use super::pod::PodRt;
 use super::view::update_pod;
 use super::{RequestSize, Router};
 
+/// Half the span over which this VM's own starts to a pod bound its occupancy from below
+/// ([`StartWindow`]): starts older than 15–30 s no longer count there.
+pub(super) const START_WINDOW_HALF_MS: u64 = 15_000;
+
+/// This VM's starts to one pod over the last 15–30 s, in two half windows: how many of its
+/// requests in flight there can still be counted as occupying it when a reading misses them
+/// ([`PodRt::occupancy`]). A request whose end this VM never saw (a lost end) so stops
+/// counting there within 30 s, where the in-flight count alone would keep it for ever.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct StartWindow {
+    current: u32,
+    previous: u32,
+    /// When the current half began (ms).
+    since_ms: u64,
+}
+
+impl StartWindow {
+    /// Moves the halves on to `now_ms`.
+    pub(super) fn roll(&mut self, now_ms: u64) {
+        let elapsed = now_ms.saturating_sub(self.since_ms);
+        if elapsed >= 2 * START_WINDOW_HALF_MS {
+            self.previous = 0;
+            self.current = 0;
+            self.since_ms = now_ms;
+        } else if elapsed >= START_WINDOW_HALF_MS {
+            self.previous = self.current;
+            self.current = 0;
+            self.since_ms += START_WINDOW_HALF_MS;
+        }
+    }
+
+    fn count(&mut self, now_ms: u64) {
+        self.roll(now_ms);
+        self.current = self.current.saturating_add(1);
+    }
+
+    /// Starts in the window (as of the latest roll).
+    pub(super) fn starts(&self) -> u32 {
+        self.current.saturating_add(self.previous)
+    }
+}
+
 /// This VM's latest starts remembered per pod ([`RecentStarts`]): enough for the starts of
 /// one engine reading's age (about 100-200 ms) at the rates one sidecar sends to one pod.
 const RECENT_STARTS: usize = 8;
@@ -71,6 +113,7 @@ impl Router {
             // Not in any reading this VM has taken in yet.
             rt.kv_on_top += size.kv_tokens;
             rt.recent.push(now_ms, &size);
+            rt.start_window.count(now_ms);
         });
     }
 

@@ -31,20 +31,37 @@ impl PodRt {
     }
 
     /// Estimated seats taken on the pod now (running + waiting), as [`PodRt::seat_load`]
-    /// describes, before dividing by the capacity.
+    /// describes, before dividing by the capacity; never less than this VM's own requests in
+    /// flight there that it sent in the last 15–30 s ([`StartWindow`]; each counted as
+    /// [`PodRt::seat_load`] counts it). Each of them is somewhere at the pod, and a reading can
+    /// miss them: requests held before the engine (an API server starved of CPU, a slow path in
+    /// front of it) are in no engine metric, and re-basing on such a reading made them vanish,
+    /// so the pod looked the emptier the longer its front-end queue grew (`misleading-frontend`:
+    /// p99 TTFT 12x least_request's). Older ones stop counting, so an end this VM never saw
+    /// does not hold the pod's load up for ever.
+    ///
+    /// [`StartWindow`]: super::inflight::StartWindow
     pub(super) fn occupancy(&self) -> f64 {
-        let occ = if self.kv_cap.is_some() {
+        let recent = self.inflight.min(self.start_window.starts());
+        let (occ, own) = if self.kv_cap.is_some() {
+            let own = f64::from(recent);
             match self.snap_occ {
-                Some(o) => o + f64::from(self.inflight) - self.inflight_base,
-                None => f64::from(self.inflight),
+                Some(o) => (o + f64::from(self.inflight) - self.inflight_base, own),
+                None => (f64::from(self.inflight), own),
             }
         } else {
+            // Weighted by size: the recent share of the weight in flight.
+            let own = if self.inflight == 0 {
+                0.0
+            } else {
+                self.inflight_w * f64::from(recent) / f64::from(self.inflight)
+            };
             match self.snap_occ {
-                Some(o) => o + self.delta_since_snapshot(),
-                None => self.inflight_w,
+                Some(o) => (o + self.delta_since_snapshot(), own),
+                None => (self.inflight_w, own),
             }
         };
-        occ.max(0.0)
+        occ.max(own).max(0.0)
     }
 
     /// Estimated KV tokens in use now: the snapshot's, plus, for this VM's requests in flight,

@@ -42,6 +42,9 @@ pub(super) struct PodRt {
     ///
     /// [`Router::request_size`]: super::Router::request_size
     pub(super) inflight_w: f64,
+    /// This VM's starts to the pod over the last 15–30 s: how many of `inflight` may count as
+    /// occupying it when a reading misses them ([`PodRt::occupancy`]).
+    pub(super) start_window: super::inflight::StartWindow,
     /// `inflight` (unweighted: the snapshot counts every request as one) when the latest
     /// occupancy reading arrived.
     pub(super) inflight_base: f64,
@@ -152,6 +155,7 @@ impl PodRt {
             inflight: 0,
             inflight_w: 0.0,
             inflight_base: 0.0,
+            start_window: Default::default(),
             snap_occ: None,
             snap_waiting: 0,
             ended_since_snap: 0,

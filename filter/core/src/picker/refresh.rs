@@ -225,6 +225,7 @@ impl Router {
         let mut mean_sum = 0.0;
         let mut mean_n = 0u32;
         for pod in p.pods.iter_mut() {
+            pod.start_window.roll(now_ms);
             let Some(entry) = p.state.peers().get(pod.peer_idx) else {
                 continue;
             };
