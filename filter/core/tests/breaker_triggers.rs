@@ -13,15 +13,10 @@ use std::collections::HashMap;
 
 use ai_lb_filter_core::breaker::{Breaker, BreakerState, Outcome, TripReason};
 use ai_lb_filter_core::config::{BreakerConfig, FilterConfig};
-use ai_lb_filter_core::lifecycle::{BreakerStore, Exchange, NoGate, Parts, Worker};
+use ai_lb_filter_core::lifecycle::{BreakerStore, Exchange, NoGate};
 use ai_lb_filter_core::picker::Router;
 use ai_lb_filter_core::triggers::{Answer, AnswerScanner, Truncation, TruncationTracker};
-use ai_lb_proto::{
-    InferenceStats, ModelInfo, PeerState, PeerStatus, PodIdentity, PodSnapshot, PoolEvent,
-};
-use rand::rngs::SmallRng;
-use rand::SeedableRng;
-use support::{MapStore, MockHost, NoStats};
+use support::{pods_event, MockHost, NoStats, SyncWorker};
 
 // ---- classification ------------------------------------------------------------------
 
@@ -486,76 +481,10 @@ fn a_malformed_probe_answer_is_a_failure_that_reopens() {
 
 const PODS: [&str; 3] = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"];
 
-struct MockWorker {
-    router: Router,
-    rng: SmallRng,
-    scratch: String,
-    ids: Vec<u32>,
-    keys: Vec<u64>,
-    store: MapStore,
-    stats: NoStats,
-}
-
-impl Worker for MockWorker {
-    fn refresh(&mut self, pool: usize, now: u64) {
-        self.store.sync(&mut self.router, pool, now);
-    }
-    fn parts(&mut self) -> Parts<'_> {
-        Parts {
-            router: &mut self.router,
-            rng: &mut self.rng,
-            scratch: &mut self.scratch,
-            prompt_ids: &mut self.ids,
-            key_scratch: &mut self.keys,
-            breakers: &mut self.store,
-            stats: &mut self.stats,
-        }
-    }
-    fn router(&self) -> &Router {
-        &self.router
-    }
-    fn ordinal(&self) -> u64 {
-        0
-    }
-}
+type MockWorker = SyncWorker<NoStats>;
 
 fn publish(router: &mut Router, now: u64) {
-    let peers = PODS
-        .iter()
-        .enumerate()
-        .map(|(i, a)| PeerState {
-            peer: format!("agent-{i}:9090"),
-            status: PeerStatus::Live as i32,
-            snapshot: Some(PodSnapshot {
-                identity: Some(PodIdentity {
-                    address: a.to_string(),
-                    models: vec![ModelInfo {
-                        name: "m".into(),
-                        ..Default::default()
-                    }],
-                    ..Default::default()
-                }),
-                inference: Some(InferenceStats {
-                    waiting: Some(0),
-                    running: Some(0),
-                    queue_capacity: Some(8),
-                    kv_cache_usage: Some(0.1),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }),
-            reason: String::new(),
-        })
-        .collect();
-    router.apply_pool_event(
-        0,
-        &PoolEvent {
-            full: true,
-            peers,
-            ..Default::default()
-        },
-        now,
-    );
+    router.apply_pool_event(0, &pods_event(&PODS, |_| 0), now);
 }
 
 fn worker(breaker: &str) -> MockWorker {
@@ -566,15 +495,7 @@ fn worker(breaker: &str) -> MockWorker {
     .unwrap();
     let mut router = Router::new(cfg);
     publish(&mut router, 1_000);
-    MockWorker {
-        router,
-        rng: SmallRng::seed_from_u64(3),
-        scratch: String::new(),
-        ids: Vec::new(),
-        keys: Vec::new(),
-        store: MapStore::default(),
-        stats: NoStats,
-    }
+    SyncWorker::new(router, NoStats, 3, 0)
 }
 
 /// One request answered by whichever pod it was steered to: `answer(pod)` gives the status

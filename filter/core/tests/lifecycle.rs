@@ -12,16 +12,12 @@ mod support;
 use ai_lb_filter_core::breaker::{Breaker, BreakerState, Transition};
 use ai_lb_filter_core::config::FilterConfig;
 use ai_lb_filter_core::lifecycle::{
-    carry_signal_trips, steer, BreakerStore, Exchange, Gate, GateStep, Host, Next, NoGate, Parts,
-    Stats, Steered, Worker,
+    carry_signal_trips, steer, BreakerStore, Exchange, Gate, GateStep, Host, Next, NoGate, Stats,
+    Steered,
 };
 use ai_lb_filter_core::picker::{RequestSize, Router};
-use ai_lb_proto::{
-    InferenceStats, ModelInfo, PeerState, PeerStatus, PodIdentity, PodSnapshot, PoolEvent,
-};
-use rand::rngs::SmallRng;
-use rand::SeedableRng;
-use support::{MapStore, MockHost};
+use ai_lb_proto::{InferenceStats, PeerState, PeerStatus, PodIdentity, PodSnapshot, PoolEvent};
+use support::{pods_event, MockHost, SyncWorker};
 
 const PODS: [&str; 3] = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"];
 
@@ -45,76 +41,11 @@ impl Stats for Counted {
     }
 }
 
-struct MockWorker {
-    router: Router,
-    rng: SmallRng,
-    scratch: String,
-    ids: Vec<u32>,
-    keys: Vec<u64>,
-    store: MapStore,
-    stats: Counted,
-    refreshes: usize,
-}
-
-impl Worker for MockWorker {
-    fn refresh(&mut self, pool: usize, now: u64) {
-        self.refreshes += 1;
-        self.store.sync(&mut self.router, pool, now);
-    }
-    fn parts(&mut self) -> Parts<'_> {
-        Parts {
-            router: &mut self.router,
-            rng: &mut self.rng,
-            scratch: &mut self.scratch,
-            prompt_ids: &mut self.ids,
-            key_scratch: &mut self.keys,
-            breakers: &mut self.store,
-            stats: &mut self.stats,
-        }
-    }
-    fn router(&self) -> &Router {
-        &self.router
-    }
-    fn ordinal(&self) -> u64 {
-        7
-    }
-}
+type MockWorker = SyncWorker<Counted>;
 
 /// The agents' snapshot of the three pods, received at `now`.
 fn publish(router: &mut Router, now: u64) {
-    let peers = PODS
-        .iter()
-        .enumerate()
-        .map(|(i, a)| PeerState {
-            peer: format!("agent-{i}:9090"),
-            status: PeerStatus::Live as i32,
-            snapshot: Some(PodSnapshot {
-                identity: Some(PodIdentity {
-                    address: a.to_string(),
-                    models: vec![ModelInfo {
-                        name: "m".into(),
-                        ..Default::default()
-                    }],
-                    ..Default::default()
-                }),
-                inference: Some(InferenceStats {
-                    waiting: Some(0),
-                    running: Some(i as u32),
-                    queue_capacity: Some(8),
-                    kv_cache_usage: Some(0.1),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }),
-            reason: String::new(),
-        })
-        .collect();
-    let ev = PoolEvent {
-        full: true,
-        peers,
-        ..Default::default()
-    };
-    router.apply_pool_event(0, &ev, now);
+    router.apply_pool_event(0, &pods_event(&PODS, |i| i as u32), now);
 }
 
 fn worker() -> MockWorker {
@@ -126,16 +57,7 @@ fn worker() -> MockWorker {
     .unwrap();
     let mut router = Router::new(cfg);
     publish(&mut router, 1_000);
-    MockWorker {
-        router,
-        rng: SmallRng::seed_from_u64(1),
-        scratch: String::new(),
-        ids: Vec::new(),
-        keys: Vec::new(),
-        store: MapStore::default(),
-        stats: Counted::default(),
-        refreshes: 0,
-    }
+    SyncWorker::new(router, Counted::default(), 1, 7)
 }
 
 fn host(now: u64) -> MockHost {

@@ -1,7 +1,8 @@
 //! A proxy for one request as the core's lifecycle tests see it ([`MockHost`]): headers in
 //! maps, what the core did recorded. Shared by the tests that drive `lifecycle::Exchange` with
 //! no Envoy (`lifecycle.rs`, `admission_gate.rs`, `breaker_triggers.rs`), with the shared
-//! breakers in a map ([`MapStore`]) and stats that record nothing ([`NoStats`]).
+//! breakers in a map ([`MapStore`]), stats that record nothing ([`NoStats`]), a worker that
+//! syncs that map on each refresh ([`SyncWorker`]) and a pool of idle pods ([`pods_event`]).
 #![allow(dead_code)]
 
 use std::borrow::Cow;
@@ -9,8 +10,13 @@ use std::cell::Cell;
 use std::collections::HashMap;
 
 use ai_lb_filter_core::breaker::{Breaker, Transition};
-use ai_lb_filter_core::lifecycle::{BreakerStore, Host, Stats};
+use ai_lb_filter_core::lifecycle::{BreakerStore, Host, Parts, Stats, Worker};
 use ai_lb_filter_core::picker::Router;
+use ai_lb_proto::{
+    InferenceStats, ModelInfo, PeerState, PeerStatus, PodIdentity, PodSnapshot, PoolEvent,
+};
+use rand::rngs::SmallRng;
+use rand::SeedableRng;
 
 /// A local reply: status, headers, body.
 pub type Reply = (u16, Vec<(String, String)>, String);
@@ -182,4 +188,96 @@ impl Stats for NoStats {
     fn picked(&mut self, _: &str) {}
     fn failed(&mut self, _: &str) {}
     fn transitions(&mut self, _: &str, _: &[Transition]) {}
+}
+
+/// A worker of the lifecycle with the shared breakers in a [`MapStore`], synced on each
+/// refresh as the data paths sync theirs, and stats `S`; it counts its refreshes.
+pub struct SyncWorker<S> {
+    pub router: Router,
+    pub rng: SmallRng,
+    pub scratch: String,
+    pub ids: Vec<u32>,
+    pub keys: Vec<u64>,
+    pub store: MapStore,
+    pub stats: S,
+    pub refreshes: usize,
+    pub ordinal: u64,
+}
+
+impl<S: Stats> SyncWorker<S> {
+    /// A worker around `router`, its draws seeded by `seed`.
+    pub fn new(router: Router, stats: S, seed: u64, ordinal: u64) -> Self {
+        SyncWorker {
+            router,
+            rng: SmallRng::seed_from_u64(seed),
+            scratch: String::new(),
+            ids: Vec::new(),
+            keys: Vec::new(),
+            store: MapStore::default(),
+            stats,
+            refreshes: 0,
+            ordinal,
+        }
+    }
+}
+
+impl<S: Stats> Worker for SyncWorker<S> {
+    fn refresh(&mut self, pool: usize, now: u64) {
+        self.refreshes += 1;
+        self.store.sync(&mut self.router, pool, now);
+    }
+    fn parts(&mut self) -> Parts<'_> {
+        Parts {
+            router: &mut self.router,
+            rng: &mut self.rng,
+            scratch: &mut self.scratch,
+            prompt_ids: &mut self.ids,
+            key_scratch: &mut self.keys,
+            breakers: &mut self.store,
+            stats: &mut self.stats,
+        }
+    }
+    fn router(&self) -> &Router {
+        &self.router
+    }
+    fn ordinal(&self) -> u64 {
+        self.ordinal
+    }
+}
+
+/// A full pool event: one live pod per address serving model `m`, pod `i` running `running(i)`
+/// of 8 seats with nothing waiting and its KV cache a tenth full.
+pub fn pods_event(pods: &[&str], running: impl Fn(usize) -> u32) -> PoolEvent {
+    let peers = pods
+        .iter()
+        .enumerate()
+        .map(|(i, a)| PeerState {
+            peer: format!("agent-{i}:9090"),
+            status: PeerStatus::Live as i32,
+            snapshot: Some(PodSnapshot {
+                identity: Some(PodIdentity {
+                    address: a.to_string(),
+                    models: vec![ModelInfo {
+                        name: "m".into(),
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                }),
+                inference: Some(InferenceStats {
+                    waiting: Some(0),
+                    running: Some(running(i)),
+                    queue_capacity: Some(8),
+                    kv_cache_usage: Some(0.1),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            reason: String::new(),
+        })
+        .collect();
+    PoolEvent {
+        full: true,
+        peers,
+        ..Default::default()
+    }
 }
