@@ -30,7 +30,7 @@ struct Cli {
     /// native vs wasm), overhead-epp (added latency and CPU against the ext_proc endpoint
     /// picker), overhead-rps (trivial upstream req/s with a spread over rounds), freshness,
     /// <sharegpt|hol|prefix|multiturn>-<poisson|bursty>-<pct>,
-    /// fault-<slowdown|slowdown-silent|errors|sigstop|flap|noisy>, misleading-slow. Default: sharegpt-poisson-80. `prefix`
+    /// fault-<slowdown|slowdown-silent|errors|sigstop|flap|noisy|oom>, misleading-<slow|frontend>. Default: sharegpt-poisson-80. `prefix`
     /// and `multiturn` are loaded against their own measured capacity (saved per workload,
     /// measured again with `calibrate`; docs/benchmark-workloads.md).
     scenarios: Vec<String>,
