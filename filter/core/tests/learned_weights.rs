@@ -102,6 +102,7 @@ fn one_sgd_step_is_the_log_loss_gradient_with_l2_then_the_ema() {
     for (i, w) in w0.iter().enumerate() {
         let xi = f.x.get(i).copied().unwrap_or(1.0);
         let t = w - 0.01 * (err * xi + 0.001 * w);
+        let t = if i == learned::TTFT { t.max(0.0) } else { t };
         assert!(near(m.trained()[i], t), "weight {i}");
         // The weights that score: EMA 0.3 of the trained ones over the previous.
         assert!(near(m.weights()[i], 0.3 * t + 0.7 * w), "ema {i}");
@@ -258,14 +259,15 @@ fn an_all_zero_output_falls_back() {
         ),
         0,
     );
-    // Every request of every pod fails, and every pod reads the same: the corrections sink
-    // until no pod scores.
-    for _ in 0..20_000 {
-        m.push(GOOD, 0.0);
+    // Every request of every pod fails, and every pod reads the same (good terms, seen at the
+    // pool's TTFT): the corrections sink until no pod scores.
+    let good = feat([0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.0], 0.5);
+    for _ in 0..60_000 {
+        m.push(good, 0.0);
     }
-    let r = m.update(1_000, &[GOOD]);
-    assert_eq!(r.fallback, Some(Fallback::AllZero));
-    assert_eq!(m.predict(&GOOD), None);
+    let r = m.update(1_000, &[good]);
+    assert_eq!(r.fallback, Some(Fallback::AllZero), "{:?}", m.weights());
+    assert_eq!(m.predict(&good), None);
 }
 
 #[test]
@@ -770,4 +772,25 @@ fn the_model_learns_from_the_observed_ttft_what_no_metric_shows() {
     r.apply_pool_event(0, &event(100, &pods), quiet);
     r.tick(quiet);
     assert_eq!(r.learned_features(0, &addr(0)).unwrap().x[6], 0.0);
+}
+
+/// A pod seen slower never scores higher for it: the `ttft` weight stays at 0 or above
+/// however the outcomes fall.
+#[test]
+fn the_ttft_weight_never_goes_negative() {
+    let mut m = LearnedModel::new(
+        cfg(r#"{"updateIntervalMs":1000,"learningRate":1,"emaAlpha":1}"#),
+        0,
+    );
+    // Pods seen slow end well, pods seen fast end badly: unbounded, the weight would sink.
+    let slow_seen = feat([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -2.0], 0.5);
+    let fast_seen = feat([0.0; 7], 0.5);
+    for _ in 0..500 {
+        m.push(slow_seen, 1.0);
+        m.push(fast_seen, 0.0);
+    }
+    m.update(1_000, &[slow_seen, fast_seen]);
+    assert_eq!(m.fallback(), None);
+    assert_eq!(m.weights()[learned::TTFT], 0.0, "{:?}", m.weights());
+    assert!(m.predict(&slow_seen).unwrap() <= m.predict(&fast_seen).unwrap() + 1e-12);
 }
