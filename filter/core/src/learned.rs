@@ -3,8 +3,9 @@
 //!
 //! The model is logistic regression with the static score as its offset:
 //! `health = sigmoid(logit(static) + Σ wᵢ·xᵢ + b)`. Its weights start at 0 (a seeded jitter of
-//! at most ±0.01; the `ttft` weight's only upwards), so an untrained model is the static formula, and training can only move a pod
-//! away from its static score where the outcomes say the formula is wrong. What scores a pod is
+//! at most ±0.01; the `ttft` weight's only upwards), so an untrained model is the static
+//! formula, and training can only move a pod away from its static score where the outcomes say
+//! the formula is wrong. What scores a pod is
 //! `sigmoid(logit(static) + Σ wᵢ·xᵢ)`, floored at `floor` so no healthy pod starves: the bias
 //! is trained (it absorbs how far the static scale sits from the outcomes' scale) but does not
 //! score, because the picker shares traffic in proportion to the scores and a shift common to
