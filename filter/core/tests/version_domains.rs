@@ -4,8 +4,11 @@
 //! open `openMs`, admits `halfOpenRequests` half-open, and a tripped canary leaves stable's
 //! share, domain and pod breakers untouched. Time and randomness are injected (seeded).
 
+mod support;
+
 use ai_lb_filter_core::breaker::BreakerState;
 use ai_lb_filter_core::config::FilterConfig;
+use ai_lb_filter_core::lifecycle::{steer_checked, Rejected};
 use ai_lb_filter_core::picker::{Decision, RequestSize, Router, VersionRoute};
 use ai_lb_filter_core::versions::{DomainConfig, Domains, RejectReason, VersionsConfig};
 use ai_lb_proto::{
@@ -13,6 +16,7 @@ use ai_lb_proto::{
 };
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+use support::{MockHost, NoStats, SyncWorker};
 
 const MODEL: &str = "m";
 const T0: u64 = 1_000;
@@ -470,4 +474,44 @@ impl FromJson for VersionsConfig {
         let c = config(json);
         (**c.versions.as_ref().unwrap()).clone()
     }
+}
+
+/// A pinned request the filter cannot steer (the proxy refuses the steer, or the pool falls
+/// back to Envoy's balancing) is refused: Envoy's own balancing would pick a pod of any
+/// version. An unpinned one is left to Envoy, as always.
+#[test]
+fn a_pinned_request_the_filter_cannot_steer_is_refused_not_left_to_envoy() {
+    let mut w = SyncWorker::new(router(SPLIT), NoStats, 5, 0);
+    let mut h = MockHost::at(T0);
+    h.req.insert("x-model-version".into(), "v2".into());
+    h.refuse_steer = true;
+    let out = steer_checked(&mut h, &mut w, 0, Some(MODEL), T0, RequestSize::UNIT, None);
+    assert_eq!(
+        out.map(|s| s.map(|s| s.ranked)),
+        Err(Rejected {
+            version: "v2".into(),
+            reason: RejectReason::NoPod
+        })
+    );
+    assert_eq!(w.router.counters().steer_failed, 1);
+    let v2 = w
+        .router
+        .version_rows(0)
+        .into_iter()
+        .find(|v| v.version == "v2")
+        .unwrap();
+    assert_eq!(v2.counts.rejected_no_pod, 1);
+    // Unpinned: left to Envoy's balancing.
+    let mut h = MockHost::at(T0);
+    h.refuse_steer = true;
+    let out = steer_checked(&mut h, &mut w, 0, Some(MODEL), T0, RequestSize::UNIT, None);
+    assert_eq!(out.map(|s| s.is_none()), Ok(true));
+    assert_eq!(w.router.counters().steer_failed, 2);
+    // Steered when the proxy takes it: only v2's pod.
+    let mut h = MockHost::at(T0);
+    h.req.insert("x-model-version".into(), "v2".into());
+    let s = steer_checked(&mut h, &mut w, 0, Some(MODEL), T0, RequestSize::UNIT, None)
+        .unwrap()
+        .unwrap();
+    assert_eq!(version_of(s.ranked.split(',').next().unwrap()), "v2");
 }

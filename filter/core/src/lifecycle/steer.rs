@@ -131,19 +131,31 @@ where
     let decision = p
         .router
         .decide_in(pool, model, version.as_deref(), size, prompt, now, p.rng);
+    // A pinned request the filter cannot steer is refused: Envoy's own balancing would send it
+    // to a pod of any version.
+    let unsteered = |router: &mut crate::picker::Router| match (&pinned, &version) {
+        (Some(_), Some(v)) => {
+            router.on_pinned_unsteered(pool, v);
+            Err(Rejected {
+                version: v.clone(),
+                reason: RejectReason::NoPod,
+            })
+        }
+        _ => Ok(None),
+    };
     let (ranked, score) = match decision {
         Decision::Steer {
             ranked,
             chosen_score,
         } => (ranked, chosen_score),
         Decision::FailOpen { ranked } => (ranked, 0.0),
-        Decision::Fallback(_) => return Ok(None),
+        Decision::Fallback(_) => return unsteered(p.router),
     };
     let written = p.router.write_ranked(pool, &ranked, p.scratch)
         && host.steer(&p.router.config().routing_header, p.scratch);
     if !written {
         p.router.counters_mut().steer_failed += 1;
-        return Ok(None);
+        return unsteered(p.router);
     }
     let chosen = p.scratch.split(',').next().unwrap_or("");
     p.router.on_request_start(pool, chosen, size, now);

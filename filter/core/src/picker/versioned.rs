@@ -72,6 +72,15 @@ impl Router {
             .is_some_and(|v| v.verdict == Verdict::Pick && v.total() > 1e-12)
     }
 
+    /// A request pinned to `version` that the filter could not steer (the pool fell back to
+    /// Envoy's balancing, or the proxy refused the steer): it is answered 503, counted as
+    /// refused for want of an available pod of its version.
+    pub fn on_pinned_unsteered(&mut self, pool_idx: usize, version: &str) {
+        if let Some(p) = self.pools.get_mut(pool_idx) {
+            p.domains.on_reject(version, RejectReason::NoPod);
+        }
+    }
+
     /// Decides the model version of a request to pool `pool_idx` for `model` that pinned
     /// `pinned` (the `versions.header` value, None when absent or empty), at `now_ms`. Counts
     /// a pick in the version's domain (and spends a half-open domain's request) when it
