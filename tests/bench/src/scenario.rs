@@ -133,7 +133,6 @@ fn frontend_ms() -> Result<u64, Error> {
             .filter(|ms| *ms <= 60_000)
             .ok_or_else(|| {
                 format!("AI_LB_BENCH_FRONTEND_MS={v:?}: not an integer within 0..=60000 (ms)")
-                    .into()
             }),
     }
 }
