@@ -995,24 +995,40 @@ impl PodPool {
     /// Like [`PodPool::start_with`], each pod publishing vLLM's KV events over ZeroMQ and its
     /// agent reading them (`--kv-events-endpoint` on both), so snapshots carry the pod's
     /// prefix-cache contents.
+    ///
+    /// The endpoints' ports are drawn free, and another process may take one before its pod
+    /// binds it (seen once in a full test run: "Address already in use"); then the pool starts
+    /// again on new ports, up to three times.
     pub fn start_with_kv_events(
         n: usize,
         time_scale: f64,
         pod_extra: impl Fn(usize) -> Vec<String>,
     ) -> Result<PodPool, Error> {
-        let endpoints: Vec<String> = (0..n)
-            .map(|_| free_port().map(|p| format!("tcp://127.0.0.1:{p}")))
-            .collect::<Result<_, _>>()?;
-        Self::start_with_agents(
-            n,
-            time_scale,
-            |i| {
-                let mut v = vec!["--kv-events-endpoint".to_string(), endpoints[i].clone()];
-                v.extend(pod_extra(i));
-                v
-            },
-            |i| vec!["--kv-events-endpoint".to_string(), endpoints[i].clone()],
-        )
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let endpoints: Vec<String> = (0..n)
+                .map(|_| free_port().map(|p| format!("tcp://127.0.0.1:{p}")))
+                .collect::<Result<_, _>>()?;
+            let started = Self::start_with_agents(
+                n,
+                time_scale,
+                |i| {
+                    let mut v = vec!["--kv-events-endpoint".to_string(), endpoints[i].clone()];
+                    v.extend(pod_extra(i));
+                    v
+                },
+                |i| vec!["--kv-events-endpoint".to_string(), endpoints[i].clone()],
+            );
+            match started {
+                Err(e) if attempt < 3 && e.contains("Address already in use") => {
+                    eprintln!(
+                        "[e2e] a KV-event port was taken before its pod bound it; again: {e}"
+                    );
+                }
+                other => return other,
+            }
+        }
     }
 
     /// Like [`PodPool::start_with`], with extra agent flags per pod index too.
