@@ -114,7 +114,10 @@ pub fn decision_stats(envoy: &Envoy) -> String {
         .map(|s| {
             s.iter()
                 .filter(|(k, _)| {
-                    k.starts_with("wasmcustom.ailb.") && !k.starts_with("wasmcustom.ailb.endpoint.")
+                    let k = k
+                        .strip_prefix("wasmcustom.")
+                        .or_else(|| k.strip_prefix("dynamicmodulescustom."));
+                    k.is_some_and(|k| k.starts_with("ailb.") && !k.starts_with("ailb.endpoint."))
                 })
                 .map(|(k, v)| format!("{k}: {v}"))
                 .collect::<Vec<_>>()
