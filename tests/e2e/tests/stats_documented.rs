@@ -153,6 +153,10 @@ const NOT_EXERCISED_BOTH: &[(&str, &str)] = &[
         "needs `learnedWeights` on, which this run leaves off (tests/filter_learned_weights.rs reads these gauges with it on)",
     ),
     (
+        "ailb.pool.<pool>.learned.ttft",
+        "needs `learnedWeights` on, which this run leaves off (tests/filter_learned_weights.rs reads these gauges with it on)",
+    ),
+    (
         "ailb.pool.<pool>.learned.bias",
         "needs `learnedWeights` on, which this run leaves off (tests/filter_learned_weights.rs reads these gauges with it on)",
     ),
