@@ -30,7 +30,10 @@ pub(super) fn set_rel_ttfts(p: &mut PoolRt, now_ms: u64) {
         r.seen_ttft_ms
             .filter(|_| now_ms.saturating_sub(r.seen_ttft_at_ms) <= TTFT_HOLD_MS)
     };
-    let mut seen: Vec<f64> = p.pods.iter().filter_map(recent).collect();
+    // The pool's ITL scratch is free here (the ITL median is taken before, the speeds after).
+    let mut seen = std::mem::take(&mut p.itl_scratch);
+    seen.clear();
+    seen.extend(p.pods.iter().filter_map(recent));
     let median = if seen.len() >= MIN_TTFT_PODS {
         seen.sort_unstable_by(f64::total_cmp);
         let n = seen.len();
@@ -40,6 +43,7 @@ pub(super) fn set_rel_ttfts(p: &mut PoolRt, now_ms: u64) {
     } else {
         None
     };
+    p.itl_scratch = seen;
     for pod in p.pods.iter_mut() {
         pod.rel_ttft = match (median, recent(pod)) {
             (Some(m), Some(t)) => Some(t.max(1.0) / m),

@@ -204,7 +204,8 @@ struct PoolRt {
     dirty: bool,
     /// Pool mean of smoothed scores of pods with metrics that are not cut.
     mean: f64,
-    /// Scratch for the pool's median recent inter-token latency (kept to avoid allocating).
+    /// Scratch for the pool's medians of recent inter-token latency and, with
+    /// `learnedWeights`, observed TTFT (kept to avoid allocating).
     itl_scratch: Vec<f64>,
     /// This VM's recent sends of prompt prefixes, by pod id (`prefixAffinity`).
     own: OwnSends,
