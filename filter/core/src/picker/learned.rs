@@ -34,15 +34,7 @@ pub(super) fn set_rel_ttfts(p: &mut PoolRt, now_ms: u64) {
     let mut seen = std::mem::take(&mut p.itl_scratch);
     seen.clear();
     seen.extend(p.pods.iter().filter_map(recent));
-    let median = if seen.len() >= MIN_TTFT_PODS {
-        seen.sort_unstable_by(f64::total_cmp);
-        let n = seen.len();
-        let hi = seen.get(n / 2).copied().unwrap_or(0.0);
-        let lo = seen.get((n - 1) / 2).copied().unwrap_or(hi);
-        Some((lo + hi) / 2.0).filter(|m| *m > 0.0)
-    } else {
-        None
-    };
+    let median = super::refresh::median(&mut seen, MIN_TTFT_PODS).filter(|m| *m > 0.0);
     p.itl_scratch = seen;
     for pod in p.pods.iter_mut() {
         pod.rel_ttft = match (median, recent(pod)) {

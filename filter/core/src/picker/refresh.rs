@@ -355,17 +355,19 @@ fn median_recent_itl(
             })
             .filter_map(|s| s.itl_recent_ms),
     );
-    if scratch.len() < MIN_ITL_PODS {
+    median(scratch, MIN_ITL_PODS)
+}
+
+/// The median of `values` (sorted in place), or None with fewer than `min` of them.
+pub(super) fn median(values: &mut [f64], min: usize) -> Option<f64> {
+    if values.is_empty() || values.len() < min {
         return None;
     }
-    scratch.sort_unstable_by(f64::total_cmp);
-    let n = scratch.len();
-    let mid = scratch.get(n / 2).copied()?;
-    Some(if n % 2 == 0 {
-        (scratch.get(n / 2 - 1).copied()? + mid) / 2.0
-    } else {
-        mid
-    })
+    values.sort_unstable_by(f64::total_cmp);
+    let n = values.len();
+    let hi = values.get(n / 2).copied()?;
+    let lo = values.get((n - 1) / 2).copied().unwrap_or(hi);
+    Some((lo + hi) / 2.0)
 }
 
 /// Each pod's decode speed relative to the pool: its smoothed inter-token latency over
@@ -374,15 +376,7 @@ fn set_rel_speeds(p: &mut PoolRt, now_ms: u64) {
     p.itl_scratch.clear();
     p.itl_scratch
         .extend(p.pods.iter().filter_map(|r| r.decode_ms(now_ms)));
-    let median = if p.itl_scratch.len() >= MIN_ITL_PODS {
-        p.itl_scratch.sort_unstable_by(f64::total_cmp);
-        let n = p.itl_scratch.len();
-        let hi = p.itl_scratch.get(n / 2).copied().unwrap_or(0.0);
-        let lo = p.itl_scratch.get((n - 1) / 2).copied().unwrap_or(hi);
-        Some((lo + hi) / 2.0).filter(|m| *m > 0.0)
-    } else {
-        None
-    };
+    let median = median(&mut p.itl_scratch, MIN_ITL_PODS).filter(|m| *m > 0.0);
     for pod in p.pods.iter_mut() {
         pod.rel_speed = match (median, pod.decode_ms(now_ms)) {
             (Some(m), Some(d)) => (d / m).clamp(MIN_REL_SPEED, MAX_REL_SPEED),
