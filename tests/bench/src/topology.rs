@@ -22,8 +22,9 @@ use serde::Serialize;
 use ai_lb_e2e::envoy::{self, Envoy, EnvoyOptions};
 use ai_lb_e2e::process::{Proc, Spec};
 
-/// The agents' `--rate-window` (their default; the bench does not set it).
-const AGENT_RATE_WINDOW: Duration = Duration::from_secs(5);
+/// The agents' `--rate-window` and `--window` (their defaults; the bench sets neither): the
+/// longer is how long a reading of the previous run stays in what they report.
+const AGENT_WINDOW: Duration = Duration::from_secs(10);
 
 pub type Error = String;
 
@@ -245,7 +246,27 @@ pub struct Pool {
 
 impl Pool {
     /// Starts the pods; with `agents`, one agent per pod, all peered.
+    ///
+    /// The agents' gRPC ports and the KV-event endpoints are drawn free before their processes
+    /// bind them, and another process may take one in between (seen in a benchmark run:
+    /// "--grpc-listen ...: cannot bind: Address already in use"); then the whole pool starts
+    /// again on new ports, up to three times.
     pub fn start(shape: &PodShape, agents: bool) -> Result<Pool, Error> {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match Self::start_once(shape, agents) {
+                Err(e) if attempt < 3 && e.contains("Address already in use") => {
+                    eprintln!(
+                        "[bench] a port drawn free was taken before it was bound; again: {e}"
+                    );
+                }
+                other => return other,
+            }
+        }
+    }
+
+    fn start_once(shape: &PodShape, agents: bool) -> Result<Pool, Error> {
         let pod_bin = release_bin("ai-lb-fake-pod")?;
         let mut pods = Vec::new();
         let presets = shape
@@ -371,15 +392,16 @@ impl Pool {
     }
 
     /// Waits until no pod runs or queues anything (after a run's stragglers were cut off), then
-    /// until the agents' rate windows no longer hold the previous phase: requests cut off by
-    /// the client (calibration kills its generators, timeouts) count as aborts, which the
-    /// agents report as errors for a rate window, and ai-lb's breakers would open on them at
-    /// the start of the next run.
+    /// until the agents' windows no longer hold the previous phase: requests cut off by the
+    /// client (calibration kills its generators, timeouts) count as aborts, which the agents
+    /// report as errors for a rate window, and ai-lb's breakers would open on them at the
+    /// start of the next run; and the previous run's tail would sit in the latency quantiles
+    /// the next run's first picks read.
     pub fn wait_idle(&self, deadline: Duration) -> Result<(), Error> {
         let end = Instant::now() + deadline;
         loop {
             if self.busy()? == 0.0 {
-                std::thread::sleep(AGENT_RATE_WINDOW + Duration::from_millis(500));
+                std::thread::sleep(AGENT_WINDOW + Duration::from_millis(500));
                 return Ok(());
             }
             if Instant::now() > end {
