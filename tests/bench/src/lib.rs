@@ -12,6 +12,7 @@ pub mod floor;
 pub mod freshness;
 pub mod overhead;
 pub mod overhead_figures;
+pub mod repeats;
 pub mod scenario;
 pub mod soak;
 pub mod topology;

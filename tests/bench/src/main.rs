@@ -126,6 +126,12 @@ struct Cli {
         default_value = "round_robin,least_request,ai_lb"
     )]
     policies: Vec<String>,
+    /// Runs each load scenario this many times on its trace, the policies' order reversed
+    /// every other time; each repeat's table goes to `<out>/<scenario>/repeat-<k>/`, and
+    /// `<out>/<scenario>/repeats.md` gives every repeat's p99s and the median ratios to the
+    /// first policy named.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=50))]
+    repeats: u32,
 }
 
 fn main() -> ExitCode {
@@ -251,6 +257,12 @@ fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
             .map(|p| topology::Policy::parse(p))
             .collect::<Result<_, _>>()?,
     };
+    if cli.smoke && cli.repeats > 1 {
+        return Err(format!(
+            "--repeats {}: the smoke run checks one run of each scenario; leave --repeats out",
+            cli.repeats
+        ));
+    }
     let loads: Vec<&String> = cli
         .scenarios
         .iter()
@@ -406,9 +418,20 @@ fn run(cli: &Cli, cmdline: &str) -> Result<(), String> {
         }
         for name in loads {
             let load = scenario::parse_load(name)?;
-            let summary = scenario::run_load(&load, &env, &mut pool, cmdline)?;
-            let table =
-                std::fs::read_to_string(cli.out.join(name).join("table.md")).unwrap_or_default();
+            let (summary, table) = if cli.repeats > 1 {
+                let s = ai_lb_bench::repeats::run(
+                    &load,
+                    &env,
+                    &mut pool,
+                    cmdline,
+                    cli.repeats as usize,
+                )?;
+                (s, cli.out.join(name).join("repeats.md"))
+            } else {
+                let s = scenario::run_load(&load, &env, &mut pool, cmdline)?;
+                (s, cli.out.join(name).join("table.md"))
+            };
+            let table = std::fs::read_to_string(table).unwrap_or_default();
             println!("{table}");
             checks.push((name.clone(), summary));
         }

@@ -881,7 +881,7 @@ pub struct PolicyResult {
     pub filter_counters: Option<std::collections::BTreeMap<String, u64>>,
     /// Prefix-cache use over the run from the pods' own counters, or "n/a" when they have none.
     pub prefix_cache: CacheReport,
-    /// How the pods' prefix caches were emptied before the run (prefix-cache workloads).
+    /// How the pods' prefix caches were emptied before the run.
     pub caches_made_cold_by: Option<String>,
     /// The no-queue TTFT floor over this policy's answered and timed-out requests, ms.
     pub floor_ttft_ms: Option<Pcts>,
@@ -905,15 +905,16 @@ pub fn run_policy(
     dir: &Path,
 ) -> Result<(Vec<Record>, PolicyResult), Error> {
     eprintln!("[bench] {}: {} ...", load.name, policy.name());
-    let caches_made_cold_by = if load.workload.uses_prefix_cache() {
-        Some(cold_caches(
-            pool,
-            env,
-            &format!("{} {}", load.name, policy.name()),
-        )?)
-    } else {
-        None
-    };
+    // Every workload, not only the prefix-cache ones, so that each policy starts from the same
+    // pod state: a cache the previous policy left full makes each new block evict one (a
+    // `BlockRemoved` event on top of each `BlockStored`, through the agents to every sidecar).
+    // Measured, it was not what made the same policy's p99 TTFT differ between two runs of
+    // one trace (bench-results/misleading-frontend/README.md, "The bench's policy order").
+    let caches_made_cold_by = Some(cold_caches(
+        pool,
+        env,
+        &format!("{} {}", load.name, policy.name()),
+    )?);
     let mut sidecars = Vec::new();
     for _ in 0..env.sidecars {
         sidecars.push(topology::start_sidecar(
@@ -1144,6 +1145,18 @@ fn filter_counters(
 /// Runs every policy on one load scenario; writes `<out>/<name>/summary.json` and `table.md`,
 /// and the merged records to `<work>/<name>/<policy>.jsonl` (for plots).
 pub fn run_load(load: &Load, env: &Env, pool: &mut Pool, cmd: &str) -> Result<Value, Error> {
+    run_load_into(load, env, pool, cmd, &env.out.join(&load.name))
+}
+
+/// [`run_load`], writing `summary.json` and `table.md` into `out` (a repeat's own folder:
+/// [`crate::repeats`]).
+pub fn run_load_into(
+    load: &Load,
+    env: &Env,
+    pool: &mut Pool,
+    cmd: &str,
+    out: &Path,
+) -> Result<Value, Error> {
     let dir = env.work.join(&load.name);
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let trace = dir.join("trace.jsonl");
@@ -1191,7 +1204,7 @@ pub fn run_load(load: &Load, env: &Env, pool: &mut Pool, cmd: &str) -> Result<Va
     };
     let summary = summarize_policies(load, env, rate, &floor, &results, cmd);
     write_outputs(
-        &env.out.join(&load.name),
+        out,
         &summary,
         &table(load, &results, rate, &floor, env, cmd),
     )?;
