@@ -98,6 +98,18 @@ fn cell(v: Option<f64>, ratio: bool) -> String {
     }
 }
 
+/// One row: `head`, each repeat's value, and their median (ratios: two decimals, the median
+/// in bold); a repeat without the value shows a dash and stays out of the median.
+fn row(head: &str, vals: Vec<Option<f64>>, ratio: bool) -> String {
+    let cells: String = vals
+        .iter()
+        .map(|v| format!(" {} |", cell(*v, ratio)))
+        .collect();
+    let med = cell(median(vals.into_iter().flatten().collect()), ratio);
+    let med = if ratio { format!("**{med}**") } else { med };
+    format!("| {head} |{cells} {med} |\n")
+}
+
 /// The repeats' markdown table: a row per policy and metric, then per other policy and metric
 /// its ratio to the first policy (per repeat, then the median of those ratios).
 pub fn table(name: &str, cmd: &str, policies: &[&str], summaries: &[Value]) -> String {
@@ -112,37 +124,21 @@ pub fn table(name: &str, cmd: &str, policies: &[&str], summaries: &[Value]) -> S
     ));
     for p in policies {
         for (m, (label, _, _)) in METRICS.iter().enumerate() {
-            let vals: Vec<Option<f64>> = summaries.iter().map(|s| metric(s, p, m)).collect();
-            let cells: String = vals
-                .iter()
-                .map(|v| format!(" {} |", cell(*v, false)))
-                .collect();
-            let med = median(vals.iter().flatten().copied().collect());
-            t.push_str(&format!(
-                "| {p} | {label} |{cells} {} |\n",
-                cell(med, false)
-            ));
+            let vals = summaries.iter().map(|s| metric(s, p, m)).collect();
+            t.push_str(&row(&format!("{p} | {label}"), vals, false));
         }
     }
     if let Some((base, others)) = policies.split_first() {
         for p in others {
             for (m, (label, _, _)) in METRICS.iter().enumerate() {
-                let ratios: Vec<Option<f64>> = summaries
+                let ratios = summaries
                     .iter()
                     .map(|s| match (metric(s, p, m), metric(s, base, m)) {
                         (Some(a), Some(b)) if b > 0.0 => Some(a / b),
                         _ => None,
                     })
                     .collect();
-                let cells: String = ratios
-                    .iter()
-                    .map(|v| format!(" {} |", cell(*v, true)))
-                    .collect();
-                let med = median(ratios.iter().flatten().copied().collect());
-                t.push_str(&format!(
-                    "| {p} / {base} | {label} |{cells} **{}** |\n",
-                    cell(med, true)
-                ));
+                t.push_str(&row(&format!("{p} / {base} | {label}"), ratios, true));
             }
         }
     }
