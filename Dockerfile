@@ -33,14 +33,28 @@ COPY filter filter
 COPY prefix prefix
 COPY tests tests
 COPY tools tools
-RUN cargo build --release --locked \
-        -p ai-lb-agent -p ai-lb-fake-pod -p ai-lb-loadgen -p ai-lb-filter-native \
- && cargo build --release --locked -p ai-lb-filter-wasm --target wasm32-wasip1 \
- && mkdir -p /out \
- && cp target/release/ai-lb-agent target/release/ai-lb-fake-pod target/release/ai-lb-loadgen \
-       target/release/libai_lb_filter_native.so \
-       target/wasm32-wasip1/release/ai_lb_filter_wasm.wasm /out/ \
- && rm -rf target
+# BINARIES=prebuilt: the binaries are already in /out of RUST_IMAGE (scripts/compose.sh with
+# AI_LB_COMPOSE_BINARIES=host, as the test run does: it has just built the same release binaries
+# on a Debian bookworm host and need not compile them twice). The workspace is still loaded, so a
+# crate missing from the COPY lines above fails here as it would in a build from source.
+ARG BINARIES=source
+RUN set -e; \
+    bins="ai-lb-agent ai-lb-fake-pod ai-lb-loadgen libai_lb_filter_native.so ai_lb_filter_wasm.wasm"; \
+    if [ "$BINARIES" = prebuilt ]; then \
+      cargo metadata --no-deps --format-version 1 --offline >/dev/null; \
+      for b in $bins; do test -f "/out/$b" || { echo "BINARIES=prebuilt: /out/$b missing from the RUST_IMAGE" >&2; exit 1; }; done; \
+    elif [ "$BINARIES" = source ]; then \
+      cargo build --release --locked \
+        -p ai-lb-agent -p ai-lb-fake-pod -p ai-lb-loadgen -p ai-lb-filter-native; \
+      cargo build --release --locked -p ai-lb-filter-wasm --target wasm32-wasip1; \
+      mkdir -p /out; \
+      cp target/release/ai-lb-agent target/release/ai-lb-fake-pod target/release/ai-lb-loadgen \
+         target/release/libai_lb_filter_native.so \
+         target/wasm32-wasip1/release/ai_lb_filter_wasm.wasm /out/; \
+      rm -rf target; \
+    else \
+      echo "BINARIES=$BINARIES: expected source or prebuilt" >&2; exit 1; \
+    fi
 
 # ---- collector agent ---------------------------------------------------------------------------
 # glibc (not musl), so the NVIDIA container toolkit can inject libnvidia-ml.so.1.
