@@ -475,6 +475,32 @@ impl Breaker {
         }
     }
 
+    /// Whether a client request may go to this pod now: [`Breaker::admits`], except that with
+    /// `breaker.syntheticProbe` a half-open pod takes only the filter's own probes
+    /// ([`crate::probe`]).
+    pub fn takes_requests(&self, cfg: &BreakerConfig) -> bool {
+        self.admits(cfg) && !(cfg.synthetic_probes && self.state == BreakerState::HalfOpen)
+    }
+
+    /// `breaker.syntheticProbe`: spends a half-open probe for a synthetic request when one is
+    /// due (call [`Breaker::poll`] first): a probe may go ([`Breaker::admits`]) and none went in
+    /// the last `interval_ms` (the first one goes at once). True when spent.
+    pub fn take_synthetic_probe(
+        &mut self,
+        now_ms: u64,
+        cfg: &BreakerConfig,
+        interval_ms: u64,
+    ) -> bool {
+        if self.state != BreakerState::HalfOpen || !self.admits(cfg) {
+            return false;
+        }
+        if self.probes_issued > 0 && now_ms.saturating_sub(self.last_probe_ms) < interval_ms {
+            return false;
+        }
+        self.on_request(now_ms);
+        true
+    }
+
     /// Records that a request was sent (a probe when HalfOpen).
     pub fn on_request(&mut self, now_ms: u64) {
         if self.state == BreakerState::HalfOpen {

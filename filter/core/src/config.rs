@@ -161,6 +161,9 @@ pub struct BreakerConfig {
     /// and answered well-formed OpenAI JSON ([`crate::triggers`]); it replaces
     /// `half_open_probes`. None = off.
     pub well_formed_probes: Option<u32>,
+    /// `syntheticProbe` is configured ([`FilterConfig::synthetic_probe`] holds it): half-open
+    /// pods take only the filter's own probes, no client request ([`crate::probe`]).
+    pub synthetic_probes: bool,
 }
 
 impl BreakerConfig {
@@ -186,6 +189,7 @@ impl Default for BreakerConfig {
             adaptive_thresholds: None,
             truncation: None,
             well_formed_probes: None,
+            synthetic_probes: false,
         }
     }
 }
@@ -319,6 +323,9 @@ pub struct FilterConfig {
     pub learned_weights: Option<crate::learned::LearnedWeights>,
     /// Degrade before OOM ([`crate::pre_oom`]); None: `preOom.enabled` false.
     pub pre_oom: Option<crate::pre_oom::PreOomConfig>,
+    /// `breaker.syntheticProbe`: half-open pods are probed with this request of the filter's
+    /// own (None = off: client requests are the probes; see [`crate::probe`]).
+    pub synthetic_probe: Option<crate::probe::SyntheticProbe>,
 }
 
 /// `maxBodyReadBytes` when unset: half of Envoy's default buffer limit (1 MiB).

@@ -62,6 +62,12 @@ pub struct Counters {
     /// Requests that failed on a pod while its traffic ramped back after its breaker closed
     /// (`breaker.recoveryRamp`): each re-opens the breaker.
     pub breaker_ramp_failures: u64,
+    /// `breaker.syntheticProbe`: probes handed to the proxy, probes that passed and that failed
+    /// (each as its answer arrived), and probes the proxy refused to send.
+    pub probe_sent: u64,
+    pub probe_passed: u64,
+    pub probe_failed: u64,
+    pub probe_not_sent: u64,
     /// `breaker.adaptiveThresholds`: judgements where a pod's adapted threshold counted a
     /// failure or opened its breaker where its static one would not have (stricter), or spared
     /// it where the static one would have (laxer): a response's TTFT against the SLO, a
@@ -117,7 +123,7 @@ impl Counters {
     }
 
     /// How many counters [`Counters::iter`] lists.
-    pub const COUNT: usize = 44;
+    pub const COUNT: usize = 48;
 
     /// Counts one breaker transition into `to`.
     pub fn count_transition(&mut self, to: BreakerState) {
@@ -163,6 +169,10 @@ impl Counters {
             ("prefix.blocks", self.prefix_blocks),
             ("prefix.blocks_held", self.prefix_blocks_held),
             ("breaker_ramp_failures", self.breaker_ramp_failures),
+            ("probe.sent", self.probe_sent),
+            ("probe.passed", self.probe_passed),
+            ("probe.failed", self.probe_failed),
+            ("probe.not_sent", self.probe_not_sent),
             (
                 "breaker_thresholds.stricter",
                 self.breaker_thresholds_stricter,

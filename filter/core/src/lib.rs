@@ -49,6 +49,7 @@ pub mod picker;
 pub mod pool;
 pub mod pre_oom;
 pub mod prefix;
+pub mod probe;
 pub mod recovery;
 pub mod score;
 pub mod signals;

@@ -98,8 +98,8 @@ fn config_with(path: &str, value: &Value) -> Value {
 }
 
 /// Config sections (dotted paths) that are off unless present; `{}` turns one on with its
-/// defaults.
-const OFF_UNLESS_PRESENT: [&str; 10] = [
+/// defaults (with [`REQUIRED_MEMBERS`] where it has some).
+const OFF_UNLESS_PRESENT: [&str; 11] = [
     "admission",
     "bigRequestHold",
     "prefixAffinity",
@@ -110,9 +110,18 @@ const OFF_UNLESS_PRESENT: [&str; 10] = [
     "versions",
     "learnedWeights",
     "breaker.truncation",
+    "breaker.syntheticProbe",
 ];
 
-/// Sets the section at dotted `path` to `{}`, creating the objects above it.
+/// The members a section of [`OFF_UNLESS_PRESENT`] cannot be on without (no default).
+const REQUIRED_MEMBERS: [(&str, &str, &str); 1] = [(
+    "breaker.syntheticProbe",
+    "body",
+    r#"{"prompt":"ping","max_tokens":1}"#,
+)];
+
+/// Sets the section at dotted `path` to `{}` (plus its required members), creating the objects
+/// above it; a section already there keeps what it has.
 fn switch_on(c: &mut Value, path: &str) {
     let mut at = c;
     for key in path.split('.') {
@@ -120,6 +129,11 @@ fn switch_on(c: &mut Value, path: &str) {
             at[key] = serde_json::json!({});
         }
         at = &mut at[key];
+    }
+    for (section, member, value) in REQUIRED_MEMBERS {
+        if section == path && at.get(member).is_none() {
+            at[member] = Value::from(value);
+        }
     }
 }
 
@@ -145,7 +159,8 @@ fn schema_defaults_and_bounds_agree_with_the_parser() {
         let wrap = |v: &Value| {
             let mut c = config_with(&path, v);
             for section in OFF_UNLESS_PRESENT {
-                if !path.starts_with(section) {
+                // The section the property is in is on anyway; its required members are added.
+                if !path.starts_with(section) || path.starts_with(&format!("{section}.")) {
                     switch_on(&mut c, section);
                 }
             }

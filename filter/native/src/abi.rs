@@ -127,6 +127,9 @@ pub type HttpFilterModulePtr = *const c_void;
 /// an event to the stream's worker thread, from any thread; it holds the stream weakly (an
 /// event for a stream that is gone is dropped). The module deletes it.
 pub type HttpFilterSchedulerPtr = *mut c_void;
+/// A filter config's scheduler (C: `..._http_filter_config_scheduler_module_ptr`): posts events
+/// to the main thread (`on_http_filter_config_scheduled`) from any thread.
+pub type HttpFilterConfigSchedulerPtr = *mut c_void;
 
 // ---------------------------------------------------------------------------------------------
 // Buffers and header pairs
@@ -196,6 +199,31 @@ pub struct EnvoyHttpHeader {
     pub key_length: usize,
     pub value_ptr: *const c_char,
     pub value_length: usize,
+}
+
+impl EnvoyHttpHeader {
+    /// The key's bytes.
+    ///
+    /// # Safety
+    /// Only inside the hook in which Envoy handed this header over.
+    pub unsafe fn key<'a>(&self) -> &'a [u8] {
+        EnvoyBuffer {
+            ptr: self.key_ptr,
+            length: self.key_length,
+        }
+        .as_bytes()
+    }
+    /// The value's bytes.
+    ///
+    /// # Safety
+    /// As for [`EnvoyHttpHeader::key`].
+    pub unsafe fn value<'a>(&self) -> &'a [u8] {
+        EnvoyBuffer {
+            ptr: self.value_ptr,
+            length: self.value_length,
+        }
+        .as_bytes()
+    }
 }
 
 /// A header key/value pair whose bytes the module owns (C: `..._module_http_header`); used
@@ -269,6 +297,17 @@ pub mod metrics_result {
 /// Outcome passed to the callout-done hooks.
 pub type HttpCalloutResult = u32;
 
+/// What starting an HTTP callout returned (C: `..._http_callout_init_result`): 0 success, then
+/// missing required headers, cluster not found, duplicate callout id, cannot create request.
+pub type HttpCalloutInitResult = u32;
+pub mod http_callout_init_result {
+    pub const SUCCESS: u32 = 0;
+}
+pub mod http_callout_result {
+    /// A response arrived (any status); the others are a reset and an over-large response.
+    pub const SUCCESS: u32 = 0;
+}
+
 /// Reason passed to the stream-callout reset hooks.
 pub type HttpStreamResetReason = u32;
 
@@ -293,11 +332,11 @@ pub mod attribute_id {
 // and return types of the alias. To have rustc check an export against its alias, write e.g.
 //     const _: OnHttpFilterNew = envoy_dynamic_module_on_http_filter_new;
 // (a safe `extern "C" fn` item coerces to the `unsafe extern "C" fn` pointer type).
-// Never let a panic unwind out of these functions. Only the hooks Envoy 1.40 requires (it
-// rejects a module missing one) are declared here, each checked against its export in lib.rs;
-// the optional ones (local reply, config-level callouts and scheduler, per-route config) are
-// not implemented, and Envoy skips them when absent. Likewise only the callbacks and enum
-// values this module uses are bound.
+// Never let a panic unwind out of these functions. The hooks Envoy 1.40 requires (it rejects
+// a module missing one) are declared here, each checked against its export in lib.rs; of the
+// optional ones Envoy skips when absent, local reply and per-route config are not
+// implemented, the config-level scheduler and callout hooks are (`breaker.syntheticProbe`).
+// Likewise only the callbacks and enum values this module uses are bound.
 
 /// `envoy_dynamic_module_on_program_init`: called once right after dlopen. Return
 /// `ABI_VERSION.as_ptr()`; returning null makes the load fail.
@@ -442,6 +481,28 @@ pub type OnHttpFilterDownstreamBelowWriteBufferLowWatermark =
 
 // ----- optional hooks (a missing symbol just disables the feature) -----
 
+/// `envoy_dynamic_module_on_http_filter_config_scheduled`: on the main thread, for an event
+/// committed to the config's scheduler (`..._http_filter_config_scheduler_commit`).
+pub type OnHttpFilterConfigScheduled = unsafe extern "C" fn(
+    config_envoy: HttpFilterConfigEnvoyPtr,
+    config_module: HttpFilterConfigModulePtr,
+    event_id: u64,
+);
+
+/// `envoy_dynamic_module_on_http_filter_config_http_callout_done`: on the main thread, when a
+/// callout started with `..._http_filter_config_http_callout` ended. `headers` and
+/// `body_chunks` are Envoy's, valid during the hook, null when no response came.
+pub type OnHttpFilterConfigHttpCalloutDone = unsafe extern "C" fn(
+    config_envoy: HttpFilterConfigEnvoyPtr,
+    config_module: HttpFilterConfigModulePtr,
+    callout_id: u64,
+    result: HttpCalloutResult,
+    headers: *const EnvoyHttpHeader,
+    headers_size: usize,
+    body_chunks: *const EnvoyBuffer,
+    body_chunks_size: usize,
+);
+
 // ----- per-route hooks (looked up only when a DynamicModuleFilterPerRoute config is used) -----
 
 // ---------------------------------------------------------------------------------------------
@@ -556,6 +617,52 @@ unsafe extern "C" {
     pub fn envoy_dynamic_module_callback_http_filter_scheduler_delete(
         scheduler: HttpFilterSchedulerPtr,
     );
+
+    // ----- config-level scheduler and HTTP callouts (main thread) -----
+    // Checked against the 1.40.0 binary: scheduler_new reads its config pointer (rdi) only;
+    // commit takes (scheduler, event id); the callout takes (config, *callout_id, cluster
+    // buffer in rdx:rcx, headers in r8 with 32-byte entries, their count in r9, then the body
+    // buffer and a 64-bit timeout on the stack).
+
+    /// Creates the config's scheduler; delete it with `..._config_scheduler_delete`.
+    pub fn envoy_dynamic_module_callback_http_filter_config_scheduler_new(
+        config_envoy: HttpFilterConfigEnvoyPtr,
+    ) -> HttpFilterConfigSchedulerPtr;
+
+    /// Posts `event_id` to the main thread: `on_http_filter_config_scheduled` runs there
+    /// (unless the config is gone). Callable from any thread.
+    pub fn envoy_dynamic_module_callback_http_filter_config_scheduler_commit(
+        scheduler: HttpFilterConfigSchedulerPtr,
+        event_id: u64,
+    );
+
+    /// Deletes a scheduler from `..._config_scheduler_new`.
+    pub fn envoy_dynamic_module_callback_http_filter_config_scheduler_delete(
+        scheduler: HttpFilterConfigSchedulerPtr,
+    );
+
+    /// Sends an HTTP request on `cluster_name` from the main thread; its end comes to
+    /// `on_http_filter_config_http_callout_done` with the id written to `*callout_id`.
+    /// `headers` must hold `:method`, `:path` and `:authority`.
+    pub fn envoy_dynamic_module_callback_http_filter_config_http_callout(
+        config_envoy: HttpFilterConfigEnvoyPtr,
+        callout_id: *mut u64,
+        cluster_name: ModuleBuffer,
+        headers: *const ModuleHttpHeader,
+        headers_size: usize,
+        body: ModuleBuffer,
+        timeout_ms: u64,
+    ) -> HttpCalloutInitResult;
+
+    /// Add `value` to a counter outside any stream (the main thread's hooks); labels as for
+    /// `..._http_filter_increment_counter`.
+    pub fn envoy_dynamic_module_callback_http_filter_config_increment_counter(
+        config_envoy: HttpFilterConfigEnvoyPtr,
+        counter_id: usize,
+        label_values: *const ModuleBuffer,
+        label_values_len: usize,
+        value: u64,
+    ) -> MetricsResult;
 
     /// Resumes a request stopped in a request hook (headers, body or trailers).
     pub fn envoy_dynamic_module_callback_http_filter_continue_decoding(

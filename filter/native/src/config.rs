@@ -111,6 +111,18 @@ pub fn parse(bytes: &[u8]) -> Result<NativeConfig, String> {
             ))
         }
     };
+    // A synthetic probe reaches its pod through the routing header only (a callout has no
+    // stream to set an override host on): under `overrideHost` alone the cluster keeps a
+    // built-in policy, which would send the probe to any pod and judge the wrong one.
+    if filter.synthetic_probe.is_some() && steering == Steering::OverrideHost {
+        return Err(err(
+            "steering",
+            "value \"overrideHost\": `filter.breaker.syntheticProbe` needs the routing header \
+             (\"header\" or \"both\", on a cluster with the override_host policy) to reach \
+             the probed pod"
+                .into(),
+        ));
+    }
     Ok(NativeConfig {
         filter,
         agents,
@@ -173,6 +185,19 @@ mod tests {
                 .steering,
             Steering::Header
         );
+        // A synthetic probe needs the routing header to reach its pod.
+        let probing = |steering: &str| {
+            format!(
+                r#"{{"filter":{{"pools":[{{"name":"default","cluster":"inference"}}],"breaker":{{"syntheticProbe":{{"body":"{{}}"}}}}}},"agents":{{"default":["127.0.0.1:1"]}},"steering":{steering}}}"#
+            )
+        };
+        let e = parse(probing(r#""overrideHost""#).as_bytes()).unwrap_err();
+        assert!(
+            e.contains("`steering`") && e.contains("syntheticProbe"),
+            "{e}"
+        );
+        assert!(parse(probing(r#""both""#).as_bytes()).is_ok());
+        assert!(parse(probing(r#""header""#).as_bytes()).is_ok());
     }
 
     #[test]

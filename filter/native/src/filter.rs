@@ -40,7 +40,9 @@ use crate::breakers::SharedBreakers;
 use crate::config::{NativeConfig, Steering};
 use crate::feed::{self, now_ms, Feed, Shared};
 use crate::held::HeldWake;
-use crate::host::{self, ConfigHandle, LabeledCounter, LabeledGauge, Level, Map, Stream};
+use crate::host::{
+    self, ConfigHandle, CounterSink, LabeledCounter, LabeledGauge, Level, Map, Stream,
+};
 
 /// Counter ids (0 = not defined; never counted). The names are the wasm filter's, so one
 /// dashboard reads both data paths (Envoy prefixes them `dynamicmodulescustom.` here,
@@ -102,6 +104,9 @@ pub struct ConfigRt {
     buckets: Arc<MemoryStore>,
     /// Wakes held requests (admission on only), every `tick_ms`.
     held: Option<HeldWake>,
+    /// `breaker.syntheticProbe` (route mode): the main thread's probe timer and the probes in
+    /// flight. None: off.
+    pub probes: Option<crate::probes::Probes>,
     tick_ms: u64,
     /// When the per-pod gauges are next due (ms; [`export_gauges`]).
     gauges_due_ms: AtomicU64,
@@ -192,6 +197,13 @@ impl ConfigRt {
             true => Some(HeldWake::start(std::time::Duration::from_millis(tick_ms))?),
             false => None,
         };
+        let probes = match routes && cfg.filter.synthetic_probe.is_some() {
+            true => Some(crate::probes::Probes::start(
+                handle,
+                std::time::Duration::from_millis(tick_ms),
+            )?),
+            false => None,
+        };
         let feed = feed::start(&cfg.filter, &cfg.agents, Arc::clone(&shared))?;
         Ok(ConfigRt {
             id: NEXT.fetch_add(1, Ordering::Relaxed),
@@ -204,6 +216,7 @@ impl ConfigRt {
             guard,
             buckets: Arc::new(MemoryStore::new()),
             held,
+            probes,
             tick_ms,
             gauges_due_ms: AtomicU64::new(0),
             alive: Arc::new(()),
@@ -212,8 +225,9 @@ impl ConfigRt {
     }
 }
 
-/// A worker thread's routing state for one config.
-struct Worker {
+/// A worker thread's routing state for one config (the main thread keeps one too when
+/// `breaker.syntheticProbe` is on, [`crate::probes`]).
+pub(crate) struct Worker {
     config_id: u64,
     alive: std::sync::Weak<()>,
     /// The feed's published pool states.
@@ -389,9 +403,8 @@ impl AdmissionWorker for Worker {
 }
 
 impl Worker {
-    /// Adds what the last event counted to Envoy's counters: the core's counters (deltas;
-    /// `ailb.<name>`, the wasm filter's names), the breaker transitions this worker wrote,
-    /// and once a second the per-pod picks and failures.
+    /// Adds what the last event counted to Envoy's counters: admission's and the hold's, the
+    /// counts of [`Worker::export_counts`], and once a second the per-version counts.
     fn export(&mut self, rt: &ConfigRt, s: &Stream) {
         let c = &rt.counters;
         if let Some(ids) = &rt.adm_ids {
@@ -400,6 +413,33 @@ impl Worker {
         if let Some(ids) = &rt.hold_ids {
             self.hold_stats.flush(ids, s);
         }
+        self.export_counts(rt, s);
+        let now = now_ms();
+        if self.router.config().versions.is_some() && now >= self.versions_due_ms {
+            self.versions_due_ms = now + 1000;
+            for (version, counts, state) in self.router.version_totals() {
+                let last = self
+                    .versions_seen
+                    .get(&version)
+                    .copied()
+                    .unwrap_or_default();
+                let pairs = counts.iter().into_iter().zip(last.iter());
+                for (id, ((_, v), (_, old))) in c.version.iter().zip(pairs) {
+                    if v > old {
+                        s.inc_labeled(*id, &version, v - old);
+                    }
+                }
+                s.set_labeled(c.version_state, &version, state.gauge_value());
+                self.versions_seen.insert(version, counts);
+            }
+        }
+    }
+
+    /// Adds to `s` (a stream, or the config on the main thread) the core's counters (deltas;
+    /// `ailb.<name>`, the wasm filter's names), the breaker transitions this worker wrote, what
+    /// the feed threads counted, and once a second the per-pod picks and failures.
+    pub(crate) fn export_counts(&mut self, rt: &ConfigRt, s: &impl CounterSink) {
+        let c = &rt.counters;
         for (i, (_, v)) in self.router.counters().iter().iter().enumerate() {
             let (Some(seen), Some(id)) = (self.core_seen.get_mut(i), c.core.get(i)) else {
                 continue;
@@ -438,24 +478,6 @@ impl Worker {
         }
         export_feed_tallies(rt, s);
         let now = now_ms();
-        if self.router.config().versions.is_some() && now >= self.versions_due_ms {
-            self.versions_due_ms = now + 1000;
-            for (version, counts, state) in self.router.version_totals() {
-                let last = self
-                    .versions_seen
-                    .get(&version)
-                    .copied()
-                    .unwrap_or_default();
-                let pairs = counts.iter().into_iter().zip(last.iter());
-                for (id, ((_, v), (_, old))) in c.version.iter().zip(pairs) {
-                    if v > old {
-                        s.inc_labeled(*id, &version, v - old);
-                    }
-                }
-                s.set_labeled(c.version_state, &version, state.gauge_value());
-                self.versions_seen.insert(version, counts);
-            }
-        }
         if now < self.flush_due_ms || self.stats.pending.is_empty() {
             return;
         }
@@ -476,7 +498,7 @@ thread_local! {
 
 /// Runs `f` on this thread's worker for `rt` (created at the thread's first request). None
 /// when this thread's workers are already in use (a re-entered hook).
-fn with_worker<R>(rt: &ConfigRt, f: impl FnOnce(&mut Worker) -> R) -> Option<R> {
+pub(crate) fn with_worker<R>(rt: &ConfigRt, f: impl FnOnce(&mut Worker) -> R) -> Option<R> {
     WORKERS.with(|w| {
         let mut ws = w.try_borrow_mut().ok()?;
         let i = match ws.iter().position(|w| w.config_id == rt.id) {
@@ -890,7 +912,7 @@ impl Request {
 
 /// Adds to Envoy's counters what the feed thread and busy hooks counted since any worker last
 /// did: the agent streams' opens, failures and closes, and hooks that found their worker busy.
-fn export_feed_tallies(rt: &ConfigRt, s: &Stream) {
+fn export_feed_tallies(rt: &ConfigRt, s: &impl CounterSink) {
     let (sh, c) = (&rt.shared, &rt.counters);
     for (tally, id) in [
         (&sh.busy, c.state_busy),

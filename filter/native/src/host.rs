@@ -27,6 +27,18 @@ pub fn log(level: Level, msg: &str) {
     unsafe { abi::envoy_dynamic_module_callback_log(l, ModuleBuffer::from_text(msg)) }
 }
 
+/// Envoy's array of `n` entries at `ptr` (empty when null or 0).
+///
+/// # Safety
+/// `ptr` points to `n` initialised entries that Envoy keeps valid during the current hook.
+pub unsafe fn slice<'a, T>(ptr: *const T, n: usize) -> &'a [T] {
+    if ptr.is_null() || n == 0 {
+        &[]
+    } else {
+        std::slice::from_raw_parts(ptr, n)
+    }
+}
+
 /// Which header map.
 #[derive(Debug, Clone, Copy)]
 pub enum Map {
@@ -394,13 +406,141 @@ type DefineMetric = unsafe extern "C" fn(
     *mut usize,
 ) -> abi::MetricsResult;
 
-/// Envoy's per-config handle, valid inside `on_http_filter_config_new` only.
+/// Where counters are added: a stream in its hook ([`Stream`]), or the config on the main
+/// thread ([`ConfigHandle`], in the config-level hooks).
+pub trait CounterSink {
+    /// Adds `n` to the plain counter `id`; ignores errors and id 0.
+    fn inc(&self, id: usize, n: u64);
+    /// Adds `n` to the one-label counter `id` for that label's `value`.
+    fn inc_labeled(&self, id: LabeledCounter, value: &str, n: u64);
+}
+
+impl CounterSink for Stream {
+    fn inc(&self, id: usize, n: u64) {
+        Stream::inc(self, id, n);
+    }
+    fn inc_labeled(&self, id: LabeledCounter, value: &str, n: u64) {
+        Stream::inc_labeled(self, id, value, n);
+    }
+}
+
+impl CounterSink for ConfigHandle {
+    fn inc(&self, id: usize, n: u64) {
+        self.config_inc(id, &[], n);
+    }
+    fn inc_labeled(&self, id: LabeledCounter, value: &str, n: u64) {
+        self.config_inc(id.0, &[ModuleBuffer::from_text(value)], n);
+    }
+}
+
+/// A config's scheduler: posts events to the main thread (`on_http_filter_config_scheduled`)
+/// from any thread. Deleted when dropped; Envoy drops events for a config that is gone.
+#[derive(Debug)]
+pub struct ConfigScheduler(abi::HttpFilterConfigSchedulerPtr);
+
+// SAFETY: Envoy's config scheduler posts to the main dispatcher and may be committed from any
+// thread; the module deletes it once (Drop), after its committing thread was joined
+// (`crate::probes::ProbeTimer`).
+unsafe impl Send for ConfigScheduler {}
+unsafe impl Sync for ConfigScheduler {}
+
+impl ConfigScheduler {
+    /// Posts `event` to the main thread.
+    pub fn commit(&self, event: u64) {
+        // SAFETY: a live scheduler from `config_scheduler_new`, not deleted before Drop.
+        unsafe {
+            abi::envoy_dynamic_module_callback_http_filter_config_scheduler_commit(self.0, event)
+        }
+    }
+}
+
+impl Drop for ConfigScheduler {
+    fn drop(&mut self) {
+        // SAFETY: created by `config_scheduler_new`, deleted once.
+        unsafe { abi::envoy_dynamic_module_callback_http_filter_config_scheduler_delete(self.0) }
+    }
+}
+
+/// Envoy's per-config handle. Metrics are defined through it inside `on_http_filter_config_new`
+/// only; the config-level hooks (main thread) get it again for the config's scheduler, HTTP
+/// callouts and counters.
 #[derive(Debug)]
 pub struct ConfigHandle(abi::HttpFilterConfigEnvoyPtr);
 
 impl ConfigHandle {
     pub fn new(ptr: abi::HttpFilterConfigEnvoyPtr) -> Self {
         ConfigHandle(ptr)
+    }
+
+    /// The config's scheduler (None when Envoy gave none).
+    pub fn scheduler(&self) -> Option<ConfigScheduler> {
+        // SAFETY: live config pointer (config_new or a config-level hook).
+        let p =
+            unsafe { abi::envoy_dynamic_module_callback_http_filter_config_scheduler_new(self.0) };
+        (!p.is_null()).then_some(ConfigScheduler(p))
+    }
+
+    /// Sends `POST`-or-whatever `headers` (with `:method`, `:path`, `:authority`) and `body` on
+    /// `cluster` from the main thread, answered in `on_http_filter_config_http_callout_done`;
+    /// the callout's id, or Envoy's refusal code (`..._http_callout_init_result`).
+    pub fn http_callout(
+        &self,
+        cluster: &str,
+        headers: &[(String, String)],
+        body: &[u8],
+        timeout_ms: u64,
+    ) -> Result<u64, u32> {
+        let hs: Vec<abi::ModuleHttpHeader> = headers
+            .iter()
+            .map(|(k, v)| abi::ModuleHttpHeader {
+                key_ptr: k.as_ptr().cast(),
+                key_length: k.len(),
+                value_ptr: v.as_ptr().cast(),
+                value_length: v.len(),
+            })
+            .collect();
+        let mut id = 0u64;
+        // SAFETY: live config pointer on the main thread; `hs`, the strings they point into,
+        // `cluster` and `body` outlive the call (Envoy copies them into its request).
+        let r = unsafe {
+            abi::envoy_dynamic_module_callback_http_filter_config_http_callout(
+                self.0,
+                &mut id,
+                ModuleBuffer::from_text(cluster),
+                hs.as_ptr(),
+                hs.len(),
+                ModuleBuffer::from_bytes(body),
+                timeout_ms,
+            )
+        };
+        if r == abi::http_callout_init_result::SUCCESS {
+            Ok(id)
+        } else {
+            Err(r)
+        }
+    }
+
+    /// Adds `n` to counter `id` with label `values` outside any stream; ignores errors and id 0.
+    fn config_inc(&self, id: usize, values: &[ModuleBuffer], n: u64) {
+        if id == 0 || n == 0 {
+            return;
+        }
+        let ptr = if values.is_empty() {
+            std::ptr::null()
+        } else {
+            values.as_ptr()
+        };
+        // SAFETY: live config pointer in a config-level hook; `values` outlives the call and
+        // holds as many values as the counter has labels.
+        unsafe {
+            abi::envoy_dynamic_module_callback_http_filter_config_increment_counter(
+                self.0,
+                id,
+                ptr,
+                values.len(),
+                n,
+            );
+        }
     }
 
     /// Defines counter `name` (shown as `<metrics_namespace>.<name>`); 0 (never counted) when

@@ -21,6 +21,7 @@ pub mod feed;
 pub mod filter;
 pub mod held;
 pub mod host;
+pub mod probes;
 
 #[allow(unsafe_code)]
 mod exports {
@@ -317,6 +318,68 @@ mod exports {
     ) {
     }
 
+    /// `breaker.syntheticProbe`: the probe timer's tick, on the main thread.
+    #[no_mangle]
+    pub extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
+        config_envoy: abi::HttpFilterConfigEnvoyPtr,
+        config_module: abi::HttpFilterConfigModulePtr,
+        event_id: u64,
+    ) {
+        guard((), || {
+            // SAFETY: the config from config_new, alive while Envoy calls its hooks.
+            let rt = unsafe { (config_module as *const ConfigRt).as_ref() };
+            if let (Some(rt), crate::probes::PROBE_EVENT) = (rt, event_id) {
+                crate::probes::on_scheduled(rt, &ConfigHandle::new(config_envoy));
+            }
+        })
+    }
+
+    /// `breaker.syntheticProbe`: a probe's callout ended, on the main thread.
+    #[no_mangle]
+    pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
+        config_envoy: abi::HttpFilterConfigEnvoyPtr,
+        config_module: abi::HttpFilterConfigModulePtr,
+        callout_id: u64,
+        result: abi::HttpCalloutResult,
+        headers: *const abi::EnvoyHttpHeader,
+        headers_size: usize,
+        body_chunks: *const EnvoyBuffer,
+        body_chunks_size: usize,
+    ) {
+        guard((), || {
+            // SAFETY: the config from config_new, alive while Envoy calls its hooks.
+            let Some(rt) = (unsafe { (config_module as *const ConfigRt).as_ref() }) else {
+                return;
+            };
+            let mut status = None;
+            let mut body = Vec::new();
+            if result == abi::http_callout_result::SUCCESS {
+                // SAFETY: Envoy's arrays of `*_size` entries, valid during this hook (null
+                // when empty).
+                let hs = unsafe { host::slice(headers, headers_size) };
+                status = hs.iter().find_map(|h| {
+                    // SAFETY: Envoy's header bytes, valid during this hook.
+                    let (k, v) = unsafe { (h.key(), h.value()) };
+                    (k == b":status")
+                        .then(|| std::str::from_utf8(v).ok()?.parse::<u16>().ok())
+                        .flatten()
+                });
+                // SAFETY: as above.
+                for chunk in unsafe { host::slice(body_chunks, body_chunks_size) } {
+                    // SAFETY: Envoy's body bytes, valid during this hook.
+                    body.extend_from_slice(unsafe { chunk.as_bytes() });
+                }
+            }
+            crate::probes::on_callout_done(
+                rt,
+                &ConfigHandle::new(config_envoy),
+                callout_id,
+                status,
+                body,
+            );
+        })
+    }
+
     // The compiler checks each export against the ABI's declared hook type.
     const _: abi::OnProgramInit = envoy_dynamic_module_on_program_init;
     const _: abi::OnHttpFilterConfigNew = envoy_dynamic_module_on_http_filter_config_new;
@@ -349,4 +412,8 @@ mod exports {
         envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_watermark;
     const _: abi::OnHttpFilterDownstreamBelowWriteBufferLowWatermark =
         envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark;
+    const _: abi::OnHttpFilterConfigScheduled =
+        envoy_dynamic_module_on_http_filter_config_scheduled;
+    const _: abi::OnHttpFilterConfigHttpCalloutDone =
+        envoy_dynamic_module_on_http_filter_config_http_callout_done;
 }

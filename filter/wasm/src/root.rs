@@ -21,6 +21,7 @@ use ai_lb_filter_core::admission::AdmissionConfig;
 use ai_lb_filter_core::config::{FilterConfig, Mode};
 use ai_lb_filter_core::lifecycle::{self, admission};
 use ai_lb_filter_core::picker::Router;
+use ai_lb_filter_core::probe::{self, ProbeAnswer, ProbeCall};
 use ai_lb_proto::WatchPoolRequest;
 
 use crate::admission::AdmissionSection;
@@ -143,6 +144,8 @@ pub struct Root {
     last_request_ms: Option<u64>,
     /// The tick period set now.
     tick_ms: u64,
+    /// `breaker.syntheticProbe`: the probes this VM sent, by their HTTP call's token.
+    probes: HashMap<u32, ProbeCall>,
 }
 
 impl Default for Root {
@@ -173,6 +176,7 @@ impl Root {
             contexts_seen: 0,
             last_request_ms: None,
             tick_ms: 0,
+            probes: HashMap::new(),
         }
     }
 
@@ -511,6 +515,7 @@ impl Root {
             }
             held_tick(&state, now);
             big_hold_tick(&state, now);
+            self.probe_tick(&state, now);
         }
         if now >= self.next_counters_ms {
             self.next_counters_ms = now + COUNTERS_EVERY_MS;
@@ -533,6 +538,41 @@ impl Root {
         let want = tick_period_ms(self.refresh_ms, now, self.last_request_ms, held);
         if want != self.tick_ms && hostcalls::set_tick_period(Duration::from_millis(want)).is_ok() {
             self.tick_ms = want;
+        }
+    }
+
+    /// `breaker.syntheticProbe`: sends the probes the core says are due ([`probe::due`]) as HTTP
+    /// calls on the pool's inference cluster (the routing header in them steers each to its
+    /// pod through `override_host`); the answers come to [`Context::on_http_call_response`].
+    fn probe_tick(&mut self, state: &Rc<RefCell<State>>, now: u64) {
+        let warn = &mut |m: &str| host::log(LogLevel::Warn, m);
+        let calls = match state::lock(state) {
+            Ok(mut s) => probe::due(&mut *s, now, warn),
+            Err(_) => return,
+        };
+        for call in calls {
+            let headers: Vec<(&str, &str)> = call
+                .headers
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
+            let sent = self.dispatch_http_call(
+                &call.cluster,
+                headers,
+                Some(call.body.as_bytes()),
+                Vec::new(),
+                Duration::from_millis(call.timeout_ms),
+            );
+            match sent {
+                Ok(token) => {
+                    self.probes.insert(token, call);
+                }
+                Err(_) => {
+                    if let Ok(mut s) = state::lock(state) {
+                        probe::not_sent(&mut *s, &call, warn);
+                    }
+                }
+            }
         }
     }
 
@@ -589,6 +629,45 @@ impl Root {
 }
 
 impl Context for Root {
+    /// A synthetic probe's answer ([`Root::probe_tick`]). Envoy reports a call that got no
+    /// response (its timeout, a failed connection, a reset) with no headers; it counts as a
+    /// timeout once the call's timeout has passed, else as a reset.
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        let Some(call) = self.probes.remove(&token_id) else {
+            return;
+        };
+        let now = host::now_ms();
+        let status = (num_headers > 0)
+            .then(|| self.get_http_call_response_header(":status"))
+            .flatten()
+            .and_then(|s| s.parse::<u16>().ok());
+        let answer = match status {
+            Some(status) => ProbeAnswer::Response {
+                status,
+                body: self
+                    .get_http_call_response_body(0, body_size)
+                    .unwrap_or_default(),
+            },
+            None => ProbeAnswer::Failed {
+                timeout: now.saturating_sub(call.sent_ms) >= call.timeout_ms,
+            },
+        };
+        let Some(state) = self.state.clone() else {
+            return;
+        };
+        if let Ok(mut s) = state::lock(&state) {
+            probe::answered(&mut *s, &call, &answer, now, &mut |m| {
+                host::log(LogLevel::Warn, m)
+            });
+        };
+    }
+
     fn on_grpc_stream_message(&mut self, token_id: u32, message_size: usize) {
         let Some(&i) = self.tokens.get(&token_id) else {
             return;

@@ -48,13 +48,17 @@ pub enum Policy {
     /// ai-lb with degrade-before-OOM off (`preOom: {"enabled": false}` added): to set against
     /// `ai_lb` (where it is on by default) in one run (`fault-oom`).
     AiLbNoPreoom,
+    /// ai-lb probing half-open pods with its own request (`breaker.syntheticProbe`,
+    /// [`with_synthetic_probe`]) instead of clients' requests: to set against `ai_lb` in one run
+    /// (`fault-flap`, `fault-errors`).
+    AiLbProbe,
 }
 
 impl Policy {
     /// The policies compared by default (the report's tables and ratios).
     pub const ALL: [Policy; 3] = [Policy::RoundRobin, Policy::LeastRequest, Policy::AiLb];
     /// Every policy `--policies` may name: the default three and the llm-d baseline.
-    pub const SELECTABLE: [Policy; 8] = [
+    pub const SELECTABLE: [Policy; 9] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::AiLb,
@@ -63,6 +67,7 @@ impl Policy {
         Policy::AiLbAdaptive,
         Policy::AiLbLearned,
         Policy::AiLbNoPreoom,
+        Policy::AiLbProbe,
     ];
 
     /// Parses a policy name as [`Policy::name`] writes it.
@@ -71,7 +76,7 @@ impl Policy {
             .into_iter()
             .find(|p| p.name() == s)
             .ok_or_else(|| {
-                format!("invalid value '{s}' for '--policies': expected round_robin, least_request, ai_lb, epp, ai_lb_ramp, ai_lb_adaptive, ai_lb_learned or ai_lb_no_preoom")
+                format!("invalid value '{s}' for '--policies': expected round_robin, least_request, ai_lb, epp, ai_lb_ramp, ai_lb_adaptive, ai_lb_learned, ai_lb_no_preoom or ai_lb_probe")
             })
     }
 
@@ -85,6 +90,7 @@ impl Policy {
             Policy::AiLbAdaptive => "ai_lb_adaptive",
             Policy::AiLbLearned => "ai_lb_learned",
             Policy::AiLbNoPreoom => "ai_lb_no_preoom",
+            Policy::AiLbProbe => "ai_lb_probe",
         }
     }
 
@@ -97,6 +103,7 @@ impl Policy {
                 | Policy::AiLbAdaptive
                 | Policy::AiLbLearned
                 | Policy::AiLbNoPreoom
+                | Policy::AiLbProbe
         )
     }
 }
@@ -568,7 +575,8 @@ pub fn plain_template(policy: Policy) -> Result<String, Error> {
         | Policy::AiLbRamp
         | Policy::AiLbAdaptive
         | Policy::AiLbLearned
-        | Policy::AiLbNoPreoom => return Err("ai_lb uses envoy-config/envoy.yaml".into()),
+        | Policy::AiLbNoPreoom
+        | Policy::AiLbProbe => return Err("ai_lb uses envoy-config/envoy.yaml".into()),
         Policy::Epp => return Err("epp uses envoy-config/envoy-epp.yaml".into()),
     };
     Ok(t.replace("${LB_POLICY}", lb))
@@ -644,6 +652,21 @@ fn with_top_section(
 }
 
 /// `config` with `breaker.<section>` present (`value` unless it names one).
+/// `config` with `breaker.syntheticProbe` on: a one-token completion of the fake pods' model,
+/// the defaults otherwise (one probe a second per half-open pod, 2 s timeout).
+pub fn with_synthetic_probe(config: &str) -> Result<String, Error> {
+    let body = serde_json::json!({
+        "model": "meta-llama/Llama-3.1-8B-Instruct",
+        "prompt": "ping",
+        "max_tokens": 1
+    });
+    with_breaker_section(
+        config,
+        "syntheticProbe",
+        serde_json::json!({"body": body.to_string()}),
+    )
+}
+
 fn with_breaker_section(
     config: &str,
     section: &str,
@@ -694,6 +717,7 @@ pub fn start_sidecar(
         }
         Policy::AiLbLearned => EnvoyOptions::new(with_learned_weights(&ailb_filter_config()?)?),
         Policy::AiLbNoPreoom => EnvoyOptions::new(without_pre_oom(&ailb_filter_config()?)?),
+        Policy::AiLbProbe => EnvoyOptions::new(with_synthetic_probe(&ailb_filter_config()?)?),
         Policy::Epp => return start_epp_sidecar(upstreams, concurrency),
         p => {
             let mut o = EnvoyOptions::new("{}");

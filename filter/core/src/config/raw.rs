@@ -471,6 +471,16 @@ struct RawBreaker {
         schemars(extend("default" = null, "minimum" = 1, "maximum" = 250))
     )]
     well_formed_probes: Option<u64>,
+    /// Half-open pods are probed with a request of the filter's own instead of a client's: no
+    /// client request goes to a half-open pod; each worker's timer sends it `POST path` with
+    /// `body` (steered to it by the routing header), one probe in flight per pod, the next
+    /// `intervalMs` later. A probe passes on a status below 500 within `timeoutMs` (and
+    /// `ttftSloMs`) with well-formed OpenAI JSON (an object with a `choices` array); anything
+    /// else, a 4xx too, re-opens the pod. `halfOpenProbes` (or `wellFormedProbes`) passes in a
+    /// row close it. Per-model breakers and version domains are still probed by client
+    /// requests. Absent: off.
+    #[serde(default)]
+    synthetic_probe: Option<crate::probe::RawSyntheticProbe>,
 }
 
 /// `bigRequestHold`.
@@ -965,7 +975,14 @@ impl TryFrom<RawConfig> for FilterConfig {
             well_formed_probes: crate::triggers::well_formed_probes_from_raw(
                 raw.breaker.well_formed_probes,
             )?,
+            synthetic_probes: raw.breaker.synthetic_probe.is_some(),
         };
+        let synthetic_probe = raw
+            .breaker
+            .synthetic_probe
+            .as_ref()
+            .map(|p| crate::probe::SyntheticProbe::from_raw(p, breaker.base_cooldown_ms))
+            .transpose()?;
 
         let ema_alpha = match raw.ema_alpha {
             None => 0.3,
@@ -1168,6 +1185,7 @@ impl TryFrom<RawConfig> for FilterConfig {
                 .map(crate::learned::LearnedWeights::from_raw)
                 .transpose()?,
             pre_oom: raw.pre_oom.unwrap_or_default().validate()?,
+            synthetic_probe,
         })
     }
 }

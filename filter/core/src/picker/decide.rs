@@ -227,7 +227,7 @@ fn note_pick(
     if probe {
         // The probe budget may be spent: re-weigh this pod everywhere.
         if let Some(pod) = p.pods.get_mut(chosen as usize) {
-            if !pod.breaker.admits(&cfg.breaker) {
+            if !pod.breaker.takes_requests(&cfg.breaker) {
                 pod.base = 0.0;
                 pod.cut = Some(CutReason::Breaker(
                     pod.breaker.reason().unwrap_or(TripReason::ServerErrors),

@@ -87,7 +87,7 @@ impl<'a> Survivors<'a> {
                 matches!(
                     r.cut,
                     None | Some(CutReason::GpuHardLimit | CutReason::QueueFull)
-                ) && r.breaker.admits(self.breaker)
+                ) && r.breaker.takes_requests(self.breaker)
                     && r.model_breaker(self.view.model.as_deref())
                         .is_none_or(|b| b.admits(self.breaker))
             })

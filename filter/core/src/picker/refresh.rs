@@ -399,7 +399,7 @@ fn weigh(pod: &mut PodRt, mean: f64, mean_n: u32, cfg: &FilterConfig) {
     pod.hot = cfg.pick_strategy == PickStrategy::TwoChoices
         && pod.cut == Some(CutReason::GpuHardLimit)
         && !pod.cold
-        && pod.breaker.admits(&cfg.breaker)
+        && pod.breaker.takes_requests(&cfg.breaker)
         && pod.breaker.state() == BreakerState::Closed;
     pod.base = if pod.cut.is_some() || (pod.cold && mean_n == 0) {
         0.0

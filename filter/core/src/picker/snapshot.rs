@@ -184,7 +184,7 @@ impl PodRt {
         self.score = s;
         self.cold = !s.has_terms || self.ema.is_none();
         self.cut = s.cut.or_else(|| {
-            (!self.breaker.admits(&cfg.breaker)).then(|| {
+            (!self.breaker.takes_requests(&cfg.breaker)).then(|| {
                 CutReason::Breaker(self.breaker.reason().unwrap_or(TripReason::ServerErrors))
             })
         });
