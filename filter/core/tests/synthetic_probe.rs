@@ -110,7 +110,7 @@ fn the_config_is_validated_with_the_field_named() {
             p.timeout_ms,
             p.body.as_str()
         ),
-        ("/v1/completions", "ai-lb-probe", 1000, 1000, BODY),
+        ("/v1/completions", "ai-lb-probe", 250, 1000, BODY),
         "timeoutMs defaults to 2000 ms, capped at baseCooldownMs"
     );
     assert!(c.breaker.synthetic_probes);

@@ -653,7 +653,7 @@ fn with_top_section(
 
 /// `config` with `breaker.<section>` present (`value` unless it names one).
 /// `config` with `breaker.syntheticProbe` on: a one-token completion of the fake pods' model,
-/// the defaults otherwise (one probe a second per half-open pod, 2 s timeout).
+/// the defaults otherwise (probes 250 ms apart, 2 s timeout).
 pub fn with_synthetic_probe(config: &str) -> Result<String, Error> {
     let body = serde_json::json!({
         "model": "meta-llama/Llama-3.1-8B-Instruct",

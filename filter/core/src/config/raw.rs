@@ -478,7 +478,8 @@ struct RawBreaker {
     /// `ttftSloMs`) with well-formed OpenAI JSON (an object with a `choices` array); anything
     /// else, a 4xx too, re-opens the pod. `halfOpenProbes` (or `wellFormedProbes`) passes in a
     /// row close it. Per-model breakers and version domains are still probed by client
-    /// requests. Absent: off.
+    /// requests. The pool's cluster must route by the routing header (override_host): the
+    /// native module refuses it with `steering: "overrideHost"`. Absent: off.
     #[serde(default)]
     synthetic_probe: Option<crate::probe::RawSyntheticProbe>,
 }
