@@ -20,9 +20,10 @@
 
 use serde::Deserialize;
 
-use crate::breaker::{Breaker, BreakerState, Outcome, Transition};
+use crate::breaker::{Breaker, BreakerState, Outcome};
 use crate::error::ConfigError;
-use crate::lifecycle::{Stats, Worker};
+use crate::lifecycle::feedback::count_transitions;
+use crate::lifecycle::Worker;
 use crate::triggers::AnswerScanner;
 
 /// `x-ai-lb-probe: 1` marks every synthetic probe (the model server's access log can tell them).
@@ -195,33 +196,11 @@ pub enum ProbeAnswer {
     Failed { timeout: bool },
 }
 
-fn log_transitions(
-    stats: &mut dyn Stats,
-    log: &mut dyn FnMut(&str),
-    pool_name: &str,
-    pod: &str,
-    ts: &[Transition],
-) {
-    if ts.is_empty() {
-        return;
-    }
-    stats.transitions(pod, ts);
-    for t in ts {
-        log(&format!(
-            "ai-lb: pool `{pool_name}`: breaker of {pod} {} -> {} (synthetic probe{})",
-            t.from.as_str(),
-            t.to.as_str(),
-            t.reason
-                .map_or(String::new(), |r| format!(", {}", r.as_str()))
-        ));
-    }
-}
-
 /// The probes to send now (call it on the glue's timer): for every pool, each pod whose shared
 /// breaker is half-open with a probe slot free and no probe for `intervalMs` gets one, its slot
 /// spent in the shared breaker (so no other worker sends it too). Nothing when the option is
-/// off. Transitions met on the way (a cooldown that ended: Open → HalfOpen) are counted and
-/// logged through `log`.
+/// off. Transitions met on the way (a cooldown that ended: Open → HalfOpen) are counted, and
+/// opens logged through `log`.
 pub fn due<W: Worker + ?Sized>(
     worker: &mut W,
     now: u64,
@@ -264,7 +243,7 @@ pub fn due<W: Worker + ?Sized>(
                 None
             };
             if let Some(ts) = p.breakers.update(p.router, pool, &pod, now, take) {
-                log_transitions(p.stats, log, &name, &pod, &ts);
+                count_transitions(p.stats, log, &name, &pod, &ts);
             } else {
                 spent = false;
             }
@@ -364,7 +343,7 @@ pub fn answered<W: Worker + ?Sized>(
         .breakers
         .update(p.router, call.pool, &call.pod, now, record)
     {
-        log_transitions(p.stats, log, &name, &call.pod, &ts);
+        count_transitions(p.stats, log, &name, &call.pod, &ts);
     }
     failure.is_none()
 }

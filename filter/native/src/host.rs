@@ -39,6 +39,15 @@ pub unsafe fn slice<'a, T>(ptr: *const T, n: usize) -> &'a [T] {
     }
 }
 
+/// `values`' first element for Envoy, or null when there is none (the ABI's "no labels").
+fn array_ptr<T>(values: &[T]) -> *const T {
+    if values.is_empty() {
+        std::ptr::null()
+    } else {
+        values.as_ptr()
+    }
+}
+
 /// Which header map.
 #[derive(Debug, Clone, Copy)]
 pub enum Map {
@@ -335,11 +344,7 @@ impl Stream {
         if id == 0 {
             return;
         }
-        let ptr = if values.is_empty() {
-            std::ptr::null()
-        } else {
-            values.as_ptr()
-        };
+        let ptr = array_ptr(values);
         // SAFETY: live filter pointer; `values` (and the text each points into) outlives the
         // call, and Envoy reads exactly `values.len()` of them (as many as the metric's labels).
         unsafe {
@@ -525,11 +530,7 @@ impl ConfigHandle {
         if id == 0 || n == 0 {
             return;
         }
-        let ptr = if values.is_empty() {
-            std::ptr::null()
-        } else {
-            values.as_ptr()
-        };
+        let ptr = array_ptr(values);
         // SAFETY: live config pointer in a config-level hook; `values` outlives the call and
         // holds as many values as the counter has labels.
         unsafe {
@@ -600,11 +601,7 @@ impl ConfigHandle {
     /// Defines a metric with `define` (one of the ABI's define callbacks, which share one
     /// signature); 0 (never used) when Envoy refused.
     fn define(&self, define: DefineMetric, name: &str, labels: &[ModuleBuffer]) -> usize {
-        let ptr = if labels.is_empty() {
-            std::ptr::null()
-        } else {
-            labels.as_ptr()
-        };
+        let ptr = array_ptr(labels);
         let mut id = 0usize;
         // SAFETY: live config pointer during config_new; valid out-pointer; `labels` (and the
         // text each points into) outlives the call.

@@ -18,13 +18,25 @@ pub(super) fn record_transitions<H: Host + ?Sized>(
     pod: &str,
     ts: &[Transition],
 ) {
+    count_transitions(stats, &mut |m| host.warn(m), pool_name, pod, ts);
+}
+
+/// [`record_transitions`] with the log line handed to `warn` (no request's host at hand: the
+/// synthetic probes, [`crate::probe`]).
+pub(crate) fn count_transitions(
+    stats: &mut dyn Stats,
+    warn: &mut dyn FnMut(&str),
+    pool_name: &str,
+    pod: &str,
+    ts: &[Transition],
+) {
     if ts.is_empty() {
         return;
     }
     stats.transitions(pod, ts);
     for t in ts.iter().filter(|t| t.to == BreakerState::Open) {
         let reason = t.reason.map_or("unknown", |r| r.as_str());
-        host.warn(&format!(
+        warn(&format!(
             "ai-lb: pool `{pool_name}`: breaker of {pod} opened ({reason})"
         ));
     }

@@ -21,7 +21,7 @@
 //!    every attempt feeds the pods' breakers ([`feedback`]).
 
 pub mod admission;
-mod feedback;
+pub(crate) mod feedback;
 pub mod guard;
 pub mod hold;
 mod steer;
