@@ -237,6 +237,18 @@ pub struct ModuleHttpHeader {
     pub value_length: usize,
 }
 
+impl ModuleHttpHeader {
+    /// Points at `key` and `value`, which must outlive the call the header is passed to.
+    pub fn new(key: &str, value: &str) -> Self {
+        Self {
+            key_ptr: key.as_ptr().cast(),
+            key_length: key.len(),
+            value_ptr: value.as_ptr().cast(),
+            value_length: value.len(),
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Integer "enums"
 // ---------------------------------------------------------------------------------------------

@@ -247,12 +247,7 @@ impl Stream {
     pub fn send_response(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
         let hs: Vec<abi::ModuleHttpHeader> = headers
             .iter()
-            .map(|(k, v)| abi::ModuleHttpHeader {
-                key_ptr: k.as_ptr().cast(),
-                key_length: k.len(),
-                value_ptr: v.as_ptr().cast(),
-                value_length: v.len(),
-            })
+            .map(|(k, v)| abi::ModuleHttpHeader::new(k, v))
             .collect();
         // SAFETY: live filter pointer; every buffer points into data that outlives the call.
         unsafe {
@@ -497,12 +492,7 @@ impl ConfigHandle {
     ) -> Result<u64, u32> {
         let hs: Vec<abi::ModuleHttpHeader> = headers
             .iter()
-            .map(|(k, v)| abi::ModuleHttpHeader {
-                key_ptr: k.as_ptr().cast(),
-                key_length: k.len(),
-                value_ptr: v.as_ptr().cast(),
-                value_length: v.len(),
-            })
+            .map(|(k, v)| abi::ModuleHttpHeader::new(k, v))
             .collect();
         let mut id = 0u64;
         // SAFETY: live config pointer on the main thread; `hs`, the strings they point into,
