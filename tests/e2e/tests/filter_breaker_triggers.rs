@@ -41,12 +41,6 @@ fn start(path: Path, pool: &PodPool, filter: &str) -> Envoy {
     Envoy::start(&o).unwrap()
 }
 
-fn breaker_of(envoy: &Envoy, pool: &PodPool, i: usize) -> String {
-    row(&scoreboard(envoy), &pool.pod_addrs[i].to_string())
-        .and_then(|r| r["breaker"].as_str().map(str::to_string))
-        .unwrap_or_default()
-}
-
 /// One request on the client's connection, streamed or not, 8 tokens asked for.
 fn send(client: &mut HttpClient, stream: bool) -> u16 {
     let body = if stream {

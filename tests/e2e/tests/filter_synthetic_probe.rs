@@ -9,29 +9,9 @@ mod filter_common;
 
 use std::time::{Duration, Instant};
 
-use ai_lb_e2e::envoy::{Envoy, HttpClient, PodPool};
+use ai_lb_e2e::envoy::{HttpClient, PodPool};
 use filter_common::*;
 use serde_json::json;
-
-fn breaker_of(envoy: &Envoy, pool: &PodPool, i: usize) -> String {
-    row(&scoreboard(envoy), &pool.pod_addrs[i].to_string())
-        .and_then(|r| r["breaker"].as_str().map(str::to_string))
-        .unwrap_or_default()
-}
-
-fn wait_for(envoy: &Envoy, secs: u64, what: &str, done: impl Fn(&Envoy) -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !done(envoy) {
-        assert!(
-            Instant::now() < deadline,
-            "{what}: not within {secs} s; status: {}\nstats: {}\nlog:\n{}",
-            scoreboard(envoy),
-            decision_stats(envoy),
-            envoy.log_tail(30)
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
 
 fn probes_judge_the_half_open_pod_on(path: Path) {
     let pool = PodPool::start(3, 0.01).unwrap();
@@ -92,8 +72,9 @@ fn probes_judge_the_half_open_pod_on(path: Path) {
 
     // Healed, with no client traffic: its probes close it.
     pool.control(0, r#"{"error_rate":0}"#).unwrap();
-    wait_for(&envoy, 20, "pod0 closes on its probes alone", |e| {
-        breaker_of(e, &pool, 0) == "closed"
+    let pod0 = pool.pod_addrs[0].to_string();
+    wait_scoreboard(&envoy, "pod0 closes on its probes alone", 20, |sb| {
+        row(sb, &pod0).is_some_and(|r| r["breaker"] == "closed")
     });
     assert_eq!(path.per_pod(&envoy, &pool, "picks")[0], picks);
     let passed = wait_stat(

@@ -79,6 +79,14 @@ pub fn row(sb: &Value, addr: &str) -> Option<Value> {
         .cloned()
 }
 
+/// The breaker state (`closed`, `half_open`, `open`) the scoreboard shows for pod `i` of
+/// `pool` (empty when the pod is not on it).
+pub fn breaker_of(envoy: &Envoy, pool: &PodPool, i: usize) -> String {
+    row(&scoreboard(envoy), &pool.pod_addrs[i].to_string())
+        .and_then(|r| r["breaker"].as_str().map(str::to_string))
+        .unwrap_or_default()
+}
+
 /// Polls the scoreboard until `ok` holds for it.
 pub fn wait_scoreboard(
     envoy: &Envoy,
