@@ -676,6 +676,16 @@ unsafe extern "C" {
         value: u64,
     ) -> MetricsResult;
 
+    /// Set a gauge outside any stream (the main thread's hooks); labels as for
+    /// `..._http_filter_set_gauge`.
+    pub fn envoy_dynamic_module_callback_http_filter_config_set_gauge(
+        config_envoy: HttpFilterConfigEnvoyPtr,
+        gauge_id: usize,
+        label_values: *const ModuleBuffer,
+        label_values_len: usize,
+        value: u64,
+    ) -> MetricsResult;
+
     /// Resumes a request stopped in a request hook (headers, body or trailers).
     pub fn envoy_dynamic_module_callback_http_filter_continue_decoding(
         filter_envoy: HttpFilterEnvoyPtr,

@@ -40,9 +40,8 @@ use crate::breakers::SharedBreakers;
 use crate::config::{NativeConfig, Steering};
 use crate::feed::{self, now_ms, Feed, Shared};
 use crate::held::HeldWake;
-use crate::host::{
-    self, ConfigHandle, CounterSink, LabeledCounter, LabeledGauge, Level, Map, Stream,
-};
+use crate::host::{self, ConfigHandle, LabeledCounter, LabeledGauge, Level, Map, StatSink, Stream};
+use crate::main_tick::{self, MainTick};
 
 /// Counter ids (0 = not defined; never counted). The names are the wasm filter's, so one
 /// dashboard reads both data paths (Envoy prefixes them `dynamicmodulescustom.` here,
@@ -64,8 +63,9 @@ pub struct Counters {
     /// attributed to it, added once a second per worker ([`Worker::export`]).
     picks: LabeledCounter,
     failures: LabeledCounter,
-    /// Per pod (label `ailb_endpoint`), set once a second by one worker ([`export_gauges`]): its
-    /// score x1000, breaker (0 closed, 1 half-open, 2 open) and metrics age (ms).
+    /// Per pod (label `ailb_endpoint`), set once a second on the main thread's tick
+    /// ([`export_pod_gauges`]): its score x1000, breaker (0 closed, 1 half-open, 2 open) and
+    /// metrics age (ms).
     score: LabeledGauge,
     breaker_state: LabeledGauge,
     gpu_signal: LabeledGauge,
@@ -79,7 +79,7 @@ pub struct Counters {
     version_state: LabeledGauge,
     /// `learnedWeights` (empty when off): per pool, its model's weights in
     /// [`ai_lb_filter_core::learned::WEIGHT_NAMES`] order (`ailb.pool.<pool>.learned.<name>`),
-    /// set once a second by one worker ([`export_gauges`]) from its own model.
+    /// set once a second by one worker ([`export_learned_gauges`]) from its own model.
     learned: Vec<[usize; ai_lb_filter_core::learned::DIM]>,
 }
 
@@ -104,12 +104,16 @@ pub struct ConfigRt {
     buckets: Arc<MemoryStore>,
     /// Wakes held requests (admission on only), every `tick_ms`.
     held: Option<HeldWake>,
-    /// `breaker.syntheticProbe` (route mode): the main thread's probe timer and the probes in
-    /// flight. None: off.
+    /// `breaker.syntheticProbe` (route mode): the probes in flight. None: off.
     pub probes: Option<crate::probes::Probes>,
+    /// Route mode: wakes the main thread for the probes and the per-pod gauges. None in guard
+    /// mode, or when Envoy gave no scheduler (then a request sets the gauges).
+    main_tick: Option<MainTick>,
     tick_ms: u64,
-    /// When the per-pod gauges are next due (ms; [`export_gauges`]).
+    /// When the per-pod gauges are next due (ms; [`export_pod_gauges`]).
     gauges_due_ms: AtomicU64,
+    /// When the learned-weight gauges are next due (ms; [`export_learned_gauges`]).
+    learned_due_ms: AtomicU64,
     /// Workers keep a weak handle: a worker of a config that is gone is dropped when its
     /// thread next makes one (configs come and go with Envoy config updates).
     alive: Arc<()>,
@@ -197,12 +201,25 @@ impl ConfigRt {
             true => Some(HeldWake::start(std::time::Duration::from_millis(tick_ms))?),
             false => None,
         };
-        let probes = match routes && cfg.filter.synthetic_probe.is_some() {
-            true => Some(crate::probes::Probes::start(
+        let probes =
+            (routes && cfg.filter.synthetic_probe.is_some()).then(crate::probes::Probes::default);
+        let main_tick = match (routes, &probes) {
+            (false, _) => None,
+            // Probes are sent on the tick: without one they could not be.
+            (true, Some(_)) => Some(MainTick::start(
                 handle,
                 std::time::Duration::from_millis(tick_ms),
             )?),
-            false => None,
+            (true, None) => match MainTick::start(handle, main_tick::GAUGE_PERIOD) {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    host::log(
+                        Level::Warn,
+                        &format!("{e}; the per-pod gauges are set by requests only"),
+                    );
+                    None
+                }
+            },
         };
         let feed = feed::start(&cfg.filter, &cfg.agents, Arc::clone(&shared))?;
         Ok(ConfigRt {
@@ -217,16 +234,18 @@ impl ConfigRt {
             buckets: Arc::new(MemoryStore::new()),
             held,
             probes,
+            main_tick,
             tick_ms,
             gauges_due_ms: AtomicU64::new(0),
+            learned_due_ms: AtomicU64::new(0),
             alive: Arc::new(()),
             _feed: feed,
         })
     }
 }
 
-/// A worker thread's routing state for one config (the main thread keeps one too when
-/// `breaker.syntheticProbe` is on, [`crate::probes`]).
+/// A worker thread's routing state for one config (the main thread keeps one too, for its
+/// tick: [`crate::main_tick`]).
 pub(crate) struct Worker {
     config_id: u64,
     alive: std::sync::Weak<()>,
@@ -438,7 +457,7 @@ impl Worker {
     /// Adds to `s` (a stream, or the config on the main thread) the core's counters (deltas;
     /// `ailb.<name>`, the wasm filter's names), the breaker transitions this worker wrote, what
     /// the feed threads counted, and once a second the per-pod picks and failures.
-    pub(crate) fn export_counts(&mut self, rt: &ConfigRt, s: &impl CounterSink) {
+    pub(crate) fn export_counts(&mut self, rt: &ConfigRt, s: &impl StatSink) {
         let c = &rt.counters;
         for (i, (_, v)) in self.router.counters().iter().iter().enumerate() {
             let (Some(seen), Some(id)) = (self.core_seen.get_mut(i), c.core.get(i)) else {
@@ -549,39 +568,29 @@ pub(crate) fn with_worker<R>(rt: &ConfigRt, f: impl FnOnce(&mut Worker) -> R) ->
     })
 }
 
-/// Sets the per-pod gauges from this worker's router, at most once a second for the whole
-/// process: the first request routed after the second is up does it, on whichever worker
-/// (scores and metrics ages are alike on every worker, breakers are shared). Pods that left
-/// keep their last values (Envoy keeps the stats), as with the wasm filter.
-fn export_gauges(rt: &ConfigRt, s: &Stream, now: u64) {
-    let due = rt.gauges_due_ms.load(Ordering::Relaxed);
-    if now < due
-        || rt
-            .gauges_due_ms
-            .compare_exchange(due, now + 1000, Ordering::Relaxed, Ordering::Relaxed)
-            .is_err()
-    {
+/// Whether the once-a-second export `due` is this caller's to do (it moves `due` a second on).
+fn take_due(due: &AtomicU64, now: u64) -> bool {
+    let d = due.load(Ordering::Relaxed);
+    now >= d
+        && due
+            .compare_exchange(d, now + 1000, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+}
+
+/// Sets the per-pod gauges from this thread's worker, at most once a second for the whole
+/// process: on the main thread's tick ([`crate::main_tick`]), or, when Envoy gave no scheduler
+/// for one, the first request routed after the second is up. The worker re-reads the shared
+/// pool states first (on the main thread no request does); scores and metrics ages are alike
+/// on every worker, breakers are shared. Pods that left keep their last values (Envoy keeps
+/// the stats), as with the wasm filter.
+pub(crate) fn export_pod_gauges(rt: &ConfigRt, s: &impl StatSink, now: u64) {
+    if !take_due(&rt.gauges_due_ms, now) {
         return;
     }
-    let learned = with_worker(rt, |w| {
-        (0..w.router.pool_count())
-            .map(|i| {
-                // A model that has not trained (this worker steered nothing yet) leaves the
-                // gauges as another worker last set them.
-                w.router
-                    .learned_model(i)
-                    .filter(|m| m.updates() > 0)
-                    .map(|m| m.gauges().map(|(_, v)| v).collect::<Vec<_>>())
-            })
-            .collect::<Vec<_>>()
-    })
-    .unwrap_or_default();
-    for (ids, vals) in rt.counters.learned.iter().zip(&learned) {
-        for (id, v) in ids.iter().zip(vals.iter().flatten()) {
-            s.set_gauge(*id, *v);
-        }
-    }
     let rows = with_worker(rt, |w| {
+        for pool in 0..w.router.pool_count() {
+            lifecycle::Worker::refresh(w, pool, now);
+        }
         (0..w.router.pool_count())
             .flat_map(|i| w.router.pod_status(i, now))
             .map(|r| {
@@ -603,6 +612,32 @@ fn export_gauges(rt: &ConfigRt, s: &Stream, now: u64) {
         s.set_labeled(c.gpu_signal, pod, *gpu_signal);
         if let Some(age) = age {
             s.set_labeled(c.metrics_age_ms, pod, *age);
+        }
+    }
+}
+
+/// Sets the learned-weight gauges (`learnedWeights` on) at most once a second for the whole
+/// process, from the model of the worker whose request finds them due; a model that has not
+/// trained (that worker steered nothing yet) leaves them as another worker last set them. On
+/// a request: the main thread's worker steers nothing, so its model never trains.
+fn export_learned_gauges(rt: &ConfigRt, s: &Stream, now: u64) {
+    if rt.cfg.filter.learned_weights.is_none() || !take_due(&rt.learned_due_ms, now) {
+        return;
+    }
+    let learned = with_worker(rt, |w| {
+        (0..w.router.pool_count())
+            .map(|i| {
+                w.router
+                    .learned_model(i)
+                    .filter(|m| m.updates() > 0)
+                    .map(|m| m.gauges().map(|(_, v)| v).collect::<Vec<_>>())
+            })
+            .collect::<Vec<_>>()
+    })
+    .unwrap_or_default();
+    for (ids, vals) in rt.counters.learned.iter().zip(&learned) {
+        for (id, v) in ids.iter().zip(vals.iter().flatten()) {
+            s.set_gauge(*id, *v);
         }
     }
 }
@@ -778,8 +813,11 @@ impl Request {
             })
             .unwrap_or(LifeNext::Continue);
         if let Some(rt) = self.rt() {
-            // After the pick, so this worker's router holds the pool state it just installed.
-            export_gauges(rt, s, now_ms());
+            let now = now_ms();
+            if rt.main_tick.is_none() {
+                export_pod_gauges(rt, s, now);
+            }
+            export_learned_gauges(rt, s, now);
         }
         self.wake_if_held(s);
         match next {
@@ -912,7 +950,7 @@ impl Request {
 
 /// Adds to Envoy's counters what the feed thread and busy hooks counted since any worker last
 /// did: the agent streams' opens, failures and closes, and hooks that found their worker busy.
-fn export_feed_tallies(rt: &ConfigRt, s: &impl CounterSink) {
+fn export_feed_tallies(rt: &ConfigRt, s: &impl StatSink) {
     let (sh, c) = (&rt.shared, &rt.counters);
     for (tally, id) in [
         (&sh.busy, c.state_busy),

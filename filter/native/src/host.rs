@@ -384,13 +384,22 @@ impl Drop for Scheduler {
 pub struct LabeledCounter2(usize);
 
 /// The id of a gauge with one label ([`ConfigHandle::define_labeled_gauge`]); only
-/// [`Stream::set_labeled`] takes it. 0: never set.
+/// [`StatSink::set_labeled`] takes it. 0: never set.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct LabeledGauge(usize);
 
 /// The shape of the ABI's metric updates from a stream (counter, gauge, histogram).
 type UpdateMetric = unsafe extern "C" fn(
     abi::HttpFilterEnvoyPtr,
+    usize,
+    *const ModuleBuffer,
+    usize,
+    u64,
+) -> abi::MetricsResult;
+
+/// The shape of the ABI's metric updates outside any stream (counter, gauge).
+type ConfigUpdateMetric = unsafe extern "C" fn(
+    abi::HttpFilterConfigEnvoyPtr,
     usize,
     *const ModuleBuffer,
     usize,
@@ -406,30 +415,43 @@ type DefineMetric = unsafe extern "C" fn(
     *mut usize,
 ) -> abi::MetricsResult;
 
-/// Where counters are added: a stream in its hook ([`Stream`]), or the config on the main
+/// Where stats are written: a stream in its hook ([`Stream`]), or the config on the main
 /// thread ([`ConfigHandle`], in the config-level hooks).
-pub trait CounterSink {
+pub trait StatSink {
     /// Adds `n` to the plain counter `id`; ignores errors and id 0.
     fn inc(&self, id: usize, n: u64);
     /// Adds `n` to the one-label counter `id` for that label's `value`.
     fn inc_labeled(&self, id: LabeledCounter, value: &str, n: u64);
+    /// Sets the one-label gauge `id` for that label's `value` to `v`; ignores errors.
+    fn set_labeled(&self, id: LabeledGauge, value: &str, v: u64);
 }
 
-impl CounterSink for Stream {
+impl StatSink for Stream {
     fn inc(&self, id: usize, n: u64) {
         Stream::inc(self, id, n);
     }
     fn inc_labeled(&self, id: LabeledCounter, value: &str, n: u64) {
         Stream::inc_labeled(self, id, value, n);
     }
+    fn set_labeled(&self, id: LabeledGauge, value: &str, v: u64) {
+        Stream::set_labeled(self, id, value, v);
+    }
 }
 
-impl CounterSink for ConfigHandle {
+impl StatSink for ConfigHandle {
     fn inc(&self, id: usize, n: u64) {
         self.config_inc(id, &[], n);
     }
     fn inc_labeled(&self, id: LabeledCounter, value: &str, n: u64) {
         self.config_inc(id.0, &[ModuleBuffer::from_text(value)], n);
+    }
+    fn set_labeled(&self, id: LabeledGauge, value: &str, v: u64) {
+        self.config_metric(
+            abi::envoy_dynamic_module_callback_http_filter_config_set_gauge,
+            id.0,
+            &[ModuleBuffer::from_text(value)],
+            v,
+        );
     }
 }
 
@@ -440,7 +462,7 @@ pub struct ConfigScheduler(abi::HttpFilterConfigSchedulerPtr);
 
 // SAFETY: Envoy's config scheduler posts to the main dispatcher and may be committed from any
 // thread; the module deletes it once (Drop), after its committing thread was joined
-// (`crate::probes::ProbeTimer`).
+// (`crate::main_tick::MainTick`).
 unsafe impl Send for ConfigScheduler {}
 unsafe impl Sync for ConfigScheduler {}
 
@@ -517,20 +539,26 @@ impl ConfigHandle {
 
     /// Adds `n` to counter `id` with label `values` outside any stream; ignores errors and id 0.
     fn config_inc(&self, id: usize, values: &[ModuleBuffer], n: u64) {
-        if id == 0 || n == 0 {
-            return;
-        }
-        let ptr = array_ptr(values);
-        // SAFETY: live config pointer in a config-level hook; `values` outlives the call and
-        // holds as many values as the counter has labels.
-        unsafe {
-            abi::envoy_dynamic_module_callback_http_filter_config_increment_counter(
-                self.0,
+        if n > 0 {
+            self.config_metric(
+                abi::envoy_dynamic_module_callback_http_filter_config_increment_counter,
                 id,
-                ptr,
-                values.len(),
+                values,
                 n,
             );
+        }
+    }
+
+    /// Updates metric `id` with label `values` through `op` outside any stream; ignores errors
+    /// and id 0.
+    fn config_metric(&self, op: ConfigUpdateMetric, id: usize, values: &[ModuleBuffer], v: u64) {
+        if id == 0 {
+            return;
+        }
+        // SAFETY: live config pointer in a config-level hook; `values` (and the text each
+        // points into) outlives the call and holds as many values as the metric has labels.
+        unsafe {
+            op(self.0, id, array_ptr(values), values.len(), v);
         }
     }
 

@@ -21,6 +21,7 @@ pub mod feed;
 pub mod filter;
 pub mod held;
 pub mod host;
+pub mod main_tick;
 pub mod probes;
 
 #[allow(unsafe_code)]
@@ -318,7 +319,7 @@ mod exports {
     ) {
     }
 
-    /// `breaker.syntheticProbe`: the probe timer's tick, on the main thread.
+    /// The main thread's tick (synthetic probes, per-pod gauges): [`crate::main_tick`].
     #[no_mangle]
     pub extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
         config_envoy: abi::HttpFilterConfigEnvoyPtr,
@@ -328,8 +329,8 @@ mod exports {
         guard((), || {
             // SAFETY: the config from config_new, alive while Envoy calls its hooks.
             let rt = unsafe { (config_module as *const ConfigRt).as_ref() };
-            if let (Some(rt), crate::probes::PROBE_EVENT) = (rt, event_id) {
-                crate::probes::on_scheduled(rt, &ConfigHandle::new(config_envoy));
+            if let (Some(rt), crate::main_tick::TICK_EVENT) = (rt, event_id) {
+                crate::main_tick::on_tick(rt, &ConfigHandle::new(config_envoy));
             }
         })
     }

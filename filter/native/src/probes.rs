@@ -1,104 +1,39 @@
-//! `breaker.syntheticProbe` in the native module: a timer thread wakes the main thread through
-//! the config's scheduler every tick; there the main thread's worker (the same routing state a
-//! worker thread keeps, reading the shared pool states and breakers) asks the core which
-//! half-open pods are due a probe ([`probe::due`]) and sends each as a config-level HTTP
-//! callout on the pool's cluster, steered to its pod by the routing header (override_host).
-//! The answer comes back on the main thread ([`on_callout_done`]) and goes to the core
-//! ([`probe::answered`]), which writes the shared breaker. Counts go to Envoy through the
-//! config (no stream on the main thread).
+//! `breaker.syntheticProbe` in the native module: on the main thread's tick
+//! ([`crate::main_tick`]) the main thread's worker (the same routing state a worker thread
+//! keeps, reading the shared pool states and breakers) asks the core which half-open pods are
+//! due a probe ([`probe::due`]) and sends each as a config-level HTTP callout on the pool's
+//! cluster, steered to its pod by the routing header (override_host). The answer comes back on
+//! the main thread ([`on_callout_done`]) and goes to the core ([`probe::answered`]), which
+//! writes the shared breaker. Counts go to Envoy through the config (no stream on the main
+//! thread).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
-use std::time::Duration;
+use std::sync::Mutex;
 
 use ai_lb_filter_core::probe::{self, ProbeAnswer, ProbeCall};
 
 use crate::feed::now_ms;
 use crate::filter::{with_worker, ConfigRt};
-use crate::host::{self, ConfigHandle, ConfigScheduler, Level};
-
-/// The only event the config's scheduler carries.
-pub const PROBE_EVENT: u64 = 1;
+use crate::host::{self, ConfigHandle, Level};
 
 /// A probe whose answer has not come after its timeout and this long is dropped from the
 /// pending list (Envoy answers every callout it started; this only bounds the list).
 const FORGET_AFTER_MS: u64 = 5_000;
 
-/// Wakes the main thread every `period` (a thread of its own); stopped and joined when dropped,
-/// before the scheduler it commits to is deleted.
-#[derive(Debug)]
-pub struct ProbeTimer {
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-    // Dropped after `drop` joined the thread (fields drop after `Drop::drop`).
-    _scheduler: Arc<ConfigScheduler>,
-}
-
-impl ProbeTimer {
-    pub fn start(scheduler: ConfigScheduler, period: Duration) -> Result<ProbeTimer, String> {
-        let scheduler = Arc::new(scheduler);
-        let stop = Arc::new(AtomicBool::new(false));
-        let (s, st) = (Arc::clone(&scheduler), Arc::clone(&stop));
-        let thread = std::thread::Builder::new()
-            .name("ai-lb-probes".into())
-            .spawn(move || {
-                while !st.load(Ordering::Acquire) {
-                    std::thread::park_timeout(period);
-                    if !st.load(Ordering::Acquire) {
-                        s.commit(PROBE_EVENT);
-                    }
-                }
-            })
-            .map_err(|e| format!("ai-lb native: cannot start the probe timer thread: {e}"))?;
-        Ok(ProbeTimer {
-            stop,
-            thread: Some(thread),
-            _scheduler: scheduler,
-        })
-    }
-}
-
-impl Drop for ProbeTimer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        if let Some(t) = self.thread.take() {
-            t.thread().unpark();
-            let _ = t.join();
-        }
-    }
-}
-
-/// The probe side of one config: its timer and the probes in flight by callout id (touched on
-/// the main thread only; the lock makes the config shareable with the workers).
-#[derive(Debug)]
+/// The probes of one config in flight, by callout id (touched on the main thread only; the
+/// lock makes the config shareable with the workers).
+#[derive(Debug, Default)]
 pub struct Probes {
-    _timer: ProbeTimer,
     pending: Mutex<HashMap<u64, ProbeCall>>,
-}
-
-impl Probes {
-    /// Starts the timer on the config's scheduler (`handle` in `on_http_filter_config_new`).
-    pub fn start(handle: &ConfigHandle, period: Duration) -> Result<Probes, String> {
-        let scheduler = handle.scheduler().ok_or_else(|| {
-            "ai-lb native: breaker.syntheticProbe: Envoy gave the config no scheduler".to_string()
-        })?;
-        Ok(Probes {
-            _timer: ProbeTimer::start(scheduler, period)?,
-            pending: Mutex::new(HashMap::new()),
-        })
-    }
 }
 
 fn warn(msg: &str) {
     host::log(Level::Warn, msg);
 }
 
-/// The timer's event, on the main thread: sends the probes that are due.
-pub fn on_scheduled(rt: &ConfigRt, handle: &ConfigHandle) {
+/// On the main thread's tick: sends the probes that are due.
+pub fn send_due(rt: &ConfigRt, handle: &ConfigHandle, now: u64) {
     let Some(p) = &rt.probes else { return };
-    let now = now_ms();
     let calls = with_worker(rt, |w| {
         let calls = probe::due(w, now, &mut warn);
         w.export_counts(rt, handle);

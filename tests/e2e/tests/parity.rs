@@ -4,11 +4,12 @@
 //! agents' metrics, keeps a pod above the GPU hard limit out of 300 requests whose model it
 //! reads from the JSON body (a client-sent routing header naming that pod is dropped), does not
 //! steer a model no pod serves, serves the status page, counts picks and failures per pod and
-//! sets the per-pod gauges (score, breaker state, metrics age) under the same stat names; falls
-//! back to least_request when no agent answers (counted); shares a breaker one worker opened
-//! with every worker (Envoy with 4 workers); closes a healed pod's breaker at its probes' first
-//! tokens. Large bodies: `filter_large_body.rs` (both paths). Rows for one path only: the
-//! native module refusing a config that fails validation, and its `overrideHost` steering mode.
+//! sets the per-pod gauges (score, breaker state, metrics age) under the same stat names, and
+//! keeps them current with no traffic; falls back to least_request when no agent answers
+//! (counted); shares a breaker one worker opened with every worker (Envoy with 4 workers);
+//! closes a healed pod's breaker at its probes' first tokens. Large bodies:
+//! `filter_large_body.rs` (both paths). Rows for one path only: the native module refusing a
+//! config that fails validation, and its `overrideHost` steering mode.
 //! Admission: each tenant's token bucket answers 429 once its quota is spent; under
 //! saturation a sheddable request is shed, a standard one held until a pod cools or answered
 //! 503 at its deadline; a big request waits in the sidecar until a pod has room, goes after
@@ -106,17 +107,14 @@ fn a_hot_pod_is_kept_out_and_the_model_read_from_the_body_on(path: Path) {
             && steered >= n as u64,
         "picks per pod {p:?}, steered {steered}"
     );
-    // Per-pod gauges (set at most once a second, by the request that finds them due): the
-    // cool pods score above 0, the hot one (cut) 0; every pod has a metrics age.
+    // Per-pod gauges (set once a second or faster, traffic or not: the row below): the cool
+    // pods score above 0, the hot one (cut) 0; every pod has a metrics age.
     let scores = || path.per_pod(&envoy, &pool, "score");
     envoy
         .poll(
             Duration::from_secs(5),
             "the cool pods' score gauges",
             || {
-                client
-                    .post_json("/v1/completions", &[], &body(MODEL))
-                    .unwrap();
                 let s = scores();
                 (s[1] > 0 && s[2] > 0).then_some(())
             },
@@ -215,6 +213,68 @@ fn with_no_agent_answering_every_request_still_succeeds_by_least_request_and_is_
             )
         });
     assert_eq!(path.stat(&envoy, "ailb.steered"), 0);
+}
+
+#[test]
+fn the_per_pod_gauges_follow_the_agents_with_no_traffic() {
+    for path in BOTH {
+        eprintln!("== {path:?}");
+        the_per_pod_gauges_follow_the_agents_with_no_traffic_on(path);
+    }
+}
+
+/// An operator's dashboard and alerts read the per-pod gauges: they must move when the pods
+/// do, not only when a request passes (the wasm filter sets them on its root tick, the native
+/// module on its main thread's tick). No request is sent in this row.
+fn the_per_pod_gauges_follow_the_agents_with_no_traffic_on(path: Path) {
+    let mut pool = PodPool::start(3, 0.01).unwrap();
+    for i in 0..3 {
+        pool.control(i, r#"{"sm_occupancy":0.3}"#).unwrap();
+    }
+    let envoy = path.start(&pool, &config(json!({})));
+    let gauges = |pool: &PodPool, metric: &str| path.per_pod(&envoy, pool, metric);
+    envoy
+        .poll(Duration::from_secs(10), "every pod scored", || {
+            gauges(&pool, "score").iter().all(|&s| s > 0).then_some(())
+        })
+        .unwrap_or_else(|e| panic!("{e}: scores x1000 per pod {:?}", gauges(&pool, "score")));
+    // A pod over the GPU hard limit is cut: its score gauge falls to 0.
+    pool.control(1, r#"{"sm_occupancy":0.97}"#).unwrap();
+    envoy
+        .poll(Duration::from_secs(10), "the hot pod's score at 0", || {
+            let s = gauges(&pool, "score");
+            (s[1] == 0 && s[0] > 0 && s[2] > 0).then_some(())
+        })
+        .unwrap_or_else(|e| panic!("{e}: scores x1000 per pod {:?}", gauges(&pool, "score")));
+    // With the agents gone, every pod's metrics age grows.
+    pool.kill_agents();
+    envoy
+        .poll(
+            Duration::from_secs(15),
+            "every metrics age over 3 s",
+            || {
+                gauges(&pool, "metrics_age_ms")
+                    .iter()
+                    .all(|&a| a >= 3000)
+                    .then_some(())
+            },
+        )
+        .unwrap_or_else(|e| {
+            panic!(
+                "{e}: metrics age (ms) per pod {:?}",
+                gauges(&pool, "metrics_age_ms")
+            )
+        });
+    assert_eq!(
+        path.stat(&envoy, "ailb.steered"),
+        0,
+        "a request was steered"
+    );
+    assert!(
+        !envoy.log_tail(200).contains("panicked"),
+        "a hook panicked:\n{}",
+        envoy.log_tail(40)
+    );
 }
 
 /// Native only: Envoy refuses a module config that fails validation, and its log names the
