@@ -211,6 +211,8 @@ impl InferenceTracker {
             recent_window_ms: u32::try_from(w.inter_token_recent.span().as_millis())
                 .unwrap_or(u32::MAX),
             prefix_cache_hit_rate,
+            finished_total: x.finished_total,
+            errors_total: x.finished_total.and(x.errors_total),
         }
     }
 }
@@ -510,6 +512,20 @@ mod tests {
         assert_eq!(st.error_rate, Some(0.5));
         assert_eq!(st.request_rate, Some(10.0));
         assert_eq!(st.rate_window_ms, 1000);
+        // The counters themselves travel too (the filter's evidence test takes their increase).
+        assert_eq!(
+            (st.finished_total, st.errors_total),
+            (Some(150.0), Some(5.0))
+        );
+        // Failures without a count of finished requests are no count.
+        let lone = t.update(
+            t0 + s(6),
+            &Extracted {
+                errors_total: Some(6.0),
+                ..Extracted::default()
+            },
+        );
+        assert_eq!((lone.finished_total, lone.errors_total), (None, None));
     }
 
     #[test]

@@ -21,11 +21,29 @@
 //! times the background above 0.7 of the base, so the threshold never falls below the pool's
 //! own background. Deterministic: the same pool state gives every worker and every sidecar the
 //! same thresholds, so nothing more is stored in the shared breaker.
+//!
+//! `errorEvidence` adds a second judge of the agent's counts, a sequential test (CUSUM, Page
+//! 1954) of each pod's outcomes ([`Evidence`]): from the increase of the model server's own
+//! counters between snapshots, every finished request adds `ln(p1/p0)` if it failed and
+//! `ln((1 − p1)/(1 − p0))` if not, the sum never below 0; the pod's breaker opens (reason
+//! `agent_error_rate`) when it reaches `errorEvidence`. `p0` is two thirds of the pod's adapted
+//! `agentErrorRate` (the rate its pool's noise makes ordinary), `p1` twice the base one (a pod
+//! failing that much is cut within a few failures). Only outcomes since a change add evidence,
+//! where the windowed rate dilutes a fault's first seconds with the successes before it; so a
+//! raised threshold keeps a pool's noise out while a real fault is still cut about as soon as
+//! the static threshold cut it (`bench-results/fault-noisy/`, its simulation and runs). Each
+//! worker keeps its own sum from the snapshots it installs.
 
 use serde::Deserialize;
 
 use crate::config::BreakerConfig;
 use crate::error::ConfigError;
+
+/// `errorEvidence`'s default: in simulation of `fault-noisy`'s statistics (8 % background,
+/// 20 % bursts, a 50 % fault; `bench-results/fault-noisy/detectors_sim.py`) the test beside
+/// the raised windowed threshold made 0.39x the false trips of the static threshold and cut the
+/// fault in 0.95x its time.
+pub const DEFAULT_ERROR_EVIDENCE: f64 = 3.0;
 
 /// The validated `breaker.adaptiveThresholds`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -42,6 +60,9 @@ pub struct AdaptiveThresholds {
     pub min_pods: u32,
     /// Requests a pod's agent window must hold for its error rate to count in the background.
     pub min_requests: u32,
+    /// Evidence (nats) a pod's outcomes must build against its adapted error rate before its
+    /// breaker opens ([`Evidence`]); 0: off.
+    pub error_evidence: f64,
 }
 
 impl Default for AdaptiveThresholds {
@@ -52,6 +73,7 @@ impl Default for AdaptiveThresholds {
             latency_noisy_at: 1.0,
             min_pods: 2,
             min_requests: 20,
+            error_evidence: DEFAULT_ERROR_EVIDENCE,
         }
     }
 }
@@ -102,6 +124,7 @@ impl AdaptiveThresholds {
             ttft_factor,
             error_background: errors,
             ttft_background_ms: ttft_p99_ms,
+            error_evidence: self.error_evidence,
         }
     }
 
@@ -154,6 +177,17 @@ impl AdaptiveThresholds {
             )?,
             min_pods: count("minPods", raw.min_pods, d.min_pods, 1, 10_000)?,
             min_requests: count("minRequests", raw.min_requests, d.min_requests, 1, 1_000_000)?,
+            error_evidence: match raw.error_evidence {
+                None => d.error_evidence,
+                Some(x) if x.is_finite() && (0.0..=100.0).contains(&x) => x,
+                Some(x) => {
+                    return Err(ConfigError::new(
+                        "breaker.adaptiveThresholds.errorEvidence",
+                        x,
+                        "must be within [0, 100]: the evidence (nats) a pod's failures build before its breaker opens; 0 turns the test off".to_string(),
+                    ))
+                }
+            },
         })
     }
 }
@@ -172,6 +206,8 @@ pub struct Effective {
     /// the static threshold applies).
     pub error_background: Option<f64>,
     pub ttft_background_ms: Option<f64>,
+    /// `errorEvidence` (0: off).
+    pub error_evidence: f64,
 }
 
 impl Effective {
@@ -192,6 +228,57 @@ impl Effective {
             ttft_slo_ms: self.ttft_slo_ms,
             ..*base
         }
+    }
+}
+
+/// A pod's evidence that it fails more than its pool's noise explains (`errorEvidence`): a
+/// CUSUM over its model server's outcomes, fed from the counters' increase between the
+/// snapshots this worker installs (so a skipped snapshot loses nothing).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Evidence {
+    /// The counters (finished, failed) at the last snapshot observed.
+    last: Option<(f64, f64)>,
+    score: f64,
+}
+
+impl Evidence {
+    /// The test's two failure rates for a pod whose adapted `agentErrorRate` is `threshold` and
+    /// base one `base`: `p0` = 2/3 of `threshold`, `p1` = 2 × `base` (at most 0.95); None when
+    /// `p0` is not below `p1` or is 0.
+    pub fn rates(threshold: f64, base: f64) -> Option<(f64, f64)> {
+        let p1 = (2.0 * base).min(0.95);
+        let p0 = threshold * 2.0 / 3.0;
+        (p0 > 0.0 && p0 < p1).then_some((p0, p1))
+    }
+
+    /// Adds the outcomes counted since the last observed `totals` (finished, failed) and
+    /// answers the evidence. A snapshot without counts (its model server unread this time)
+    /// changes nothing: the next counts' increase covers the gap. The first counts, or counts
+    /// that went back (the server restarted) or failures that grew more than the finished,
+    /// start it again from 0.
+    pub fn observe(&mut self, totals: Option<(f64, f64)>, (p0, p1): (f64, f64)) -> f64 {
+        let Some((f, e)) = totals else {
+            return self.score;
+        };
+        match self.last.replace((f, e)) {
+            Some((f0, e0)) if f >= f0 && e >= e0 && e - e0 <= f - f0 => {
+                let (n, k) = (f - f0, e - e0);
+                let step = k * (p1 / p0).ln() + (n - k) * ((1.0 - p1) / (1.0 - p0)).ln();
+                let score = (self.score + step).max(0.0);
+                self.score = if score.is_finite() { score } else { 0.0 };
+            }
+            _ => self.score = 0.0,
+        }
+        self.score
+    }
+
+    /// Forgets the evidence (the breaker opened, or is not closed); the counters stay.
+    pub fn clear(&mut self) {
+        self.score = 0.0;
+    }
+
+    pub fn score(&self) -> f64 {
+        self.score
     }
 }
 
@@ -267,6 +354,22 @@ pub struct RawAdaptiveThresholds {
         schemars(extend("default" = 20, "minimum" = 1, "maximum" = 1_000_000))
     )]
     pub min_requests: Option<u64>,
+    /// Evidence (in nats) a pod's own outcomes must build before its breaker opens, in a
+    /// sequential test (CUSUM) of its model server's counts beside the windowed rate: each
+    /// failure adds `ln(p1/p0)`, each success `ln((1 − p1)/(1 − p0))` (negative), the sum kept
+    /// at 0 or more, with `p0` two thirds of the pod's adapted `agentErrorRate` and `p1` twice
+    /// the base one. At 3, with `agentErrorRate` 0.25 in a pool at an 8 % background, a pod
+    /// failing half its requests opens after about 13 of them; one failing 20 % drifts back to
+    /// 0. So a real fault is cut about as soon as the static threshold cut it while the raised
+    /// one keeps a pool's noise out (`bench-results/fault-noisy/`). Needs agents that send the
+    /// model server's counts (`finished_total`, `errors_total`); without them only the windowed
+    /// rate judges. 0: off.
+    #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 3.0, "minimum" = 0, "maximum" = 100))
+    )]
+    pub error_evidence: Option<f64>,
 }
 
 #[cfg(test)]

@@ -77,6 +77,9 @@ pub struct Counters {
     /// New snapshots of a pod whose thresholds stayed static for want of a background (fewer
     /// than `minPods` other pods with fresh readings).
     pub breaker_thresholds_static: u64,
+    /// `errorEvidence`: breakers the evidence test opened (reason `agent_error_rate`) while the
+    /// windowed rate was still under the pod's threshold.
+    pub breaker_thresholds_evidence: u64,
     /// `versions`: requests without a version header routed over the whole pool because no
     /// weighted version had an available pod whose domain admits.
     pub versions_unsplit: u64,
@@ -123,7 +126,7 @@ impl Counters {
     }
 
     /// How many counters [`Counters::iter`] lists.
-    pub const COUNT: usize = 48;
+    pub const COUNT: usize = 49;
 
     /// Counts one breaker transition into `to`.
     pub fn count_transition(&mut self, to: BreakerState) {
@@ -179,6 +182,10 @@ impl Counters {
             ),
             ("breaker_thresholds.laxer", self.breaker_thresholds_laxer),
             ("breaker_thresholds.static", self.breaker_thresholds_static),
+            (
+                "breaker_thresholds.evidence",
+                self.breaker_thresholds_evidence,
+            ),
             ("versions.unsplit", self.versions_unsplit),
             ("versions.rejected_unknown", self.versions_rejected_unknown),
             ("learned.samples", self.learned_samples),

@@ -173,6 +173,10 @@ pub struct PodSignals {
     pub error_rate: Option<f64>,
     /// Requests that finished over that window (`request_rate` × `window_ms`, rounded).
     pub window_requests: Option<u64>,
+    /// The model server's cumulative counts of finished requests and of failed ones, as its
+    /// agent last read them (finite, ≥ 0, failures at most the finished; else both None):
+    /// their increase between snapshots is every outcome since ([`crate::adaptive::Evidence`]).
+    pub outcome_totals: Option<(f64, f64)>,
     /// Sum of Xid error counts over GPUs (for fault detection).
     pub xid_total: Option<u64>,
     /// Sum of uncorrected ECC errors over GPUs (for fault detection).
@@ -437,6 +441,20 @@ impl PodSignals {
             Some((r * f64::from(span) / 1000.0).round() as u64)
         });
 
+        let outcome_totals = inf.and_then(|s| {
+            let (f, e) = (s.finished_total?, s.errors_total?);
+            if f.is_finite() && e.is_finite() && f >= 0.0 && (0.0..=f).contains(&e) {
+                Some((f, e))
+            } else {
+                issues.push(SignalIssue {
+                    field: "inference.finished_total".into(),
+                    value: format!("{f} (errors_total {e})"),
+                    action: "not finite counts >= 0 with errors <= finished: dropped",
+                });
+                None
+            }
+        });
+
         let all_failing = !snap.sources.is_empty()
             && snap
                 .sources
@@ -495,6 +513,7 @@ impl PodSignals {
             itl_recent_mean_ms,
             error_rate,
             window_requests,
+            outcome_totals,
             xid_total,
             ecc_total,
             hardware_fault: false,
@@ -800,6 +819,34 @@ mod tests {
         let fields: Vec<_> = issues.iter().map(|i| i.field.as_str()).collect();
         assert_eq!(fields, ["inference.error_rate", "inference.request_rate"]);
         assert!(!s.failing(0.0, 0));
+    }
+
+    #[test]
+    fn outcome_counts_are_kept_only_when_they_make_sense() {
+        let mut p = snap("10.0.0.1:8000");
+        let totals = |p: &PodSnapshot| PodSignals::from_proto(p, 0);
+        let set = |p: &mut PodSnapshot, f: Option<f64>, e: Option<f64>| {
+            if let Some(i) = p.inference.as_mut() {
+                i.finished_total = f;
+                i.errors_total = e;
+            }
+        };
+        set(&mut p, Some(120.0), Some(7.0));
+        let (s, issues) = totals(&p);
+        assert_eq!(s.unwrap().outcome_totals, Some((120.0, 7.0)));
+        assert!(issues.is_empty());
+        // One of the two missing: no counts, and nothing wrong with that.
+        set(&mut p, Some(120.0), None);
+        let (s, issues) = totals(&p);
+        assert_eq!(s.unwrap().outcome_totals, None);
+        assert!(issues.is_empty());
+        // More failures than requests, a negative or a NaN count: dropped, naming the field.
+        for (f, e) in [(5.0, 7.0), (-1.0, 0.0), (f64::NAN, 1.0)] {
+            set(&mut p, Some(f), Some(e));
+            let (s, issues) = totals(&p);
+            assert_eq!(s.unwrap().outcome_totals, None, "{f} {e}");
+            assert_eq!(issues[0].field, "inference.finished_total", "{f} {e}");
+        }
     }
 
     #[test]

@@ -30,6 +30,7 @@ pub fn scoreboard(router: &Router, now_ms: u64) -> Value {
                             "ttftSloMs": t.ttft_slo_ms,
                             "errorBackground": t.error_background,
                             "ttftBackgroundMs": t.ttft_background_ms,
+                            "errorEvidence": s.evidence,
                         })),
                         "learned": s.learned,
                         "learnedSamples": router.learned_model(i).map(|_| s.learned_samples),

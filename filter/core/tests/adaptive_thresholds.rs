@@ -313,6 +313,120 @@ fn an_e2e_p99_is_no_background_for_the_ttft_slo() {
     assert_eq!(thresholds(&r, 0), (0.35, 0.175, Some(1000)));
 }
 
+/// [`event`] with each pod's model-server counts: pod i has finished `totals[i].0` requests,
+/// `totals[i].1` of them failed, and reports a windowed error rate of `rates[i]`.
+fn counted(seq: u64, rates: &[f64], totals: &[(f64, f64)]) -> PoolEvent {
+    let pods: Vec<(f64, f64)> = rates.iter().map(|&e| (e, 300.0)).collect();
+    let mut ev = event(seq, &pods);
+    for (peer, &(f, e)) in ev.peers.iter_mut().zip(totals) {
+        if let Some(inf) = peer.snapshot.as_mut().and_then(|s| s.inference.as_mut()) {
+            inf.finished_total = Some(f);
+            inf.errors_total = Some(e);
+        }
+    }
+    ev
+}
+
+/// Feeds `steps` snapshots, 100 ms apart, in which every pod finishes 10 requests: pod 0 fails
+/// `fail0` of them and reports a windowed rate of 0.2, the others fail 1 and report 0.08 (so
+/// the adapted `agentErrorRate` is 0.295 and pod 0's window stays under it). Answers pod 0's
+/// breaker state after each snapshot.
+fn feed_counts(extra: &str, fail0: f64, steps: u64) -> (Router, Vec<BreakerState>) {
+    let rates = [0.2, 0.08, 0.08, 0.08];
+    let mut r = router(extra, &[(0.08, 300.0); 4]);
+    let mut states = Vec::new();
+    for k in 0..steps {
+        let n = 10.0 * k as f64;
+        let totals = [
+            (n, fail0 * k as f64),
+            (n, k as f64),
+            (n, k as f64),
+            (n, k as f64),
+        ];
+        let now = 1_100 + 100 * k;
+        r.apply_pool_event(0, &counted(2 + k, &rates, &totals), now);
+        r.tick(now);
+        states.push(r.breaker(0, &addr(0), None).unwrap().state());
+    }
+    (r, states)
+}
+
+#[test]
+fn the_evidence_test_cuts_a_pod_failing_half_its_requests_before_its_window_shows_it() {
+    // 5 failures of 10 per snapshot against p0 = 0.197, p1 = 0.5: about +2.3 a snapshot, so
+    // the third snapshot (the first only sets the counters) passes 3.
+    let (mut r, states) = feed_counts(ON, 5.0, 6);
+    assert_eq!(
+        states[..3],
+        [
+            BreakerState::Closed,
+            BreakerState::Closed,
+            BreakerState::Open
+        ],
+        "{states:?}"
+    );
+    assert_eq!(r.counters().breaker_thresholds_evidence, 1);
+    let trips = r.take_signal_trips();
+    assert!(
+        trips.len() == 1
+            && trips[0].pod == addr(0)
+            && trips[0].reason == TripReason::AgentErrorRate,
+        "{trips:?}"
+    );
+    // Off, the windowed rate (0.2 under 0.295) never cuts it.
+    let (r, states) = feed_counts(r#","adaptiveThresholds":{"errorEvidence":0}"#, 5.0, 6);
+    assert!(
+        states.iter().all(|s| *s == BreakerState::Closed),
+        "{states:?}"
+    );
+    assert_eq!(r.counters().breaker_thresholds_evidence, 0);
+    // Nor do static thresholds: the test belongs to the adaptive ones.
+    let (_, states) = feed_counts("", 5.0, 6);
+    assert!(
+        states.iter().all(|s| *s == BreakerState::Closed),
+        "{states:?}"
+    );
+}
+
+#[test]
+fn a_burst_at_twice_the_background_builds_no_evidence() {
+    // 2 failures of 10 per snapshot: each snapshot takes about 1.9 off, so the sum stays at 0.
+    let (r, states) = feed_counts(ON, 2.0, 40);
+    assert!(
+        states.iter().all(|s| *s == BreakerState::Closed),
+        "{states:?}"
+    );
+    assert_eq!(r.counters().breaker_thresholds_evidence, 0);
+}
+
+#[test]
+fn the_evidence_starts_again_when_the_counters_go_back_or_vanish() {
+    use ai_lb_filter_core::adaptive::Evidence;
+    let rates = Evidence::rates(0.295, 0.25).unwrap();
+    assert!((rates.0 - 0.295 * 2.0 / 3.0).abs() < 1e-12 && rates.1 == 0.5);
+    let mut e = Evidence::default();
+    assert_eq!(
+        e.observe(Some((100.0, 10.0)), rates),
+        0.0,
+        "first counts set the base"
+    );
+    let one = e.observe(Some((110.0, 15.0)), rates);
+    assert!((2.2..2.4).contains(&one), "{one}");
+    // The server restarted: its counters start again, and so does the evidence.
+    assert_eq!(e.observe(Some((4.0, 2.0)), rates), 0.0);
+    assert!((2.2..2.4).contains(&e.observe(Some((14.0, 7.0)), rates)));
+    // A snapshot without counts (the model server unread once) changes nothing; the next
+    // counts bring the whole increase since.
+    let two = e.observe(None, rates);
+    assert!((2.2..2.4).contains(&two), "{two}");
+    let four = e.observe(Some((24.0, 12.0)), rates);
+    assert!((4.5..4.7).contains(&four), "{four}");
+    // Failures growing faster than finished requests are nonsense: it starts again.
+    assert_eq!(e.observe(Some((25.0, 20.0)), rates), 0.0);
+    // No test where p0 would not be below p1 (a base agentErrorRate of 0: off).
+    assert_eq!(Evidence::rates(0.2, 0.0), None);
+}
+
 #[test]
 fn absent_the_section_changes_nothing() {
     let r = router("", &[(0.0, 100.0); 4]);
@@ -351,6 +465,8 @@ fn bad_values_are_refused_naming_the_field_and_value() {
         (r#"{"latencyNoisyAt":20}"#, "latencyNoisyAt", "20"),
         (r#"{"minPods":0}"#, "minPods", "0"),
         (r#"{"minRequests":0}"#, "minRequests", "0"),
+        (r#"{"errorEvidence":-1}"#, "errorEvidence", "-1"),
+        (r#"{"errorEvidence":101}"#, "errorEvidence", "101"),
     ] {
         let e = err(section);
         assert!(

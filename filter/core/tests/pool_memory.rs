@@ -124,6 +124,8 @@ fn snapshot(i: usize, t: u64) -> PodSnapshot {
             inter_token_recent: Some(q(12.0 + 12.0 * util)),
             recent_window_ms: 150,
             prefix_cache_hit_rate: Some(0.5),
+            finished_total: Some(40_000.0),
+            errors_total: Some(12.0),
         }),
         sources: vec![fresh("nvml"), fresh("model-server")],
         sample_time_unix_ms: 1_700_000_000_000 + t * 100,

@@ -171,6 +171,8 @@ fn snapshot(i: usize, addr: SocketAddr, t: u64) -> PodSnapshot {
             inter_token_recent: Some(q(12.0 + 12.0 * util)),
             recent_window_ms: 150,
             prefix_cache_hit_rate: Some(0.5),
+            finished_total: Some(40_000.0),
+            errors_total: Some(12.0),
         }),
         sources: vec![fresh("nvml"), fresh("model-server")],
         sample_time_unix_ms: unix_ms(),

@@ -172,3 +172,84 @@ fn breaker_thresholds_follow_the_pool() {
         thresholds_follow_the_pool_on(path);
     }
 }
+
+/// The requests pod `addr` answered with an error, as its model server counts them (vLLM's
+/// `request_success_total{finished_reason="error"}`, summed over its other labels).
+fn pod_errors(addr: std::net::SocketAddr) -> f64 {
+    let page = envoy::http_get(addr, "/metrics")
+        .map(|r| r.text())
+        .unwrap_or_default();
+    page.lines()
+        .filter(|l| {
+            l.starts_with("vllm:request_success_total{") && l.contains(r#"finished_reason="error""#)
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// `errorEvidence`: the model server's counts reach the filter through the real agent, and a
+/// pod failing every request is cut by the evidence they build. The windowed rate cannot cut it
+/// here (`failureRateMinRequests` 100000: no window holds that many), nor can the worker's own
+/// outcomes; with the test off the same counts and traffic leave the pod in.
+fn evidence_cuts_on(path: Path) {
+    for evidence in [None, Some(0.0)] {
+        let pool = PodPool::start(4, 0.01).unwrap();
+        for i in 0..4 {
+            pool.control(i, r#"{"sm_occupancy":0.3}"#).unwrap();
+        }
+        let mut adaptive = json!({"minRequests": 5});
+        if let Some(h) = evidence {
+            adaptive["errorEvidence"] = json!(h);
+        }
+        let filter = config(json!({
+            "breaker": {"consecutiveFailures": 1000, "baseCooldownMs": 30000,
+                        "failureRate": 1.0, "failureRateMinRequests": 100000,
+                        "agentErrorRate": 0.25, "adaptiveThresholds": adaptive}
+        }));
+        let envoy = path.start(&pool, &filter);
+        wait_scoreboard(&envoy, "every pod fresh", 30, |sb| all_fresh(sb, &pool));
+        pool.control(0, r#"{"error_rate":1.0}"#).unwrap();
+        let opened = |e: &Envoy| path.stat(e, "ailb.breaker_opened.agent_error_rate");
+        let evidence_trips = |e: &Envoy| path.stat(e, "ailb.breaker_thresholds.evidence");
+        // Pod0 fails 8 requests of another client (sent to it directly): its model server
+        // counts them, and its agent streams the counts. The picker sends a pod that just
+        // failed little traffic of its own, so the sidecar's requests alone would take long.
+        let failed = || pod_errors(pool.pod_addrs[0]);
+        let before = failed();
+        for _ in 0..8 {
+            let body = r#"{"prompt":"hello there","max_tokens":4}"#.to_string();
+            let (status, _) = direct(pool.pod_addrs[0], body).join().unwrap();
+            assert_eq!(status, 500, "{path:?}: pod0 fails every request");
+        }
+        assert_eq!(failed(), before + 8.0, "{path:?}: pod0 counts its failures");
+        if evidence.is_none() {
+            // 8 failures in a row are about 9 to 12 nats against the test's 3. Each worker
+            // judges the counts as it next refreshes (the wasm filter's VMs on a request).
+            drive_until(&envoy, 15, "pod0 cut by the evidence test", |e| {
+                evidence_trips(e) >= 1
+            });
+            // Its reason (counted as the shared breaker takes the trip, at a worker's next
+            // event).
+            drive_until(&envoy, 10, "the trip counted as agent_error_rate", |e| {
+                opened(e) >= 1
+            });
+        } else {
+            // The same counts and as much traffic: nothing cuts it.
+            let until = Instant::now() + Duration::from_secs(3);
+            drive_until(&envoy, 10, "3 s of traffic", |_| Instant::now() >= until);
+            assert_eq!(
+                (opened(&envoy), evidence_trips(&envoy)),
+                (0, 0),
+                "{path:?}: with errorEvidence 0 nothing cuts pod0; status: {}",
+                scoreboard(&envoy)
+            );
+        }
+    }
+}
+
+#[test]
+fn the_evidence_test_cuts_a_failing_pod_from_its_agents_counts() {
+    for path in [Path::Wasm, Path::Native] {
+        evidence_cuts_on(path);
+    }
+}

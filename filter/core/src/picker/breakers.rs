@@ -82,7 +82,7 @@ pub(super) fn judge_breakers(
     if fresh && adapted.is_some() {
         count_agent_rate_judgement(pod, sig, base, cfg, now_ms, sinks.counters);
     }
-    let reason = signal_trip(
+    let mut reason = signal_trip(
         pod,
         sig,
         fresh,
@@ -91,10 +91,47 @@ pub(super) fn judge_breakers(
         now_ms,
         sinks.counters,
     );
+    if fresh && evidence_trips(pod, sig, base, cfg) && reason.is_none() && !pool_wide_errors {
+        sinks.counters.breaker_thresholds_evidence += 1;
+        reason = Some(TripReason::AgentErrorRate);
+    }
+    if reason.is_some() {
+        pod.evidence.clear();
+    }
     if let Some(reason) = reason {
         trip_on_signal(pod, reason, cfg, now_ms, sinks);
     }
     poll_breakers(pod, cfg, now_ms, sinks)
+}
+
+/// `breaker.adaptiveThresholds.errorEvidence`: adds a new snapshot's outcomes to the pod's
+/// evidence ([`crate::adaptive::Evidence`], against its adapted `agentErrorRate` in `cfg`) and
+/// answers whether it reached the bound with the pod's breaker closed. The evidence restarts
+/// from 0 while the breaker is not closed, so a pod that closed is judged on what it does
+/// since.
+fn evidence_trips(
+    pod: &mut PodRt,
+    sig: &PodSignals,
+    base: &BreakerConfig,
+    cfg: &BreakerConfig,
+) -> bool {
+    let Some(bound) = pod
+        .thresholds
+        .map(|t| t.error_evidence)
+        .filter(|&h| h > 0.0)
+    else {
+        return false;
+    };
+    let Some(rates) = crate::adaptive::Evidence::rates(cfg.agent_error_rate, base.agent_error_rate)
+    else {
+        return false;
+    };
+    let score = pod.evidence.observe(sig.outcome_totals, rates);
+    if pod.breaker.state() != BreakerState::Closed {
+        pod.evidence.clear();
+        return false;
+    }
+    score >= bound
 }
 
 /// Counts a new snapshot whose agent error rate the pod's adapted `agentErrorRate` judges

@@ -113,6 +113,9 @@ pub(super) struct PodRt {
     /// Its breaker thresholds as adapted to its pool (`breaker.adaptiveThresholds`,
     /// [`crate::adaptive`]); None when that is off. Set at each refresh.
     pub(super) thresholds: Option<crate::adaptive::Effective>,
+    /// `breaker.adaptiveThresholds.errorEvidence`: its outcomes' evidence of failing, fed by
+    /// each new snapshot ([`crate::adaptive::Evidence`]).
+    pub(super) evidence: crate::adaptive::Evidence,
     /// `learnedWeights`: its features as of its latest snapshot (None: that is off, or it has
     /// no metrics), the model's score for them (None: falling back), and the samples this VM
     /// has trained on from its outcomes (cold start until `coldStartSamples`).
@@ -182,6 +185,7 @@ impl PodRt {
             rel_speed: 1.0,
             itl_ms: None,
             thresholds: None,
+            evidence: crate::adaptive::Evidence::default(),
             features: None,
             learned: None,
             learned_samples: 0,

@@ -23,6 +23,9 @@ pub struct PodStatus<'a> {
     /// Its breaker thresholds as adapted to its pool (`breaker.adaptiveThresholds`), with the
     /// pool background they came from; None when that is off.
     pub thresholds: Option<crate::adaptive::Effective>,
+    /// Its evidence of failing (`adaptiveThresholds.errorEvidence` on; the breaker opens at
+    /// that bound).
+    pub evidence: Option<f64>,
     /// `learnedWeights`: the model's score for its features (None: off, no features, or the
     /// model falls back) and the samples this VM trained on from its outcomes.
     pub learned: Option<f64>,
@@ -151,6 +154,10 @@ impl Router {
                         .and_then(|ramp| ramp.at(&r.breaker, now_ms))
                         .map_or(1.0, |s| s.share),
                     thresholds: r.thresholds,
+                    evidence: r
+                        .thresholds
+                        .filter(|t| t.error_evidence > 0.0)
+                        .map(|_| r.evidence.score()),
                     learned: r.learned,
                     learned_samples: r.learned_samples,
                     picks: r.picks,
