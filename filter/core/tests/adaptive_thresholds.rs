@@ -83,6 +83,7 @@ fn router(extra: &str, pods: &[(f64, f64)]) -> Router {
 }
 
 const ON: &str = r#","adaptiveThresholds":{}"#;
+const EVIDENCE: &str = r#","adaptiveThresholds":{"errorEvidence":3}"#;
 
 /// Pod `i`'s (failureRate, agentErrorRate, ttftSloMs) as it is judged now.
 fn thresholds(r: &Router, i: usize) -> (f64, f64, Option<u64>) {
@@ -355,7 +356,7 @@ fn feed_counts(extra: &str, fail0: f64, steps: u64) -> (Router, Vec<BreakerState
 fn the_evidence_test_cuts_a_pod_failing_half_its_requests_before_its_window_shows_it() {
     // 5 failures of 10 per snapshot against p0 = 0.197, p1 = 0.5: about +2.3 a snapshot, so
     // the third snapshot (the first only sets the counters) passes 3.
-    let (mut r, states) = feed_counts(ON, 5.0, 6);
+    let (mut r, states) = feed_counts(EVIDENCE, 5.0, 6);
     assert_eq!(
         states[..3],
         [
@@ -373,8 +374,8 @@ fn the_evidence_test_cuts_a_pod_failing_half_its_requests_before_its_window_show
             && trips[0].reason == TripReason::AgentErrorRate,
         "{trips:?}"
     );
-    // Off, the windowed rate (0.2 under 0.295) never cuts it.
-    let (r, states) = feed_counts(r#","adaptiveThresholds":{"errorEvidence":0}"#, 5.0, 6);
+    // Off (the default), the windowed rate (0.2 under 0.295) never cuts it.
+    let (r, states) = feed_counts(ON, 5.0, 6);
     assert!(
         states.iter().all(|s| *s == BreakerState::Closed),
         "{states:?}"
@@ -391,7 +392,7 @@ fn the_evidence_test_cuts_a_pod_failing_half_its_requests_before_its_window_show
 #[test]
 fn a_burst_at_twice_the_background_builds_no_evidence() {
     // 2 failures of 10 per snapshot: each snapshot takes about 1.9 off, so the sum stays at 0.
-    let (r, states) = feed_counts(ON, 2.0, 40);
+    let (r, states) = feed_counts(EVIDENCE, 2.0, 40);
     assert!(
         states.iter().all(|s| *s == BreakerState::Closed),
         "{states:?}"

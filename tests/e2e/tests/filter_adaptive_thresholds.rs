@@ -190,9 +190,9 @@ fn pod_errors(addr: std::net::SocketAddr) -> f64 {
 /// `errorEvidence`: the model server's counts reach the filter through the real agent, and a
 /// pod failing every request is cut by the evidence they build. The windowed rate cannot cut it
 /// here (`failureRateMinRequests` 100000: no window holds that many), nor can the worker's own
-/// outcomes; with the test off the same counts and traffic leave the pod in.
+/// outcomes; with the test off (the default) the same counts and traffic leave the pod in.
 fn evidence_cuts_on(path: Path) {
-    for evidence in [None, Some(0.0)] {
+    for evidence in [Some(3.0), None] {
         let pool = PodPool::start(4, 0.01).unwrap();
         for i in 0..4 {
             pool.control(i, r#"{"sm_occupancy":0.3}"#).unwrap();
@@ -222,7 +222,7 @@ fn evidence_cuts_on(path: Path) {
             assert_eq!(status, 500, "{path:?}: pod0 fails every request");
         }
         assert_eq!(failed(), before + 8.0, "{path:?}: pod0 counts its failures");
-        if evidence.is_none() {
+        if evidence.is_some() {
             // 8 failures in a row are about 9 to 12 nats against the test's 3. Each worker
             // judges the counts as it next refreshes (the wasm filter's VMs on a request).
             drive_until(&envoy, 15, "pod0 cut by the evidence test", |e| {
@@ -240,7 +240,7 @@ fn evidence_cuts_on(path: Path) {
             assert_eq!(
                 (opened(&envoy), evidence_trips(&envoy)),
                 (0, 0),
-                "{path:?}: with errorEvidence 0 nothing cuts pod0; status: {}",
+                "{path:?}: with errorEvidence off (the default) nothing cuts pod0; status: {}",
                 scoreboard(&envoy)
             );
         }
