@@ -10,53 +10,9 @@ mod filter_common;
 
 use std::time::{Duration, Instant};
 
-use ai_lb_e2e::envoy::{self, Envoy, EnvoyOptions, HttpClient, PodPool};
+use ai_lb_e2e::envoy::{self, Envoy, HttpClient, PodPool};
 use filter_common::*;
 use serde_json::{json, Value};
-
-#[derive(Debug, Clone, Copy)]
-enum Path {
-    Wasm,
-    Native,
-}
-
-impl Path {
-    fn start(self, pool: &PodPool, filter: &str) -> Envoy {
-        let mut o = match self {
-            Path::Wasm => EnvoyOptions::new(filter.to_string()),
-            Path::Native => {
-                let mut o = EnvoyOptions::new(
-                    envoy::native_filter_config(filter, &pool.agent_addrs).unwrap(),
-                );
-                o.template = Some(envoy::native_template().unwrap());
-                o
-            }
-        };
-        o.inference = pool.pod_addrs.clone();
-        o.agents = pool.agent_addrs.clone();
-        Envoy::start(&o).unwrap()
-    }
-
-    fn name(self, name: &str) -> String {
-        let prefix = match self {
-            Path::Wasm => "wasmcustom.",
-            Path::Native => "dynamicmodulescustom.",
-        };
-        format!("{prefix}{name}")
-    }
-
-    /// The stat (0 when absent or unreadable).
-    fn stat(self, envoy: &Envoy, name: &str) -> u64 {
-        envoy.stat(&self.name(name)).unwrap_or(0)
-    }
-
-    /// Whether Envoy lists the stat at all.
-    fn defined(self, envoy: &Envoy, name: &str) -> bool {
-        envoy
-            .stats()
-            .is_ok_and(|s| s.contains_key(&self.name(name)))
-    }
-}
 
 /// One small completion on a connection of its own (its status is not checked: in the noisy
 /// phase a retry may fail too).
@@ -111,7 +67,10 @@ fn thresholds_follow_the_pool_on(path: Path) {
     if matches!(path, Path::Wasm) {
         // The wasm filter defines its counters at 0 (the native module once first counted).
         assert!(
-            path.defined(&envoy, "ailb.breaker_thresholds.stricter"),
+            envoy.stats().is_ok_and(|s| s.contains_key(&format!(
+                "{}ailb.breaker_thresholds.stricter",
+                path.prefix()
+            ))),
             "{path:?}: the stat is defined at 0"
         );
     }
@@ -168,7 +127,7 @@ fn thresholds_follow_the_pool_on(path: Path) {
 
 #[test]
 fn breaker_thresholds_follow_the_pool() {
-    for path in [Path::Wasm, Path::Native] {
+    for path in BOTH {
         thresholds_follow_the_pool_on(path);
     }
 }
@@ -249,7 +208,7 @@ fn evidence_cuts_on(path: Path) {
 
 #[test]
 fn the_evidence_test_cuts_a_failing_pod_from_its_agents_counts() {
-    for path in [Path::Wasm, Path::Native] {
+    for path in BOTH {
         evidence_cuts_on(path);
     }
 }
