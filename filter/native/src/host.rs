@@ -335,16 +335,15 @@ impl Stream {
 
     /// Applies `op` (one of the ABI's counter, gauge and histogram updates, which share one
     /// signature) to metric `id` with `values` for its labels; ignores errors and id 0.
-    fn metric(&self, op: UpdateMetric, id: usize, values: &[ModuleBuffer], v: u64) {
-        if id == 0 {
-            return;
-        }
-        let ptr = array_ptr(values);
-        // SAFETY: live filter pointer; `values` (and the text each points into) outlives the
-        // call, and Envoy reads exactly `values.len()` of them (as many as the metric's labels).
-        unsafe {
-            op(self.0, id, ptr, values.len(), v);
-        }
+    fn metric(
+        &self,
+        op: UpdateMetric<abi::HttpFilterEnvoyPtr>,
+        id: usize,
+        values: &[ModuleBuffer],
+        v: u64,
+    ) {
+        // SAFETY: live filter pointer in its hook; callers pass as many values as labels.
+        unsafe { update_metric(op, self.0, id, values, v) }
     }
 }
 
@@ -388,23 +387,34 @@ pub struct LabeledCounter2(usize);
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct LabeledGauge(usize);
 
-/// The shape of the ABI's metric updates from a stream (counter, gauge, histogram).
-type UpdateMetric = unsafe extern "C" fn(
-    abi::HttpFilterEnvoyPtr,
-    usize,
-    *const ModuleBuffer,
-    usize,
-    u64,
-) -> abi::MetricsResult;
+/// The shape of the ABI's metric updates (counter, gauge, histogram), on `P`: a stream
+/// ([`abi::HttpFilterEnvoyPtr`]) or, outside any stream, the config
+/// ([`abi::HttpFilterConfigEnvoyPtr`]).
+type UpdateMetric<P> =
+    unsafe extern "C" fn(P, usize, *const ModuleBuffer, usize, u64) -> abi::MetricsResult;
 
-/// The shape of the ABI's metric updates outside any stream (counter, gauge).
-type ConfigUpdateMetric = unsafe extern "C" fn(
-    abi::HttpFilterConfigEnvoyPtr,
-    usize,
-    *const ModuleBuffer,
-    usize,
-    u64,
-) -> abi::MetricsResult;
+/// Applies `op` to metric `id` of `target` with `values` for its labels; ignores errors and
+/// id 0.
+///
+/// # Safety
+/// `target` must be the live pointer `op` expects (a stream in its hook, the config in a
+/// config-level hook) and `values` as many as the metric's labels.
+unsafe fn update_metric<P>(
+    op: UpdateMetric<P>,
+    target: P,
+    id: usize,
+    values: &[ModuleBuffer],
+    v: u64,
+) {
+    if id == 0 {
+        return;
+    }
+    // SAFETY: the caller's; `values` (and the text each points into) outlives the call, and
+    // Envoy reads exactly `values.len()` of them.
+    unsafe {
+        op(target, id, array_ptr(values), values.len(), v);
+    }
+}
 
 /// The shape of the ABI's metric-defining callbacks (counter, gauge, histogram).
 type DefineMetric = unsafe extern "C" fn(
@@ -551,15 +561,16 @@ impl ConfigHandle {
 
     /// Updates metric `id` with label `values` through `op` outside any stream; ignores errors
     /// and id 0.
-    fn config_metric(&self, op: ConfigUpdateMetric, id: usize, values: &[ModuleBuffer], v: u64) {
-        if id == 0 {
-            return;
-        }
-        // SAFETY: live config pointer in a config-level hook; `values` (and the text each
-        // points into) outlives the call and holds as many values as the metric has labels.
-        unsafe {
-            op(self.0, id, array_ptr(values), values.len(), v);
-        }
+    fn config_metric(
+        &self,
+        op: UpdateMetric<abi::HttpFilterConfigEnvoyPtr>,
+        id: usize,
+        values: &[ModuleBuffer],
+        v: u64,
+    ) {
+        // SAFETY: live config pointer in a config-level hook; callers pass as many values as
+        // labels.
+        unsafe { update_metric(op, self.0, id, values, v) }
     }
 
     /// Defines counter `name` (shown as `<metrics_namespace>.<name>`); 0 (never counted) when
