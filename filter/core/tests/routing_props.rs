@@ -1044,6 +1044,40 @@ fn a_long_answer_goes_to_the_pod_that_decodes_faster() {
 }
 
 #[test]
+fn a_fast_minoritys_queue_counts_at_its_own_speed_once_for_a_long_answer() {
+    // Six pods decode at 8 ms a token (the pool's median) with free seats, two at 4.8 ms
+    // (0.6 of it) with 8 of 8 seats taken. A 2 000-token answer takes 16 s on a slow pod;
+    // on a fast one 9.6 s plus its wait: with 4 waiting, (4 + 1) / 8 of a round of mean
+    // answers (2 000 tokens) at 4.8 ms, 6 s, so 15.6 s: under 10 % sooner, and the slow
+    // pod's free seat wins. Timing the wait at the fast pod's speed twice (0.6 × 0.625
+    // rounds) made it 13.2 s and sent every long answer to the busy fast pods.
+    let pods = [pod(0.2); 8];
+    let queued = |waiting: u32| {
+        let mut ev = event(&pods, 1);
+        for i in 0..8 {
+            let fast = i >= 6;
+            decoding(&mut ev, i, if fast { 4.8 } else { 8.0 }, 100);
+            let inf = inference(&mut ev, i);
+            inf.queue_capacity = Some(8);
+            inf.running = Some(if fast { 8 } else { 2 });
+            inf.waiting = Some(if fast { waiting } else { 0 });
+        }
+        let mut r = Router::new(config(""));
+        r.apply_pool_event(0, &ev, 1000);
+        r
+    };
+    let long = sized(2_100.0, 2_000.0);
+    let fast_share = |c: Vec<usize>| (c[6] + c[7]) as f64 / c.iter().sum::<usize>() as f64;
+    // Only when both first draws and the two extra ones are fast pods (about 1/420).
+    let f = fast_share(counts_for(&mut queued(4), 8, long, 4_000, 41));
+    assert!(f < 0.01, "{f}");
+    // One waiting: (1 + 1) / 8 of a round, 2.4 s, so 12 s, 25 % sooner: the fast pods take
+    // it whenever one is drawn (1 − 6/8 · 5/7 · 6/8 · 6/8 ≈ 0.7).
+    let f = fast_share(counts_for(&mut queued(1), 8, long, 4_000, 42));
+    assert!(f > 0.6, "{f}");
+}
+
+#[test]
 fn a_long_answer_avoids_a_slowed_pod_even_when_the_others_would_wait_for_kv_cache() {
     // Pod 0 decodes 5x slower than the rest (judged slow) with its KV cache empty; pods 1-3
     // decode at speed with 900 of 10 000 KV tokens free, so a 2 100-token request would wait

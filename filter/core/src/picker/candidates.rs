@@ -323,16 +323,24 @@ impl<'a> Candidates<'a> {
         )
     }
 
-    /// When the request would finish on pod `id` (`k`: its key), for a long answer. None
-    /// (compared as any request is) when it would wait for KV cache there (for how
-    /// long is unknown), the pod just failed a request, or it has no recent reading.
+    /// When the request would finish on pod `id` (`k`: its key), for a long answer: its wait,
+    /// then its own output at the pod's inter-token latency `d`. None (compared as any
+    /// request is) when it would wait for KV cache there (for how long is unknown), the pod
+    /// just failed a request, or it has no recent reading.
+    ///
+    /// The key's wait (`k.1`) is in rounds of the pool's median pod ([`PodRt::pick_key`]:
+    /// a pod's own rounds times its relative speed), and such a round is a mean answer at
+    /// the median's latency, `d / rel_speed`. Timing those rounds at the pod's own `d`
+    /// counted a pod's speed twice: an H100 beside A100s (0.61 of their latency) had its
+    /// queue taken for 0.61 of its length, a slower pod's for more than its length.
     fn finish_ms(&self, id: u32, k: Key) -> Option<f64> {
         let r = self.pods.get(id as usize)?;
         if k.0 >= 2 || r.failed_recently(self.req.now_ms) {
             return None;
         }
         let d = r.decode_ms(self.req.now_ms)?;
-        Some((k.1 * self.round_tokens + self.req.size.output_tokens) * d)
+        let median_round_ms = self.round_tokens * d / r.rel_speed;
+        Some(k.1 * median_round_ms + self.req.size.output_tokens * d)
     }
 
     /// Pod `id` is judged to run slow ([`PodRt::slowed`]).
