@@ -15,6 +15,9 @@ use crate::admission::AdmissionConfig;
 use crate::error::ConfigError;
 use crate::recovery::{RawRecoveryRamp, RecoveryRamp};
 
+/// `longOutputTokens` when absent (the schema's `default` says the same).
+const DEFAULT_LONG_OUTPUT_TOKENS: u64 = 512;
+
 // ---------------------------------------------------------------------------------------------
 // Raw serde layer. Its doc comments and `schemars` attributes are the JSON Schema of the plugin
 // config (feature `schema`): keep defaults and ranges here in step with the validation below
@@ -103,15 +106,20 @@ pub(super) struct RawConfig {
     /// `max_tokens` or `max_completion_tokens`, times `n`; read only when the router reads the
     /// body, i.e. `modelHeader` is set and the request lacks it, or admission needs it) spends
     /// most of its time decoding. It draws two more candidates and goes where it would finish
-    /// at least 10 % sooner: (its wait in service rounds × the mean output reservation + its
-    /// own output) × the pod's inter-token latency (the mean over the agent's recent window,
-    /// i.e. the histogram's sum over its count, else its median; smoothed; a reading older
-    /// than 5 s does not count). Where that cannot be told (it would wait for KV cache, or a
-    /// request just failed there), a pod judged slow (a GPU slowdown, or `slowItlRatio`) loses
-    /// to one that is not; otherwise it is compared like any request. In a pool that mixes
-    /// GPU generations this keeps the longest answers, which set the p99 of end-to-end
-    /// latency, off the slower GPUs, and off a pod that decodes much slower than it should
-    /// even when it has free seats. 0 turns it off.
+    /// at least 10 % sooner: its wait (service rounds, each a mean output reservation at the
+    /// pool's median inter-token latency) plus its own output at the pod's inter-token latency
+    /// (the mean over the agent's recent window, i.e. the histogram's sum over its count, else
+    /// its median; smoothed; a reading older than 5 s does not count). Where that cannot be
+    /// told (it would wait for KV cache, or a request just failed there), a pod judged slow (a
+    /// GPU slowdown, or `slowItlRatio`) loses to one that is not; otherwise it is compared like
+    /// any request. In a pool that mixes GPU generations this keeps the longest answers, which
+    /// set the p99 of end-to-end latency, off the slower GPUs, and off a pod that decodes much
+    /// slower than it should even when it has free seats. Each long answer holds a fast pod's
+    /// seat for its whole decode: where the fast pods are a minority, a higher value (about
+    /// the longest 2 % of answers) leaves them seats for short requests (BENCHMARKS.md, pool
+    /// mixes, "Long answers": 1024 on 2 H100 + 6 A100 at 90 % gave 0.73–0.79x the p99 TTFT of
+    /// 512 at 1.01x its p99 end-to-end; on 4 H100 + 4 A100 at 80 %, 0.92x the p99 TTFT but
+    /// 1.07x the p99 end-to-end). 0 turns it off.
     #[serde(default)]
     #[cfg_attr(
         feature = "schema",
@@ -1012,7 +1020,7 @@ impl TryFrom<RawConfig> for FilterConfig {
             }
         };
         let long_output_tokens = match raw.long_output_tokens {
-            None => 512,
+            None => DEFAULT_LONG_OUTPUT_TOKENS,
             Some(n) if n <= 10_000_000 => n,
             Some(n) => {
                 return Err(ConfigError::new(
