@@ -1050,7 +1050,7 @@ fn a_fast_minoritys_queue_counts_at_its_own_speed_once_for_a_long_answer() {
     // on a fast one 9.6 s plus its wait: with 4 waiting, (4 + 1) / 8 of a round of mean
     // answers (2 000 tokens) at 4.8 ms, 6 s, so 15.6 s: under 10 % sooner, and the slow
     // pod's free seat wins. Timing the wait at the fast pod's speed twice (0.6 × 0.625
-    // rounds) made it 13.2 s and sent every long answer to the busy fast pods.
+    // rounds) made it 13.2 s, and a busy fast pod took every long answer it was drawn for.
     let pods = [pod(0.2); 8];
     let queued = |waiting: u32| {
         let mut ev = event(&pods, 1);
@@ -1068,7 +1068,7 @@ fn a_fast_minoritys_queue_counts_at_its_own_speed_once_for_a_long_answer() {
     };
     let long = sized(2_100.0, 2_000.0);
     let fast_share = |c: Vec<usize>| (c[6] + c[7]) as f64 / c.iter().sum::<usize>() as f64;
-    // Only when both first draws and the two extra ones are fast pods (about 1/420).
+    // Only when both first draws and the two extra ones are fast pods (about 1/450).
     let f = fast_share(counts_for(&mut queued(4), 8, long, 4_000, 41));
     assert!(f < 0.01, "{f}");
     // One waiting: (1 + 1) / 8 of a round, 2.4 s, so 12 s, 25 % sooner: the fast pods take
