@@ -295,6 +295,9 @@ pub struct FilterConfig {
     /// Requests reserving at least this many output tokens prefer the faster-decoding pod
     /// (`twoChoices`; see [`crate::picker`]); 0 = off.
     pub long_output_tokens: u64,
+    /// The most of a pod's seats long answers may hold, as this VM estimates them, for the
+    /// finish-time comparison to send it another (0..=1; 1 = no limit).
+    pub long_output_seat_share: f64,
     /// Header carrying `IP:PORT[,IP:PORT...]` to Envoy's `override_host` policy.
     pub routing_header: String,
     /// Extra ranked endpoints after the chosen one (0..=15), for retries.
@@ -339,6 +342,11 @@ impl FilterConfig {
         de.end()
             .map_err(|e| ConfigError::new("", "", format!("trailing data: {e}")))?;
         FilterConfig::try_from(raw)
+    }
+
+    /// Whether a request of `size` is a long answer (`longOutputTokens`).
+    pub fn is_long_answer(&self, size: &crate::picker::RequestSize) -> bool {
+        self.long_output_tokens > 0 && size.output_tokens >= self.long_output_tokens as f64
     }
 
     /// Index of the pool with this name.

@@ -27,6 +27,10 @@ pub struct Counters {
     /// Steered to a pod over the GPU hard limit because both drawn candidates would queue
     /// and it had a free seat (`twoChoices`).
     pub overflow_over_gpu_limit: u64,
+    /// Long answers (`longOutputTokens`) that would have finished sooner on a candidate whose
+    /// long answers already held their share of its seats (`longOutputSeatShare`): compared
+    /// there as any request.
+    pub long_output_share_full: u64,
     /// Readings dropped or clamped on entry (see [`crate::signals::SignalIssue`]).
     pub signal_issues: u64,
     /// Snapshots ignored entirely (no valid serving address).
@@ -126,7 +130,7 @@ impl Counters {
     }
 
     /// How many counters [`Counters::iter`] lists.
-    pub const COUNT: usize = 49;
+    pub const COUNT: usize = 50;
 
     /// Counts one breaker transition into `to`.
     pub fn count_transition(&mut self, to: BreakerState) {
@@ -157,6 +161,7 @@ impl Counters {
             ("steer_failed", self.steer_failed),
             ("body_truncated", self.body_truncated),
             ("overflow_over_gpu_limit", self.overflow_over_gpu_limit),
+            ("long_output_share_full", self.long_output_share_full),
             ("signal_issues", self.signal_issues),
             ("snapshots_rejected", self.snapshots_rejected),
             ("pool_events", self.pool_events),

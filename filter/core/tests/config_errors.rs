@@ -94,6 +94,16 @@ fn bad_configs_name_their_field_and_value() {
         ),
         (with(r#","longOutputTokens":-5"#), "longOutputTokens", "-5"),
         (
+            with(r#","longOutputSeatShare":1.5"#),
+            "longOutputSeatShare",
+            "1.5",
+        ),
+        (
+            with(r#","longOutputSeatShare":-0.1"#),
+            "longOutputSeatShare",
+            "-0.1",
+        ),
+        (
             with(r#","cutoffs":{"cutModelServerDown":"yes"}"#),
             "cutoffs.cutModelServerDown",
             "yes",

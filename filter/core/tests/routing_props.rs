@@ -1078,6 +1078,75 @@ fn a_fast_minoritys_queue_counts_at_its_own_speed_once_for_a_long_answer() {
 }
 
 #[test]
+fn a_fast_pod_keeps_seats_for_short_requests_past_the_long_answer_seat_share() {
+    // Six pods decode at 8 ms a token (the pool's median) with 2 of 8 seats taken, two at
+    // 4.8 ms with 4 of 8 taken. A 600-token answer (long: `longOutputTokens` 512) finishes on
+    // a fast pod in 2.9 s, on a slow one in 4.8 s: by finish time alone it goes to a fast pod
+    // whenever one is drawn. With `longOutputSeatShare` 0.5 it may join long answers on at
+    // most 0.5 × 600 / 512 of a pod's seats (4.7 of 8); a fast pod whose 4 running requests
+    // are all this sidecar's long answers would have 5 with it: past its share, the long
+    // answer is compared there as any request (load at the pod's speed: 4/8 × 0.6 = 0.3
+    // against 2/8 = 0.25 on a slow pod), and the slow pod takes it.
+    let pods = [pod(0.2); 8];
+    let long = sized(700.0, 600.0);
+    let short = sized(300.0, 100.0);
+    let fast_share = |c: Vec<usize>| (c[6] + c[7]) as f64 / c.iter().sum::<usize>() as f64;
+    let reading = |seq: u64| {
+        let mut ev = event(&pods, seq);
+        for i in 0..8 {
+            let fast = i >= 6;
+            decoding(&mut ev, i, if fast { 4.8 } else { 8.0 }, 100);
+            let inf = inference(&mut ev, i);
+            inf.queue_capacity = Some(8);
+            inf.running = Some(if fast { 4 } else { 2 });
+            inf.waiting = Some(0);
+        }
+        ev
+    };
+    // `inflight`: the size of this sidecar's 4 requests in flight on each fast pod, sent
+    // before the second reading (which shows them running).
+    let router = |extra: &str, inflight: RequestSize| {
+        let mut r = Router::new(config(extra));
+        r.apply_pool_event(0, &reading(1), 900);
+        for i in 6..8 {
+            for _ in 0..4 {
+                r.on_request_start(0, &addr(i), inflight, 900);
+            }
+        }
+        r.apply_pool_event(0, &reading(2), 1000);
+        let fast = &r.pod_status(0, 1000)[6];
+        assert_eq!((fast.inflight, fast.load), (4, 0.5));
+        r
+    };
+    let share = r#"{"longOutputSeatShare": 0.5}"#;
+    // Past the share: only when every candidate drawn is a fast pod. Each time a fast pod
+    // would have taken it by finish time, it is counted.
+    let mut r = router(share, long);
+    let f = fast_share(counts_for(&mut r, 8, long, 4_000, 51));
+    assert!(f < 0.05, "{f}");
+    let full = r.counters().long_output_share_full;
+    assert!((2_000..4_000).contains(&full), "{full}");
+    // The same occupancy in short requests: the fast pods take it whenever one is drawn
+    // (about 0.7, as in the test above).
+    let f = fast_share(counts_for(&mut router(share, short), 8, long, 4_000, 52));
+    assert!(f > 0.6, "{f}");
+    // No limit (1): by finish time alone.
+    let mut r = router(r#"{"longOutputSeatShare": 1}"#, long);
+    let f = fast_share(counts_for(&mut r, 8, long, 4_000, 53));
+    assert!(f > 0.6, "{f}");
+    assert_eq!(r.counters().long_output_share_full, 0);
+    // An answer twice `longOutputTokens` may hold twice the share, all the seats here: the
+    // longest answers, which set the p99 of end-to-end latency, keep the fast pods.
+    let longest = sized(1_124.0, 1_024.0);
+    let f = fast_share(counts_for(&mut router(share, long), 8, longest, 4_000, 55));
+    assert!(f > 0.6, "{f}");
+    // A short answer is not a long one: the share does not apply to it, and it goes by load
+    // as always (the slow pods' 0.25 against the fast pods' 0.3).
+    let f = fast_share(counts_for(&mut router(share, long), 8, short, 4_000, 54));
+    assert!(f < 0.05, "{f}");
+}
+
+#[test]
 fn a_long_answer_avoids_a_slowed_pod_even_when_the_others_would_wait_for_kv_cache() {
     // Pod 0 decodes 5x slower than the rest (judged slow) with its KV cache empty; pods 1-3
     // decode at speed with 900 of 10 000 KV tokens free, so a 2 100-token request would wait

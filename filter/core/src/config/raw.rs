@@ -18,6 +18,9 @@ use crate::recovery::{RawRecoveryRamp, RecoveryRamp};
 /// `longOutputTokens` when absent (the schema's `default` says the same).
 const DEFAULT_LONG_OUTPUT_TOKENS: u64 = 512;
 
+/// `longOutputSeatShare` when absent (the schema's `default` says the same).
+const DEFAULT_LONG_OUTPUT_SEAT_SHARE: f64 = 0.5;
+
 // ---------------------------------------------------------------------------------------------
 // Raw serde layer. Its doc comments and `schemars` attributes are the JSON Schema of the plugin
 // config (feature `schema`): keep defaults and ranges here in step with the validation below
@@ -115,17 +118,34 @@ pub(super) struct RawConfig {
     /// any request. In a pool that mixes GPU generations this keeps the longest answers, which
     /// set the p99 of end-to-end latency, off the slower GPUs, and off a pod that decodes much
     /// slower than it should even when it has free seats. Each long answer holds a fast pod's
-    /// seat for its whole decode: where the fast pods are a minority, a higher value (about
-    /// the longest 2 % of answers) leaves them seats for short requests (BENCHMARKS.md, pool
-    /// mixes, "Long answers": 1024 on 2 H100 + 6 A100 at 90 % gave 0.73–0.79x the p99 TTFT of
-    /// 512 at 1.01x its p99 end-to-end; on 4 H100 + 4 A100 at 80 %, 0.92x the p99 TTFT but
-    /// 1.07x the p99 end-to-end). 0 turns it off.
+    /// seat for its whole decode: `longOutputSeatShare` leaves the fast pods seats for short
+    /// requests. 0 turns it off.
     #[serde(default)]
     #[cfg_attr(
         feature = "schema",
         schemars(extend("default" = 512, "minimum" = 0, "maximum" = 10_000_000))
     )]
     long_output_tokens: Option<u64>,
+    /// The share of a pod's seats long answers may hold for one more to go there because it
+    /// would finish there first (`longOutputTokens`): this share for an answer reserving
+    /// `longOutputTokens`, in proportion for a longer one (twice as long, twice the share), so
+    /// the longest answers, which set the p99 of end-to-end latency, keep the fast pods and
+    /// the merely long ones take them only while seats are left. Past its share, a long
+    /// answer is compared there as any request is (its wait, then the load at the pod's
+    /// speed). Each long answer holds a seat for its whole decode: where the fast pods are a
+    /// minority, finish time alone sends them most long answers, and short requests queue
+    /// behind them. A sidecar sees only its own requests: it takes a pod's long answers as
+    /// its own long answers in flight there over all its requests in flight there, times the
+    /// pod's running + waiting. 1 = no limit. Measured (BENCHMARKS.md, pool mixes, "Long
+    /// answers"): on 2 H100 + 6 A100 at 90 % load, 0.5 gave ai_lb a p99 TTFT of 1 129–1 203 ms
+    /// in three runs against 1 372–1 482 ms with no limit, and 0.54–0.71x least_request's; on
+    /// 4 H100 + 4 A100 at 80 %, the same p99s as with no limit.
+    #[serde(default)]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend("default" = 0.5, "minimum" = 0.0, "maximum" = 1.0))
+    )]
+    long_output_seat_share: Option<f64>,
     /// Request header carrying `IP:PORT[,IP:PORT...]` to Envoy's `override_host` policy. A
     /// lowercase HTTP header name.
     #[serde(default)]
@@ -1030,6 +1050,17 @@ impl TryFrom<RawConfig> for FilterConfig {
                 ))
             }
         };
+        let long_output_seat_share = match raw.long_output_seat_share {
+            None => DEFAULT_LONG_OUTPUT_SEAT_SHARE,
+            Some(v) if (0.0..=1.0).contains(&v) => v,
+            Some(v) => {
+                return Err(ConfigError::new(
+                    "longOutputSeatShare",
+                    v,
+                    "must be within 0..=1 (1 = no limit)",
+                ))
+            }
+        };
         let routing_header = header_name(
             "routingHeader",
             raw.routing_header
@@ -1164,6 +1195,7 @@ impl TryFrom<RawConfig> for FilterConfig {
             floor_weight,
             pick_strategy,
             long_output_tokens,
+            long_output_seat_share,
             routing_header,
             fallback_endpoints,
             model_header,

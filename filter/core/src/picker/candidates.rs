@@ -3,6 +3,8 @@
 //! no KV cache, the pods holding or meeting the prompt's prefix, a held big request and a pod
 //! over the GPU hard limit (overflow) bring more candidates in.
 
+use std::cell::Cell;
+
 use rand::RngCore;
 
 use super::affinity::{affinity_candidate, holder_wait};
@@ -52,6 +54,12 @@ pub(super) struct Candidates<'a> {
     long: bool,
     /// A service round's length in output tokens: the mean reservation, else its own.
     round_tokens: f64,
+    /// `longOutputSeatShare`, and `longOutputTokens` (at least 1).
+    long_seat_share: f64,
+    long_tokens: f64,
+    /// A candidate's long-answer share was full when the request would have finished there
+    /// sooner (counted once per request as `long_output_share_full`).
+    share_full: Cell<bool>,
 }
 
 impl<'a> Candidates<'a> {
@@ -91,8 +99,11 @@ impl<'a> Candidates<'a> {
             // its wait (service rounds, each about a mean answer long) plus its own output, at
             // the pod's inter-token latency. So a pod decoding 5x slower loses it even with a
             // free seat, and a fast pod with a long queue loses it too.
-            long: cfg.long_output_tokens > 0 && size.output_tokens >= cfg.long_output_tokens as f64,
+            long: cfg.is_long_answer(&size),
             round_tokens: mean_output_tokens.unwrap_or(size.output_tokens),
+            long_seat_share: cfg.long_output_seat_share,
+            long_tokens: cfg.long_output_tokens.max(1) as f64,
+            share_full: Cell::new(false),
         };
         if let (Some(q), Some(a)) = (prompt, aff_cfg) {
             let held = |id: u32| c.held(id);
@@ -139,7 +150,11 @@ impl<'a> Candidates<'a> {
         }
         let chosen = self.look_for_room(chosen, total, rng);
         let chosen = self.release_held(chosen);
-        self.overflow(chosen, rng, counters)
+        let chosen = self.overflow(chosen, rng, counters);
+        if self.share_full.get() {
+            counters.long_output_share_full += 1;
+        }
+        chosen
     }
 
     /// A second, distinct candidate (a few redraws: a dominant pod may come up twice).
@@ -343,6 +358,26 @@ impl<'a> Candidates<'a> {
         Some(k.1 * median_round_ms + self.req.size.output_tokens * d)
     }
 
+    /// Whether pod `id` may take a long answer because it would finish there first: with it,
+    /// long answers would hold at most its share of the pod's seats ([`PodRt::long_seats`]):
+    /// `longOutputSeatShare` for an answer of `longOutputTokens`, in proportion for a longer
+    /// one (twice as long, twice the share). Past that, the pod keeps its other seats for
+    /// short requests, and the long answer is compared there as any request is. The longest
+    /// answers, which set the p99 of end-to-end latency, so keep the fast pods, and the
+    /// merely long ones take them only while seats are left.
+    fn takes_long(&self, id: u32) -> bool {
+        let share = self.long_seat_share * self.req.size.output_tokens / self.long_tokens;
+        let takes = share >= 1.0
+            || self
+                .pods
+                .get(id as usize)
+                .is_some_and(|r| r.long_seats() + 1.0 <= share * r.capacity);
+        if !takes {
+            self.share_full.set(true);
+        }
+        takes
+    }
+
     /// Pod `id` is judged to run slow ([`PodRt::slowed`]).
     fn slowed(&self, id: u32) -> bool {
         self.pods.get(id as usize).is_some_and(PodRt::slowed)
@@ -381,10 +416,10 @@ impl<'a> Candidates<'a> {
         match (self.finish_ms(b, kb), self.finish_ms(a, ka)) {
             (Some(fb), Some(fa)) => {
                 if fb < fa * (1.0 - DECODE_SPEED_MARGIN) {
-                    return Some(true);
+                    return self.takes_long(b).then_some(true);
                 }
                 if fa < fb * (1.0 - DECODE_SPEED_MARGIN) {
-                    return Some(false);
+                    return self.takes_long(a).then_some(false);
                 }
                 None
             }

@@ -106,8 +106,12 @@ impl Router {
     /// `now_ms` is when it was sent: a snapshot whose model-server reading is older still
     /// counts it on top ([`RecentStarts`]).
     pub fn on_request_start(&mut self, pool_idx: usize, pod: &str, size: RequestSize, now_ms: u64) {
+        let long = self.cfg.is_long_answer(&size);
         self.with_pod(pool_idx, pod, |rt| {
             rt.inflight = rt.inflight.saturating_add(1);
+            if long {
+                rt.inflight_long = rt.inflight_long.saturating_add(1);
+            }
             rt.inflight_w += size.weight;
             rt.inflight_out += size.output_tokens;
             // Not in any reading this VM has taken in yet.
@@ -121,7 +125,11 @@ impl Router {
     /// however it ended (answered, failed, cancelled): call it exactly once per start, with
     /// the same size and time.
     pub fn on_request_end(&mut self, pool_idx: usize, pod: &str, size: RequestSize, sent_ms: u64) {
+        let long = self.cfg.is_long_answer(&size);
         self.with_pod(pool_idx, pod, |rt| {
+            if long {
+                rt.inflight_long = rt.inflight_long.saturating_sub(1);
+            }
             rt.recent.remove(sent_ms, &size);
             rt.kv_on_top = (rt.kv_on_top - rt.kv_added(&size, sent_ms)).max(0.0);
             rt.inflight = rt.inflight.saturating_sub(1);
@@ -130,6 +138,7 @@ impl Router {
                 // Nothing left in flight: drop rounding residue.
                 rt.inflight_w = 0.0;
                 rt.inflight_out = 0.0;
+                rt.inflight_long = 0;
                 rt.kv_on_top = 0.0;
             } else {
                 rt.inflight_w -= size.weight;

@@ -90,6 +90,18 @@ impl PodRt {
         }
     }
 
+    /// Estimated seats long answers (`longOutputTokens`) hold on the pod now: its occupancy
+    /// ([`PodRt::occupancy`]) times the share of this VM's requests in flight there that are
+    /// long answers. A sidecar sees only its own requests; with several sidecars alike, its
+    /// share stands for theirs.
+    pub(super) fn long_seats(&self) -> f64 {
+        if self.inflight == 0 {
+            return 0.0;
+        }
+        self.occupancy() * f64::from(self.inflight_long.min(self.inflight))
+            / f64::from(self.inflight)
+    }
+
     /// Whether a request holding `kv_tokens` would fit the KV cache now (true when unknown).
     pub(super) fn fits(&self, kv_tokens: f64) -> bool {
         match (self.kv_used(), self.kv_cap) {

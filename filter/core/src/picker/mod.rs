@@ -72,13 +72,16 @@
 //!     every request behind it (head-of-line blocking).
 //!   - A request reserving at least `longOutputTokens` output tokens (`max_tokens`, known when
 //!     the body is read; 512 by default) draws two more candidates and goes where it would
-//!     finish first: (its wait in service rounds × the mean output reservation + its own
-//!     output) × the pod's smoothed recent inter-token latency (the agent's mean over its
-//!     recent window, else the median), when that is at least 10 % sooner; else, or when
-//!     either candidate has no reading in the last 5 s (idle), would wait for KV cache, or just
-//!     failed a request, it is compared like any request. So in a pool that mixes GPU
-//!     generations the longest answers (which set the end-to-end p99) land on the faster GPUs,
-//!     and a pod decoding 5x slower loses them even with free seats.
+//!     finish first: its wait in service rounds × the mean output reservation at the pool
+//!     median's inter-token latency, plus its own output at the pod's smoothed recent
+//!     inter-token latency (the agent's mean over its recent window, else the median), when
+//!     that is at least 10 % sooner and long answers would hold no more than their share of
+//!     that pod's seats with it (`longOutputSeatShare`, in proportion to the answer's length);
+//!     else, or when either candidate has no reading in the last 5 s (idle), would wait for KV
+//!     cache, or just failed a request, it is compared like any request. So in a pool that
+//!     mixes GPU generations the longest answers (which set the end-to-end p99) land on the
+//!     faster GPUs, a pod decoding 5x slower loses them even with free seats, and the fast
+//!     pods keep seats for short requests.
 //!
 //!   Why: every sidecar scores from the same sampled snapshot, so one weighted draw sends all
 //!   of them to the same "best" pods between updates (herding); the second choice on live

@@ -68,6 +68,9 @@ pub(super) struct PodRt {
     pub(super) snap_kv: f64,
     /// Output tokens reserved (`max_tokens`) by this VM's requests in flight (never reset).
     pub(super) inflight_out: f64,
+    /// Of `inflight`, the long answers (reserving at least `longOutputTokens`): what share of
+    /// the pod's seats long decodes hold ([`PodRt::long_seats`]).
+    pub(super) inflight_long: u32,
     /// KV tokens this VM counts on top of the latest reading (see [`PodRt::kv_used`]).
     pub(super) kv_on_top: f64,
     /// When the model server was read for that reading (see
@@ -167,6 +170,7 @@ impl PodRt {
             kv_cap: None,
             snap_kv: 0.0,
             inflight_out: 0.0,
+            inflight_long: 0,
             kv_on_top: 0.0,
             kv_sampled_at_ms: 0,
             kv_taken_at_ms: 0,
