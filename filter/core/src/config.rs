@@ -295,8 +295,9 @@ pub struct FilterConfig {
     /// Requests reserving at least this many output tokens prefer the faster-decoding pod
     /// (`twoChoices`; see [`crate::picker`]); 0 = off.
     pub long_output_tokens: u64,
-    /// The most of a pod's seats long answers may hold, as this VM estimates them, for the
-    /// finish-time comparison to send it another (0..=1; 1 = no limit).
+    /// The share of a pod's seats long answers may hold (as this VM estimates them) for the
+    /// finish-time comparison to send it one of `long_output_tokens`, in proportion for a
+    /// longer one (0..=1; 1 = no limit).
     pub long_output_seat_share: f64,
     /// Header carrying `IP:PORT[,IP:PORT...]` to Envoy's `override_host` policy.
     pub routing_header: String,
