@@ -1043,6 +1043,26 @@ fn a_long_answer_goes_to_the_pod_that_decodes_faster() {
     assert!(f < 1.0 / 24.0 + 0.01, "{f}");
 }
 
+/// Eight pods of 8 seats: six decode at 8 ms a token (the pool's median) running
+/// `slow_running`, two (pods 6 and 7) at 4.8 ms running and with waiting `fast`.
+fn fast_minority(seq: u64, fast: (u32, u32), slow_running: u32) -> PoolEvent {
+    let mut ev = event(&[pod(0.2); 8], seq);
+    for i in 0..8 {
+        let is_fast = i >= 6;
+        decoding(&mut ev, i, if is_fast { 4.8 } else { 8.0 }, 100);
+        let inf = inference(&mut ev, i);
+        inf.queue_capacity = Some(8);
+        inf.running = Some(if is_fast { fast.0 } else { slow_running });
+        inf.waiting = Some(if is_fast { fast.1 } else { 0 });
+    }
+    ev
+}
+
+/// Share of `counts_for` picks that went to pods 6 and 7 (the fast pods of [`fast_minority`]).
+fn fast_share(c: Vec<usize>) -> f64 {
+    (c[6] + c[7]) as f64 / c.iter().sum::<usize>() as f64
+}
+
 #[test]
 fn a_fast_minoritys_queue_counts_at_its_own_speed_once_for_a_long_answer() {
     // Six pods decode at 8 ms a token (the pool's median) with free seats, two at 4.8 ms
@@ -1051,23 +1071,12 @@ fn a_fast_minoritys_queue_counts_at_its_own_speed_once_for_a_long_answer() {
     // answers (2 000 tokens) at 4.8 ms, 6 s, so 15.6 s: under 10 % sooner, and the slow
     // pod's free seat wins. Timing the wait at the fast pod's speed twice (0.6 × 0.625
     // rounds) made it 13.2 s, and a busy fast pod took every long answer it was drawn for.
-    let pods = [pod(0.2); 8];
     let queued = |waiting: u32| {
-        let mut ev = event(&pods, 1);
-        for i in 0..8 {
-            let fast = i >= 6;
-            decoding(&mut ev, i, if fast { 4.8 } else { 8.0 }, 100);
-            let inf = inference(&mut ev, i);
-            inf.queue_capacity = Some(8);
-            inf.running = Some(if fast { 8 } else { 2 });
-            inf.waiting = Some(if fast { waiting } else { 0 });
-        }
         let mut r = Router::new(config(""));
-        r.apply_pool_event(0, &ev, 1000);
+        r.apply_pool_event(0, &fast_minority(1, (8, waiting), 2), 1000);
         r
     };
     let long = sized(2_100.0, 2_000.0);
-    let fast_share = |c: Vec<usize>| (c[6] + c[7]) as f64 / c.iter().sum::<usize>() as f64;
     // Only when both first draws and the two extra ones are fast pods (about 1/450).
     let f = fast_share(counts_for(&mut queued(4), 8, long, 4_000, 41));
     assert!(f < 0.01, "{f}");
@@ -1087,22 +1096,9 @@ fn a_fast_pod_keeps_seats_for_short_requests_past_the_long_answer_seat_share() {
     // are all this sidecar's long answers would have 5 with it: past its share, the long
     // answer is compared there as any request (load at the pod's speed: 4/8 × 0.6 = 0.3
     // against 2/8 = 0.25 on a slow pod), and the slow pod takes it.
-    let pods = [pod(0.2); 8];
     let long = sized(700.0, 600.0);
     let short = sized(300.0, 100.0);
-    let fast_share = |c: Vec<usize>| (c[6] + c[7]) as f64 / c.iter().sum::<usize>() as f64;
-    let reading = |seq: u64| {
-        let mut ev = event(&pods, seq);
-        for i in 0..8 {
-            let fast = i >= 6;
-            decoding(&mut ev, i, if fast { 4.8 } else { 8.0 }, 100);
-            let inf = inference(&mut ev, i);
-            inf.queue_capacity = Some(8);
-            inf.running = Some(if fast { 4 } else { 2 });
-            inf.waiting = Some(0);
-        }
-        ev
-    };
+    let reading = |seq: u64| fast_minority(seq, (4, 0), 2);
     // `inflight`: the size of this sidecar's 4 requests in flight on each fast pod, sent
     // before the second reading (which shows them running).
     let router = |extra: &str, inflight: RequestSize| {
