@@ -211,6 +211,10 @@ pub struct PodSignals {
     /// The agent's pre-OOM state of the pod's GPU nearest to running out of memory (see
     /// [`crate::pre_oom`]); None when no GPU reports one.
     pub pre_oom: Option<crate::pre_oom::PreOomSignal>,
+    /// The pod's kind of GPU: a hash of its GPUs' names, in order, and their number (0: the
+    /// snapshot lists no GPU). Pods with the same GPUs share it; `cutoffs.slowItlRatio`
+    /// compares a pod's decode speed with pods of its kind as well as with the pool.
+    pub gpu_kind: u64,
 }
 
 /// A pod's reported prefix-cache contents, validated: a block size in
@@ -265,6 +269,25 @@ fn prefix_set(
         keys,
         truncated,
     })
+}
+
+/// The kind of GPU a pod runs on, from its snapshot's GPUs: FNV-1a over each GPU's name
+/// (trimmed) and a separator, so the same names in the same order and number give the same
+/// kind (a pod on two H100s is not a pod on one); 0 when there is none.
+fn gpu_kind(gpus: &[ai_lb_proto::GpuStats]) -> u64 {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0100_0000_01b3;
+    if gpus.is_empty() {
+        return 0;
+    }
+    let mut h = OFFSET;
+    for g in gpus {
+        for b in g.name.trim().bytes().chain(std::iter::once(0xff)) {
+            h = (h ^ u64::from(b)).wrapping_mul(PRIME);
+        }
+    }
+    // 0 stands for no GPU.
+    h.max(1)
 }
 
 impl PodSignals {
@@ -527,6 +550,7 @@ impl PodSignals {
             prefix,
             prefix_hit_rate,
             pre_oom,
+            gpu_kind: gpu_kind(&snap.gpus),
         };
         (Some(signals), issues)
     }
@@ -931,5 +955,29 @@ mod tests {
         let mut c = c.unwrap();
         c.detect_fault_since(a.as_ref().unwrap());
         assert!(!c.hardware_fault);
+    }
+
+    #[test]
+    fn gpu_kind_is_shared_by_the_same_gpus_in_the_same_number() {
+        let named = |names: &[&str]| {
+            names
+                .iter()
+                .map(|n| GpuStats {
+                    name: (*n).into(),
+                    ..Default::default()
+                })
+                .collect::<Vec<_>>()
+        };
+        let h100 = gpu_kind(&named(&["NVIDIA H100 80GB HBM3"]));
+        assert_eq!(h100, gpu_kind(&named(&[" NVIDIA H100 80GB HBM3 "])));
+        assert_ne!(h100, gpu_kind(&named(&["NVIDIA L40S"])));
+        assert_ne!(
+            h100,
+            gpu_kind(&named(&["NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3"]))
+        );
+        assert_eq!(gpu_kind(&[]), 0);
+        assert_ne!(gpu_kind(&named(&[""])), 0);
+        let (s, _) = PodSignals::from_proto(&snap("10.0.0.1:8000"), 0);
+        assert_eq!(s.unwrap().gpu_kind, gpu_kind(&snap("10.0.0.1:8000").gpus));
     }
 }

@@ -2021,6 +2021,103 @@ fn a_pod_decoding_three_times_slower_than_the_pool_median_is_drawn_as_if_its_gpu
     assert!((share0(&mut r, 13, 62_100) - 0.1 / 3.1).abs() < 0.005);
 }
 
+/// `ev` with peer `i`'s GPU named `name`.
+fn gpu_named(ev: &mut PoolEvent, i: usize, name: &str) {
+    ev.peers[i].snapshot.as_mut().unwrap().gpus[0].name = name.into();
+}
+
+#[test]
+fn a_slower_gpu_generation_is_judged_against_its_own_kind_not_as_a_slow_pod() {
+    // Two H100s, four A100s, two L40S (the three-kind pool): the L40S decode 3.5x slower than
+    // the pool's median (the A100s) under load, as they do at 2.4x at equal batch and more
+    // with longer batches. They are not slow pods: they decode like each other.
+    let pods = [pod(0.2); 8];
+    let kinds = [
+        "H100", "H100", "A100", "A100", "A100", "A100", "L40S", "L40S",
+    ];
+    let pool = |seq: u64, itls: [f64; 8]| {
+        let mut ev = event(&pods, seq);
+        for (i, (itl, kind)) in itls.into_iter().zip(kinds).enumerate() {
+            decoding(&mut ev, i, itl, 100);
+            gpu_named(&mut ev, i, kind);
+        }
+        ev
+    };
+    let l40s_share = |r: &mut Router, seed: u64, now: u64| {
+        let c = counts(r, 8, 100_000, seed, now);
+        (c[6] + c[7]) as f64 / 100_000.0
+    };
+    let mut r = Router::new(config(""));
+    r.apply_pool_event(
+        0,
+        &pool(1, [6.0, 6.0, 10.0, 10.0, 10.0, 10.0, 35.0, 36.0]),
+        1000,
+    );
+    assert_eq!(r.counters().slow_decode, 0);
+    let status = r.pod_status(0, 1000);
+    assert!(status.iter().all(|s| !s.slow_decode));
+    assert!((l40s_share(&mut r, 1, 1000) - 0.25).abs() < 0.005);
+
+    // Without GPU names (every pod of one unknown kind) they are judged against the pool,
+    // as before kinds were known: 35 ms is 3.5x the median of 10 ms.
+    let mut unnamed = pool(1, [6.0, 6.0, 10.0, 10.0, 10.0, 10.0, 35.0, 36.0]);
+    for i in 0..8 {
+        gpu_named(&mut unnamed, i, "");
+    }
+    let mut blind = Router::new(config(""));
+    blind.apply_pool_event(0, &unnamed, 1000);
+    assert_eq!(blind.counters().slow_decode, 2);
+    assert!(l40s_share(&mut blind, 2, 1000) < 0.1);
+
+    // One L40S slowed 3x against the other: judged slow, at its speed against its kind
+    // (36 / 108 = 1/3, held to slowdownFactor 0.25), not against the pool (10 / 108).
+    r.apply_pool_event(
+        0,
+        &pool(2, [6.0, 6.0, 10.0, 10.0, 10.0, 10.0, 36.0, 108.0]),
+        1100,
+    );
+    let status = r.pod_status(0, 1100);
+    assert!(status[7].slow_decode && !status[6].slow_decode);
+    assert_eq!(r.counters().slow_decode, 1);
+    let c = counts(&mut r, 8, 100_000, 3, 1100);
+    let want = 0.25 / 7.25;
+    let share = c[7] as f64 / 100_000.0;
+    assert!(
+        (share - want).abs() < 0.005,
+        "slowed L40S share {share}, want {want}"
+    );
+    // 2.9x its sibling is not slow, though 10x the pool's median.
+    r.apply_pool_event(
+        0,
+        &pool(3, [6.0, 6.0, 10.0, 10.0, 10.0, 10.0, 36.0, 104.0]),
+        1200,
+    );
+    assert!(!r.pod_status(0, 1200)[7].slow_decode);
+
+    // A faster kind stays judged against the pool: an H100 at 3x its sibling (18 ms) is under
+    // 3x the pool's median of 10 ms and not slow; at 31 ms it is.
+    r.apply_pool_event(
+        0,
+        &pool(4, [18.0, 6.0, 10.0, 10.0, 10.0, 10.0, 35.0, 36.0]),
+        1300,
+    );
+    assert!(!r.pod_status(0, 1300)[0].slow_decode);
+    r.apply_pool_event(
+        0,
+        &pool(5, [31.0, 6.0, 10.0, 10.0, 10.0, 10.0, 35.0, 36.0]),
+        1400,
+    );
+    assert!(r.pod_status(0, 1400)[0].slow_decode);
+
+    // A kind no other pod shares is judged against the pool alone.
+    let mut lone = pool(1, [6.0, 6.0, 10.0, 10.0, 10.0, 10.0, 10.0, 35.0]);
+    gpu_named(&mut lone, 6, "A100");
+    let mut r = Router::new(config(""));
+    r.apply_pool_event(0, &lone, 1000);
+    let status = r.pod_status(0, 1000);
+    assert!(status[7].slow_decode && !status[6].slow_decode);
+}
+
 #[test]
 fn a_slowed_pod_loses_to_a_busier_pod_unless_it_is_that_many_times_less_busy() {
     // Four equal pods, capacity 16. Pod 0 is slowed, once by its GPU (weight 0.25, so 4x) and

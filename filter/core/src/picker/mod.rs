@@ -13,8 +13,10 @@
 //!   `cutoffs.slowItlRatio` times slower than the pool's median (its median inter-token
 //!   latency over the agent's recent window, 150 ms by default, against the median of the
 //!   pool's pods that report one, at least three; a pod without a reading keeps its last
-//!   judgement for up to 5 s), else 1: applied to the smoothed value, so it acts on the first
-//!   snapshot that shows it;
+//!   judgement for up to 30 s) and than the other pods of its GPU kind (then its speed is
+//!   taken against the slower of the two medians: a slower GPU generation is not a slow
+//!   pod), else 1: applied to the smoothed value, so it acts on the first snapshot that
+//!   shows it;
 //! - a pod with a snapshot but no usable reading (cold start) gets the pool MEAN of the pods
 //!   with metrics that are not cut (neither 0 nor the best), floored likewise.
 //!
@@ -210,6 +212,9 @@ struct PoolRt {
     /// Scratch for the pool's medians of recent inter-token latency and, with
     /// `learnedWeights`, observed TTFT (kept to avoid allocating).
     itl_scratch: Vec<f64>,
+    /// The recent inter-token latencies of the pool's pods that report one, with their GPU
+    /// kind, sorted by kind then latency (`cutoffs.slowItlRatio` against a pod's own kind).
+    itl_kinds: Vec<(u64, f64)>,
     /// This VM's recent sends of prompt prefixes, by pod id (`prefixAffinity`).
     own: OwnSends,
     /// This worker's breaker domains of the pool's model versions (`versions`).

@@ -20,7 +20,8 @@ struct PoolReadings {
     /// More than half of the pool's pods fail at the agent threshold: a pool-wide problem,
     /// not a pod to cut (cutting them all would only fail open).
     wide_errors: bool,
-    /// The pool's median recent inter-token latency ([`median_recent_itl`]).
+    /// The pool's median recent inter-token latency ([`median_recent_itl`]); with it, the
+    /// pods' own readings by GPU kind are in `PoolRt::itl_kinds`.
     itl_median: Option<f64>,
     /// The pool's mean GPU reading, for the pods that lack it (see `score_in_pool`).
     gpu_fill: Option<f64>,
@@ -30,7 +31,7 @@ impl PoolReadings {
     fn of(p: &mut PoolRt, cfg: &FilterConfig, now_ms: u64) -> Self {
         Self {
             wide_errors: pool_wide_errors(&p.state, cfg),
-            itl_median: median_recent_itl(&p.state, &mut p.itl_scratch, cfg, now_ms),
+            itl_median: median_recent_itl(p, cfg, now_ms),
             gpu_fill: gpu_fill(&p.state, cfg, now_ms),
         }
     }
@@ -238,7 +239,13 @@ impl Router {
             if let Some(due) = degrade_before_oom(pod, sig, &mut s, cfg, now_ms, sinks.counters) {
                 next = next.min(due);
             }
-            if pod.judge_decode_speed(sig, pool.itl_median, &cfg.cutoffs, now_ms, &mut s) {
+            let decode_ref = pool.itl_median.map(|m| DecodeRef {
+                pool: m,
+                kin: sig
+                    .itl_recent_ms
+                    .and_then(|own| kin_median(&p.itl_kinds, sig.gpu_kind, own)),
+            });
+            if pod.judge_decode_speed(sig, decode_ref, &cfg.cutoffs, now_ms, &mut s) {
                 sinks.counters.slow_decode += 1;
             }
             let key = (entry.received_at_ms, sig.sequence);
@@ -332,19 +339,15 @@ impl Router {
 
 /// The median recent inter-token latency over the pool's pods that report one and are neither
 /// stale nor without a model server; None with fewer than [`MIN_ITL_PODS`] such pods, or when
-/// `cutoffs.slowItlRatio` is 0.
-fn median_recent_itl(
-    state: &PoolState,
-    scratch: &mut Vec<f64>,
-    cfg: &FilterConfig,
-    now_ms: u64,
-) -> Option<f64> {
+/// `cutoffs.slowItlRatio` is 0. Leaves those pods' readings, with their GPU kind, in
+/// `p.itl_kinds` for [`kin_median`].
+fn median_recent_itl(p: &mut PoolRt, cfg: &FilterConfig, now_ms: u64) -> Option<f64> {
+    p.itl_kinds.clear();
     if cfg.cutoffs.slow_itl_ratio <= 0.0 {
         return None;
     }
-    scratch.clear();
-    scratch.extend(
-        state
+    p.itl_kinds.extend(
+        p.state
             .peers()
             .iter()
             .filter_map(|e| e.signals.as_ref())
@@ -353,9 +356,55 @@ fn median_recent_itl(
                     && !s.model_server_down
                     && !s.is_stale(now_ms, cfg.cutoffs.staleness_ms)
             })
-            .filter_map(|s| s.itl_recent_ms),
+            .filter_map(|s| s.itl_recent_ms.map(|itl| (s.gpu_kind, itl))),
     );
-    median(scratch, MIN_ITL_PODS)
+    p.itl_scratch.clear();
+    p.itl_scratch
+        .extend(p.itl_kinds.iter().map(|&(_, itl)| itl));
+    let m = median(&mut p.itl_scratch, MIN_ITL_PODS);
+    p.itl_kinds
+        .sort_unstable_by(|a, b| a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)));
+    m
+}
+
+/// The median recent inter-token latency of the other pods of GPU kind `kind` in `kinds`
+/// (sorted by kind, then latency; the pod's own reading `own` is left out once); None when no
+/// other pod of its kind reports one.
+fn kin_median(kinds: &[(u64, f64)], kind: u64, own: f64) -> Option<f64> {
+    let lo = kinds.partition_point(|&(k, _)| k < kind);
+    let hi = kinds.partition_point(|&(k, _)| k <= kind);
+    let kin = kinds.get(lo..hi)?;
+    let own_at = kin.iter().position(|&(_, v)| v == own);
+    let n = kin.len() - usize::from(own_at.is_some());
+    if n == 0 {
+        return None;
+    }
+    // The j-th of the others: past the pod's own reading, one further on.
+    let at = |j: usize| {
+        let j = match own_at {
+            Some(o) if j >= o => j + 1,
+            _ => j,
+        };
+        kin.get(j).map(|&(_, v)| v)
+    };
+    Some((at((n - 1) / 2)? + at(n / 2)?) / 2.0)
+}
+
+/// What a pod's recent inter-token latency is judged against (`cutoffs.slowItlRatio`): the
+/// pool's median and, where other pods share its GPU kind, their median.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct DecodeRef {
+    pub(super) pool: f64,
+    pub(super) kin: Option<f64>,
+}
+
+impl DecodeRef {
+    /// The speed the pod is held to: the slower of the pool's median and its kind's. A pod of
+    /// a slower GPU generation is judged against its own kind, not the faster pods around it;
+    /// a faster kind's pods stay judged against the pool, as before kinds were known.
+    pub(super) fn reference(self) -> f64 {
+        self.kin.map_or(self.pool, |k| k.max(self.pool))
+    }
 }
 
 /// The median of `values` (sorted in place), or None with fewer than `min` of them.

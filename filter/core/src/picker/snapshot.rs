@@ -8,6 +8,8 @@ use crate::config::{Cutoffs, FilterConfig};
 use crate::score::{CutReason, Score};
 use crate::signals::PodSignals;
 
+use super::refresh::DecodeRef;
+
 /// How long a pod judged slow stays so without a reading that says otherwise (none comes
 /// while it runs too few requests to fill its window with tokens, or while fewer than three
 /// pods report one). Longer than [`ITL_HOLD_MS`] because the evidence is lopsided: a pod that
@@ -22,18 +24,19 @@ const SLOW_DECODE_HOLD_MS: u64 = 30_000;
 pub(super) const DECODE_SPEED_ALPHA: f64 = 0.3;
 
 impl PodRt {
-    /// Judges whether the pod decodes slow against the pool's median recent inter-token
-    /// latency `itl_median` and, while it does, puts its speed penalty on its score `s`. True
-    /// when it was not judged slow before (counted as `slow_decode`).
+    /// Judges whether the pod decodes slow against the recent inter-token latencies `itl_ref`
+    /// (the pool's median and its GPU kind's; None: too few pods report one) and, while it
+    /// does, puts its speed penalty on its score `s`. True when it was not judged slow before
+    /// (counted as `slow_decode`).
     pub(super) fn judge_decode_speed(
         &mut self,
         sig: &PodSignals,
-        itl_median: Option<f64>,
+        itl_ref: Option<DecodeRef>,
         cutoffs: &Cutoffs,
         now_ms: u64,
         s: &mut Score,
     ) -> bool {
-        let slow = self.judged_slow(sig, itl_median, cutoffs, now_ms);
+        let slow = self.judged_slow(sig, itl_ref, cutoffs, now_ms);
         let newly = slow && !self.slow_decode;
         self.slow_decode = slow;
         if slow {
@@ -44,26 +47,28 @@ impl PodRt {
     }
 
     /// Whether its recent inter-token latency is `cutoffs.slowItlRatio` times the pool's median
-    /// or more; when so, notes when it was seen and its speed relative to the pool.
+    /// or more, and as many times its kind's ([`DecodeRef::reference`]); when so, notes when it
+    /// was seen and its speed relative to that reference.
     fn judged_slow(
         &mut self,
         sig: &PodSignals,
-        itl_median: Option<f64>,
+        itl_ref: Option<DecodeRef>,
         cutoffs: &Cutoffs,
         now_ms: u64,
     ) -> bool {
         // No reading (too few tokens in the window: a slow pod running one request
         // decodes fewer than a fast one): the last judgement holds for a while.
         sig.has_metrics
-            && match (itl_median, sig.itl_recent_ms) {
-                (Some(median), Some(itl)) => {
-                    let slow = itl >= median * cutoffs.slow_itl_ratio;
+            && match (itl_ref, sig.itl_recent_ms) {
+                (Some(r), Some(itl)) => {
+                    let reference = r.reference();
+                    let slow = itl >= reference * cutoffs.slow_itl_ratio;
                     if slow {
                         self.slow_decode_seen_ms = now_ms;
-                        // Its speed relative to the pool: a pod decoding 5x slower serves
-                        // about a fifth as much.
+                        // Its speed relative to the reference: a pod decoding 5x slower
+                        // serves about a fifth as much.
                         self.slow_decode_penalty =
-                            (median / itl).min(cutoffs.slowdown_factor).max(0.0);
+                            (reference / itl).min(cutoffs.slowdown_factor).max(0.0);
                     }
                     slow
                 }
