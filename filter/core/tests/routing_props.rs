@@ -2187,6 +2187,37 @@ fn a_slowed_pods_free_seat_counts_at_its_speed() {
     );
 }
 
+#[test]
+fn a_slower_generations_free_seat_is_a_free_seat() {
+    // Eight seats. Pod 0 decodes 2.5x slower than the others (an L40S beside A100s), under
+    // `slowItlRatio`: not judged slow. It runs 4; pods 1-3 run 8 with 1 waiting. A short
+    // request starts at once on pod 0 and queues on the others, so pod 0 wins every
+    // comparison it is drawn into (1/4 + 3/4 x 1/3 of the picks at equal weights; its empty
+    // queue weighs it a little more). Counted full at 8 / 2.5 seats, as before, it lost
+    // every one (a share of 0.004).
+    let share0 = |itl0: f64, seed: u64| {
+        let mut r = Router::new(config(r#"{"cutoffs":{"maxQueue":8}}"#));
+        let mut ev = event(&[pod(0.2); 4], 1);
+        set_queues(&mut ev, &[(0, 4, 0), (1, 8, 1), (2, 8, 1), (3, 8, 1)]);
+        for (i, itl) in [itl0, 10.0, 10.0, 10.0].into_iter().enumerate() {
+            decoding(&mut ev, i, itl, 100);
+        }
+        r.apply_pool_event(0, &ev, 1000);
+        assert_eq!(r.pod_status(0, 1000)[0].slow_decode, itl0 >= 30.0);
+        counts(&mut r, 4, 40_000, seed, 1000)[0] as f64 / 40_000.0
+    };
+    let share = share0(25.0, 41);
+    assert!(
+        (0.49..0.56).contains(&share),
+        "slower generation's share {share}"
+    );
+    // Judged slow (3.5x; drawn at slowdownFactor 0.25, so 4x slower), its seats count at
+    // its speed: 4 requests fill its 8 / 4 and it waits (4 - 2 + 1) / 1 = 3 rounds against a
+    // quarter: it loses when drawn.
+    let share = share0(35.0, 42);
+    assert!(share < 0.01, "slowed pod's share {share}");
+}
+
 /// A router whose sidecar has seen ~1 100-byte bodies with 200 output tokens (mean KV ~475
 /// tokens, so 5 000 tokens is big), with `extra` merged into the test config.
 fn trained(extra: &str) -> Router {

@@ -38,7 +38,10 @@
 //!     for eight seats, and five waiting behind two running lose to twelve waiting for eight.
 //!     (Ranking every KV-blocked queue below every seat queue sent all short traffic to the
 //!     few pods without long prompts during a burst of them: queues of 20-34 there, seconds
-//!     of TTFT.)
+//!     of TTFT.) A pod decoding slower than its pool's median turns over that much slower:
+//!     its rounds and its load count at its speed. Only a pod judged slow has its seats at
+//!     its speed too (full sooner); a slower GPU generation's free seat starts a request at
+//!     once, as on any pod.
 //!   - Load (the tie-break, and the measure in the other tiers) = the fuller of seats
 //!     (occupancy over capacity) and KV cache (estimated use plus this request, over
 //!     capacity). KV is judged only for pods that report their KV-cache capacity in tokens
