@@ -275,17 +275,13 @@ fn prefix_set(
 /// (trimmed) and a separator, so the same names in the same order and number give the same
 /// kind (a pod on two H100s is not a pod on one); 0 when there is none.
 fn gpu_kind(gpus: &[ai_lb_proto::GpuStats]) -> u64 {
-    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-    const PRIME: u64 = 0x0100_0000_01b3;
+    use crate::prefix::own::{fnv1a, FNV_OFFSET};
     if gpus.is_empty() {
         return 0;
     }
-    let mut h = OFFSET;
-    for g in gpus {
-        for b in g.name.trim().bytes().chain(std::iter::once(0xff)) {
-            h = (h ^ u64::from(b)).wrapping_mul(PRIME);
-        }
-    }
+    let h = gpus.iter().fold(FNV_OFFSET, |h, g| {
+        fnv1a(h, g.name.trim().bytes().chain(std::iter::once(0xff)))
+    });
     // 0 stands for no GPU.
     h.max(1)
 }

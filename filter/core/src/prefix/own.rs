@@ -75,11 +75,19 @@ pub fn rendezvous(key: u32, pod_hash: u64) -> u64 {
     x ^ (x >> 33)
 }
 
-/// A stable hash of a pod's address (FNV-1a 64) for [`rendezvous`].
-pub fn pod_hash(address: &str) -> u64 {
-    address.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+/// FNV-1a 64's offset basis: where [`fnv1a`] starts.
+pub const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// `h` extended by `bytes` with FNV-1a 64 (a stable hash, the same in every VM and build).
+pub fn fnv1a(h: u64, bytes: impl IntoIterator<Item = u8>) -> u64 {
+    bytes.into_iter().fold(h, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
     })
+}
+
+/// A stable hash of a pod's address (FNV-1a 64) for [`rendezvous`].
+pub fn pod_hash(address: &str) -> u64 {
+    fnv1a(FNV_OFFSET, address.bytes())
 }
 
 #[cfg(test)]
