@@ -374,7 +374,13 @@ fn kin_median(kinds: &[(u64, f64)], kind: u64, own: f64) -> Option<f64> {
     let lo = kinds.partition_point(|&(k, _)| k < kind);
     let hi = kinds.partition_point(|&(k, _)| k <= kind);
     let kin = kinds.get(lo..hi)?;
-    let own_at = kin.iter().position(|&(_, v)| v == own);
+    // Found by bisection, as the kind's slice is: a pool of a thousand pods of one kind
+    // refreshes each pod's judgement without a walk over the others.
+    let first_not_below = kin.partition_point(|&(_, v)| v.total_cmp(&own).is_lt());
+    let own_at = kin
+        .get(first_not_below)
+        .is_some_and(|&(_, v)| v == own)
+        .then_some(first_not_below);
     let n = kin.len() - usize::from(own_at.is_some());
     if n == 0 {
         return None;
