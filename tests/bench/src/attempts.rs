@@ -38,6 +38,8 @@ struct SidecarStats {
     /// Picks of the faulty pod.
     picks: u64,
     steered: u64,
+    /// Pods whose breaker this sidecar shows open (`ailb.endpoint.<pod>.breaker_state` 2).
+    open_pods: u64,
 }
 
 /// The running probe; [`Probe::finish`] stops it and returns what it saw.
@@ -84,6 +86,12 @@ fn parse_sidecar_stats(text: &str, faulty: &str) -> SidecarStats {
             st.steered = v;
         } else if let Some(v) = value(&picks_key) {
             st.picks = v;
+        } else if l
+            .strip_prefix("wasmcustom.ailb.endpoint.")
+            .and_then(|rest| rest.split_once(".breaker_state: "))
+            .is_some_and(|(_, v)| v.trim() == "2")
+        {
+            st.open_pods += 1;
         }
     }
     st
@@ -251,6 +259,9 @@ fn summarize(samples: &[Sample], faulty: usize, fault_at_ms: f64, end_ms: f64) -
     let openings_before = samples
         .first()
         .map(|s| base_opened.saturating_sub(s.opened));
+    // What those trips cost: seconds a pod was held open, summed over pods and sidecars (an
+    // opening count misses a pod held open across doubled cooldowns, which opens once).
+    let open_pod_s_before = open_pod_seconds(samples, fault_at_ms);
     let frac = |x: Option<(f64, f64)>| x.map(|(m, a)| m / a);
     let own = after_own_opening(samples, fault_at_ms, end_ms);
     json!({
@@ -264,6 +275,7 @@ fn summarize(samples: &[Sample], faulty: usize, fault_at_ms: f64, end_ms: f64) -
         "attempts_all_pods_after_first_open": after_open.map(|x| x.1),
         "breaker_openings_after_fault": openings,
         "breaker_openings_before_fault": openings_before,
+        "breaker_open_pod_seconds_before_fault": open_pod_s_before,
         // Breaker openings summed over the sidecars since the first sample, once a second
         // (for the plot of when they happened): [seconds since the start, openings].
         "openings_over_time": samples
@@ -279,6 +291,21 @@ fn summarize(samples: &[Sample], faulty: usize, fault_at_ms: f64, end_ms: f64) -
         "sidecar_picks_of_pod_after_own_open": own.picks,
         "sidecar_steered_after_own_open": own.steered,
         "sidecar_share_after_own_open": (own.steered > 0).then(|| own.picks as f64 / own.steered as f64),
+    })
+}
+
+/// Pod-seconds of open breakers from the first sample to `until_ms`, summed over the sidecars:
+/// each interval between two samples counts the pods its first sample showed open. None with
+/// fewer than two samples in that span.
+fn open_pod_seconds(samples: &[Sample], until_ms: f64) -> Option<f64> {
+    let span: Vec<&Sample> = samples.iter().filter(|s| s.t_ms <= until_ms).collect();
+    (span.len() >= 2).then(|| {
+        span.windows(2)
+            .map(|w| {
+                let open: u64 = w[0].sidecars.iter().map(|s| s.open_pods).sum();
+                open as f64 * (w[1].t_ms - w[0].t_ms) / 1000.0
+            })
+            .sum()
     })
 }
 
@@ -347,7 +374,50 @@ mod tests {
             opened,
             picks,
             steered,
+            open_pods: 0,
         }
+    }
+
+    #[test]
+    fn sidecar_stats_count_pods_shown_open_not_half_open() {
+        let text = "wasmcustom.ailb.endpoint.10.0.0.1:8000.breaker_state: 2\n\
+                    wasmcustom.ailb.endpoint.10.0.0.2:8000.breaker_state: 1\n\
+                    wasmcustom.ailb.endpoint.10.0.0.3:8000.breaker_state: 0\n\
+                    wasmcustom.ailb.endpoint.10.0.0.4:8000.breaker_state: 2\n\
+                    wasmcustom.ailb.endpoint.10.0.0.4:8000.score: 2\n";
+        assert_eq!(parse_sidecar_stats(text, "10.0.0.1:8000").open_pods, 2);
+    }
+
+    #[test]
+    fn open_pod_seconds_add_up_pods_held_open_over_sidecars_until_the_fault() {
+        let open = |a: u64, b: u64| {
+            vec![
+                SidecarStats {
+                    open_pods: a,
+                    ..Default::default()
+                },
+                SidecarStats {
+                    open_pods: b,
+                    ..Default::default()
+                },
+            ]
+        };
+        let mut samples = vec![
+            s(0.0, &[0.0], 0),
+            s(1_000.0, &[0.0], 1),
+            s(3_000.0, &[0.0], 1),
+            s(3_500.0, &[0.0], 1),
+            s(10_000.0, &[0.0], 1),
+        ];
+        // One pod open on sidecar 0 from 1 s to 3 s, then two pods (one per sidecar) for
+        // 0.5 s; what follows 3.5 s is after the fault at 3.5 s.
+        for (x, o) in samples.iter_mut().zip([(0, 0), (1, 0), (1, 1), (4, 4), (0, 0)]) {
+            x.sidecars = open(o.0, o.1);
+        }
+        let v = summarize(&samples, 0, 3_500.0, 10_000.0);
+        let got = v["breaker_open_pod_seconds_before_fault"].as_f64().unwrap();
+        assert!((got - (2.0 + 1.0)).abs() < 1e-9, "{got}");
+        assert_eq!(open_pod_seconds(&samples[..1], 3_500.0), None);
     }
 
     #[test]

@@ -31,25 +31,47 @@ pub fn order(policies: &[Policy], k: usize) -> Vec<Policy> {
     v
 }
 
-/// The metrics a repeat is summed up by: (label, path in a policy's `all` summary).
-const METRICS: [(&str, &str, &str); 3] = [
-    ("p99 TTFT (ms)", "ttft_ms", "p99"),
-    ("p99 e2e (ms)", "e2e_ms", "p99"),
-    ("output tok/s", "output_tokens_per_s", ""),
+/// The metrics a repeat is summed up by: (label, JSON pointer into a policy's summary, whether
+/// every table shows it). The others appear only when a repeat has them (a fault run's
+/// breaker openings before its fault, false trips in `fault-noisy`, and the pod-seconds they
+/// held pods open).
+const METRICS: [(&str, &str, bool); 5] = [
+    ("p99 TTFT (ms)", "/all/ttft_ms/p99", true),
+    ("p99 e2e (ms)", "/all/e2e_ms/p99", true),
+    ("output tok/s", "/all/output_tokens_per_s", true),
+    (
+        "openings before the fault",
+        "/fault/attempts/breaker_openings_before_fault",
+        false,
+    ),
+    (
+        "open pod-s before the fault",
+        "/fault/attempts/breaker_open_pod_seconds_before_fault",
+        false,
+    ),
 ];
 
 fn metric(summary: &Value, policy: &str, m: usize) -> Option<f64> {
-    let (_, field, pct) = METRICS.get(m)?;
-    let p = summary["policies"]
+    let (_, pointer, _) = METRICS.get(m)?;
+    summary["policies"]
         .as_array()?
         .iter()
-        .find(|p| p["policy"] == policy)?;
-    let v = &p["all"][*field];
-    if pct.is_empty() {
-        v.as_f64()
-    } else {
-        v[*pct].as_f64()
-    }
+        .find(|p| p["policy"] == policy)?
+        .pointer(pointer)?
+        .as_f64()
+}
+
+/// The metrics `summaries` show: those every table has, and the others where some repeat of
+/// some policy has them.
+fn shown(policies: &[&str], summaries: &[Value]) -> Vec<usize> {
+    (0..METRICS.len())
+        .filter(|m| {
+            METRICS[*m].2
+                || policies
+                    .iter()
+                    .any(|p| summaries.iter().any(|s| metric(s, p, *m).is_some()))
+        })
+        .collect()
 }
 
 /// Runs `load` `n` times (n ≥ 1), writes each repeat under `<env.out>/<load>/repeat-<k>/` and
@@ -122,15 +144,18 @@ pub fn table(name: &str, cmd: &str, policies: &[&str], summaries: &[Value]) -> S
     t.push_str(&format!(
         "| policy | metric |{head} median |\n|---|---|{rule}---|\n"
     ));
+    let shown = shown(policies, summaries);
     for p in policies {
-        for (m, (label, _, _)) in METRICS.iter().enumerate() {
+        for &m in &shown {
+            let label = METRICS[m].0;
             let vals = summaries.iter().map(|s| metric(s, p, m)).collect();
             t.push_str(&row(&format!("{p} | {label}"), vals, false));
         }
     }
     if let Some((base, others)) = policies.split_first() {
         for p in others {
-            for (m, (label, _, _)) in METRICS.iter().enumerate() {
+            for &m in &shown {
+                let label = METRICS[m].0;
                 let ratios = summaries
                     .iter()
                     .map(|s| match (metric(s, p, m), metric(s, base, m)) {
@@ -219,5 +244,32 @@ mod tests {
             t.contains("| least_request / ai_lb | p99 TTFT (ms) | 2.00 | – | **2.00** |"),
             "{t}"
         );
+    }
+
+    #[test]
+    fn false_trip_rows_appear_only_where_a_fault_run_counted_them() {
+        let plain = vec![summary(&[("ai_lb", 100.0, 1000.0, 50.0)])];
+        let t = table("x", "cmd", &["ai_lb"], &plain);
+        assert!(!t.contains("before the fault"), "{t}");
+        let mut a = summary(&[
+            ("ai_lb", 100.0, 1000.0, 50.0),
+            ("ai_lb_adaptive", 100.0, 1000.0, 50.0),
+        ]);
+        for (k, (n, ps)) in [(8, 40.0), (2, 10.0)].into_iter().enumerate() {
+            a["policies"][k]["fault"] = json!({"attempts": {
+                "breaker_openings_before_fault": n,
+                "breaker_open_pod_seconds_before_fault": ps,
+            }});
+        }
+        let t = table("x", "cmd", &["ai_lb", "ai_lb_adaptive"], &[a]);
+        assert!(
+            t.contains("| ai_lb_adaptive / ai_lb | openings before the fault | 0.25 | **0.25** |"),
+            "{t}"
+        );
+        assert!(
+            t.contains("| ai_lb_adaptive / ai_lb | open pod-s before the fault | 0.25 | **0.25** |"),
+            "{t}"
+        );
+        assert!(t.contains("| ai_lb | open pod-s before the fault | 40 | 40 |"), "{t}");
     }
 }

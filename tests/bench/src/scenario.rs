@@ -1512,6 +1512,11 @@ pub fn table(
                     "; breaker openings before the fault (any pod, all sidecars): {n}"
                 ));
             }
+            if let Some(ps) = a["breaker_open_pod_seconds_before_fault"].as_f64() {
+                t.push_str(&format!(
+                    ", pods held open before it: {ps:.1} pod-seconds (summed over sidecars)"
+                ));
+            }
             if let Some(ms) = a["first_breaker_open_ms_after_fault"].as_f64() {
                 t.push_str(&format!(
                     ", first breaker opened {ms:.0} ms after the fault, after that {} of attempts ({} of {}), {} openings",
