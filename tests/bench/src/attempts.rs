@@ -411,7 +411,10 @@ mod tests {
         ];
         // One pod open on sidecar 0 from 1 s to 3 s, then two pods (one per sidecar) for
         // 0.5 s; what follows 3.5 s is after the fault at 3.5 s.
-        for (x, o) in samples.iter_mut().zip([(0, 0), (1, 0), (1, 1), (4, 4), (0, 0)]) {
+        for (x, o) in samples
+            .iter_mut()
+            .zip([(0, 0), (1, 0), (1, 1), (4, 4), (0, 0)])
+        {
             x.sidecars = open(o.0, o.1);
         }
         let v = summarize(&samples, 0, 3_500.0, 10_000.0);

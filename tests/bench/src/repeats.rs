@@ -267,9 +267,14 @@ mod tests {
             "{t}"
         );
         assert!(
-            t.contains("| ai_lb_adaptive / ai_lb | open pod-s before the fault | 0.25 | **0.25** |"),
+            t.contains(
+                "| ai_lb_adaptive / ai_lb | open pod-s before the fault | 0.25 | **0.25** |"
+            ),
             "{t}"
         );
-        assert!(t.contains("| ai_lb | open pod-s before the fault | 40 | 40 |"), "{t}");
+        assert!(
+            t.contains("| ai_lb | open pod-s before the fault | 40 | 40 |"),
+            "{t}"
+        );
     }
 }
