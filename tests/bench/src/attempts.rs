@@ -391,16 +391,12 @@ mod tests {
     #[test]
     fn open_pod_seconds_add_up_pods_held_open_over_sidecars_until_the_fault() {
         let open = |a: u64, b: u64| {
-            vec![
-                SidecarStats {
-                    open_pods: a,
+            [a, b]
+                .map(|open_pods| SidecarStats {
+                    open_pods,
                     ..Default::default()
-                },
-                SidecarStats {
-                    open_pods: b,
-                    ..Default::default()
-                },
-            ]
+                })
+                .to_vec()
         };
         let mut samples = vec![
             s(0.0, &[0.0], 0),
